@@ -1,0 +1,1 @@
+"""Collectors: one module per telemetry source (engine files, NVML, eBPF)."""

@@ -1,0 +1,3 @@
+"""The ac-observe daemon and CLI."""
+
+__version__ = "0.1.0"

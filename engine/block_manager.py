@@ -1,0 +1,187 @@
+"""The paged KV block pool: block tables, reference counts, prefix caching, LRU eviction.
+
+NOTE (invariants, checked by `check_invariants`):
+- a block is in the free queue exactly when its ref_count is 0;
+- a block is in the hash map only once its KV is complete (registered by `commit` after
+  the step that computed it), and the map entry's token ids equal the block's;
+- a freed block keeps its hash and stays reusable by later prompts until the pool hands
+  it out for new content (an eviction).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counted at admission. Re-admission after preemption is recompute, never a hit."""
+    query_blocks: int = 0
+    hit_blocks: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    recompute_tokens: int = 0
+    recompute_reused_tokens: int = 0
+    evictions: int = 0
+
+    def record(self, num_tokens: int, num_query_blocks: int, num_hit_blocks: int,
+               block_size: int, preempted: bool) -> None:
+        if preempted:
+            self.recompute_tokens += num_tokens
+            self.recompute_reused_tokens += num_hit_blocks * block_size
+            return
+        self.query_blocks += num_query_blocks
+        self.hit_blocks += num_hit_blocks
+        self.query_tokens += num_tokens
+        self.hit_tokens += num_hit_blocks * block_size
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        return (num_tokens + self.block_size - 1) // self.block_size <= self.num_blocks
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[Block], int]:
+        """Leading full blocks already in the cache, and how many blocks were looked up.
+
+        The last token is never looked up: its logits are needed, so it is always computed.
+        """
+        bs = self.block_size
+        num_query = (len(seq.token_ids) - 1) // bs
+        hits: list[Block] = []
+        parent = None
+        for i in range(num_query):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block_hash = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(self.blocks[block_id])
+            parent = block_hash
+        return hits, num_query
+
+    def try_allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
+        """Give a waiting sequence its block table, reusing cached prefix blocks."""
+        assert not seq.block_table, "sequence already holds blocks"
+        hits, num_query = self._cached_prefix(seq) if use_cache else ([], 0)
+        num_new = seq.num_blocks_needed(self.block_size) - len(hits)
+        num_revived = sum(1 for block in hits if block.ref_count == 0)
+        if num_new + num_revived > self.num_free_blocks:
+            return False
+        for block in hits:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+        seq.block_table = [block.block_id for block in hits]
+        seq.block_table += [self._take_free_block() for _ in range(num_new)]
+        num_hit_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = num_hit_tokens
+        seq.num_hashed_blocks = len(hits)
+        preempted = seq.num_preemptions > 0
+        if use_cache:
+            self.stats.record(len(seq.token_ids), num_query, len(hits), self.block_size, preempted)
+        if use_cache and not preempted:
+            seq.num_cached_tokens = num_hit_tokens
+            seq.kv_hit_blocks, seq.kv_query_blocks = len(hits), num_query
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+                self.stats.evictions += 1
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def can_append(self, seq: Sequence) -> bool:
+        return len(seq.block_table) * self.block_size >= len(seq) or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for the KV of the sequence's last token (the next step's input)."""
+        if len(seq.block_table) * self.block_size < len(seq):
+            seq.block_table.append(self._take_free_block())
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step: register every block whose KV is now complete in the prefix cache."""
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        for i in range(seq.num_hashed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            parent = self.blocks[seq.block_table[i - 1]].block_hash if i else None
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block.block_hash = chain_hash(parent, tokens)
+            block.token_ids = tokens
+            # A twin computed in the same step keeps the entry; this copy stays private.
+            self.hash_to_block.setdefault(block.block_hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of the sequence; cached blocks stay reusable until evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of KV block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if self.hash_to_block.get(block.block_hash) != block_id:
+                    # Holds nothing a later prompt can reuse: hand it out first.
+                    self.free_queue.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        refs = [0] * self.num_blocks
+        for seq in live:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            if block.ref_count != refs[block.block_id]:
+                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count} "
+                                     f"but {refs[block.block_id]} holders")
+            if (block.ref_count == 0) != (block.block_id in self.free_queue):
+                raise AssertionError(f"block {block.block_id}: free queue disagrees with ref_count")
+        for block_hash, block_id in self.hash_to_block.items():
+            if self.blocks[block_id].block_hash != block_hash:
+                raise AssertionError(f"hash map points at block {block_id} with another hash")

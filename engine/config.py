@@ -1,0 +1,139 @@
+"""Engine and model configuration (torch-free)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+TINY_PRESET = "tiny"
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder (Llama, Qwen2, Mistral checkpoints)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+    name: str = TINY_PRESET
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    @classmethod
+    def tiny(cls) -> "ModelConfig":
+        """The built-in preset: byte-level vocabulary, fast on two CPU cores."""
+        return cls(vocab_size=259, hidden_size=256, intermediate_size=688,
+                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                   max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   bos_token_id=256, eos_token_ids=(257,), name=TINY_PRESET)
+
+    @classmethod
+    def from_hf_folder(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Read a Hugging Face `config.json` (Llama / Qwen2 / Mistral)."""
+        folder = Path(path)
+        raw = json.loads((folder / "config.json").read_text())
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        # transformers 5 nests RoPE settings in rope_parameters; 4.x keeps them flat.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        gen_cfg = folder / "generation_config.json"
+        if gen_cfg.exists():
+            gen_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            if isinstance(gen_eos, list):
+                eos_ids = tuple(dict.fromkeys(eos_ids + tuple(gen_eos)))
+            elif gen_eos is not None and gen_eos not in eos_ids:
+                eos_ids = eos_ids + (gen_eos,)
+        arch = archs[0]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+            head_dim=raw.get("head_dim") or 0,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+            name=raw.get("_name_or_path") or folder.name,
+        )
+
+
+@dataclass(slots=True)
+class LaneConfig:
+    name: str
+    max_num_seqs: int
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = TINY_PRESET          # "tiny" or a local Hugging Face folder
+    model_name: str = ""              # the `model` label; defaults to the preset/folder name
+    engine_name: str = "engine"       # the `engine` label
+    device: str = "auto"              # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"               # auto | float32 | float64 | bfloat16 | float16
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int = 0            # 0: size from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 256 << 20
+    max_model_len: int = 0            # 0: the model's max_position_embeddings
+    max_num_batched_tokens: int = 4096
+    max_waiting: int = 256
+    lanes: tuple[LaneConfig, ...] = field(default_factory=lambda: (
+        LaneConfig("low_latency", 4), LaneConfig("throughput", 64)))
+    throughput_share: int = 4         # every Nth step goes to throughput when both have work
+    skeleton_top_k: int = 20
+    telemetry_dir: str | None = None  # None: no telemetry files
+    api_address: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.max_waiting <= 0:
+            raise ValueError("max_waiting must be positive")
+        if {lane.name for lane in self.lanes} != {"low_latency", "throughput"}:
+            raise ValueError("lanes must be low_latency and throughput")
+        if self.throughput_share < 1:
+            raise ValueError("throughput_share must be >= 1")
+
+
+def default_telemetry_root() -> Path:
+    """`AC_OBSERVE_TELEMETRY_DIR`, else under `$XDG_RUNTIME_DIR`, else /tmp."""
+    env = os.environ.get("AC_OBSERVE_TELEMETRY_DIR")
+    if env:
+        return Path(env)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "ac-observe" if runtime else Path(f"/tmp/ac-observe-{os.getuid()}")
+    return base / "telemetry"

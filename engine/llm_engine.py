@@ -1,0 +1,397 @@
+"""The engine: requests in, token streams out. `step()` is schedule, run, postprocess.
+
+A background thread drives `step()`; callers add requests, iterate their outputs and
+abort them from any thread. Scheduler state is only touched under `self._lock`, and never
+while the model runs, so adding a request never waits for a step.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.scheduler import NeverFitsError, QueueFullError, ScheduledBatch, Scheduler
+from engine.sequence import FinishReason, SamplingParams, Sequence
+from engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
+from engine.stats import EngineStats
+from engine.telemetry import SkeletonLabeler, TelemetryWriter
+from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+log = logging.getLogger("ac_observe.engine")
+
+__all__ = ["Engine", "RequestOutput", "TraceDetail", "QueueFullError", "NeverFitsError",
+           "SamplingParams", "FinishReason"]
+
+
+@dataclass(slots=True)
+class TraceDetail:
+    """What a client sees of one request's path through the engine (trace headers)."""
+    queue_ns: int
+    ttft_ns: int
+    e2e_ns: int
+    prefill_ms: float
+    decode_ms: float
+    kv_hit_blocks: int
+    kv_query_blocks: int
+    skeleton_depth: int
+    stream: str
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_sequence: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    trace: TraceDetail | None  # set on the first token and at the finish
+
+
+class RequestHandle:
+    """Outputs of one request, in order; iterate it from any thread."""
+
+    def __init__(self, engine: "Engine", request_id: str, num_prompt_tokens: int):
+        self.engine = engine
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._queue.get()
+            yield out
+            if out.finished:
+                return
+
+    def result(self) -> RequestOutput:
+        """Block until the request finishes; the merged output."""
+        token_ids, text, last = [], [], None
+        for last in self:
+            token_ids += last.new_token_ids
+            text.append(last.new_text)
+        last.new_token_ids, last.new_text = token_ids, "".join(text)
+        return last
+
+    def abort(self) -> None:
+        self.engine.abort(self.request_id)
+
+
+class _Request:
+    """Engine-side state of a request beyond its Sequence: detokenizing and delivery."""
+    __slots__ = ("seq", "detok", "emitted_chars", "deliver", "stop_hold")
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer,
+                 deliver: Callable[[RequestOutput], None]):
+        self.seq = seq
+        self.detok = detok
+        self.emitted_chars = 0
+        self.deliver = deliver
+        # A stop string may be split across tokens: hold back what could be its start.
+        self.stop_hold = max((len(s) for s in seq.params.stop), default=1) - 1
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, start: bool = True):
+        self.config = config = config or EngineConfig()
+        self.runner = ModelRunner(config)
+        model_config = self.runner.model.config
+        self.model_name = config.model_name or model_config.name
+        self.tokenizer = load_tokenizer(config.model, model_config)
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        writer = None
+        if config.telemetry_dir:
+            writer = TelemetryWriter(config.telemetry_dir, {
+                "engine_id": uuid.uuid4().hex, "api_address": config.api_address,
+                "started_at": time.time(), "device": str(self.runner.device),
+                "num_kv_blocks": self.block_manager.num_blocks, "block_size": config.block_size,
+            }, engine=config.engine_name, model=self.model_name)
+        self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k))
+        self.stats.on_state(self.scheduler, self.block_manager)
+        self._requests: dict[str, _Request] = {}
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    # ----- public API -------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ac-engine", daemon=True)
+            self._thread.start()
+
+    def add_request(self, prompt: str | list[int] | None = None, *,
+                    messages: list[dict] | None = None, system=None,
+                    params: SamplingParams | None = None, lane: str = "throughput",
+                    request_id: str | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
+        """Queue a request: a prompt (text or token ids) or chat messages.
+
+        Raises QueueFullError (waiting queue full), NeverFitsError (larger than the whole
+        KV pool) or ValueError (empty, or longer than the context) without queueing it.
+        """
+        params = params or SamplingParams()
+        token_ids, skeleton = self._tokenize(prompt, messages, system)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; the model's context holds "
+                             f"{self.max_model_len} including at least one generated token")
+        request_id = request_id or f"req_{os.getpid():x}_{next(self._ids):08x}"
+        seq = Sequence(request_id, token_ids, params, lane)
+        seq.skeleton = skeleton
+        handle = RequestHandle(self, request_id, len(token_ids))
+        deliver = on_output or handle._queue.put
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            try:
+                self.scheduler.add(seq)
+            except (QueueFullError, NeverFitsError):
+                self.stats.on_rejected(lane if lane in self.scheduler.lanes else "throughput")
+                raise
+            self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
+                                                  deliver)
+            self.stats.on_accepted(seq)
+            self._wakeup.notify()
+        return handle
+
+    def generate(self, prompt=None, **kwargs) -> RequestOutput:
+        return self.add_request(prompt, **kwargs).result()
+
+    def stream(self, prompt=None, **kwargs) -> Iterator[RequestOutput]:
+        handle = self.add_request(prompt, **kwargs)
+        try:
+            yield from handle
+        finally:
+            handle.abort()  # no-op once finished; frees the blocks if the caller walked away
+
+    def generate_batch(self, prompts: list, params: SamplingParams | None = None,
+                       **kwargs) -> list[RequestOutput]:
+        handles = [self.add_request(p, params=params, **kwargs) for p in prompts]
+        return [h.result() for h in handles]
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step runs."""
+        with self._lock:
+            if request_id in self._requests:
+                self._aborts.add(request_id)
+                self._wakeup.notify()
+
+    def prompt_logits(self, token_ids: list[int]):
+        """Logits at every prompt position, computed through the paged cache (for checks
+        against reference implementations). Uses fresh blocks, never the prefix cache."""
+        seq = Sequence("prompt-logits", token_ids, SamplingParams())
+        with self._lock:
+            if not self.block_manager.try_allocate(seq, use_cache=False):
+                raise NeverFitsError("not enough free KV blocks for the prompt")
+            try:
+                return self.runner.prompt_logits(seq)
+            finally:
+                self.block_manager.free(seq)
+
+    def count_tokens(self, prompt=None, messages=None, system=None) -> int:
+        return len(self._tokenize(prompt, messages, system)[0])
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            self.block_manager.check_invariants(self.scheduler.live_sequences())
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._aborts.update(self._requests)
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        with self._lock:
+            self._process_aborts()
+        if self.stats.writer:
+            self.stats.writer.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----- the loop ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and not self._aborts and not self.scheduler.has_work():
+                    self._wakeup.wait()
+                if self._stopped:
+                    return
+            try:
+                self.step()
+            except Exception:  # never let one bad step kill the engine thread
+                log.exception("engine step failed")
+
+    def step(self) -> bool:
+        """One scheduling step. Returns False when there was nothing to run."""
+        with self._lock:
+            self._process_aborts()
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return False
+            for seq in batch.first_scheduled:
+                self.stats.on_first_scheduled(seq)
+        start_ns = time.monotonic_ns()
+        try:
+            next_tokens, device_seconds = self.runner.run(batch)
+        except Exception:
+            log.exception("model step failed; failing its %d requests", len(batch.seqs))
+            with self._lock:
+                for seq in batch.seqs:
+                    self._finish(self._requests[seq.request_id], FinishReason.ERROR)
+                self.stats.on_state(self.scheduler, self.block_manager)
+            return True
+        end_ns = time.monotonic_ns()
+        with self._lock:
+            self.stats.on_step(batch.lane, batch.is_prefill, device_seconds, start_ns, end_ns)
+            self._postprocess(batch, next_tokens, device_seconds, end_ns)
+            self.stats.on_state(self.scheduler, self.block_manager)
+        return True
+
+    def run_until_idle(self) -> None:
+        """Drive steps on the caller's thread (engines built with start=False)."""
+        while self.step():
+            pass
+
+    # ----- internals --------------------------------------------------------------------
+
+    def _tokenize(self, prompt, messages, system) -> tuple[list[int], Skeleton | None]:
+        if messages is not None:
+            flat = [{"role": m["role"], "content": _flatten(m.get("content", ""))}
+                    for m in messages]
+            ids = self.tokenizer.apply_chat_template(flat, _flatten(system) if system else None)
+            return ids, skeleton_of_request(system, messages)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), skeleton_of_text(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            vocab = self.runner.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ValueError(f"token ids must lie in [0, {vocab})")
+            return list(prompt), None
+        raise ValueError("give a prompt (text or token ids) or messages")
+
+    def _process_aborts(self) -> None:
+        for request_id in self._aborts:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, FinishReason.ABORTED)
+        self._aborts.clear()
+
+    def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int],
+                     device_seconds: float, now_ns: int) -> None:
+        for seq, token_id in zip(batch.seqs, next_tokens):
+            request = self._requests[seq.request_id]
+            seq.num_computed_tokens = len(seq)
+            self.block_manager.commit(seq)
+            if batch.is_prefill:
+                seq.timeline.prefill_seconds += device_seconds
+            else:
+                seq.timeline.decode_seconds += device_seconds
+            seq.token_ids.append(token_id)
+            timeline = seq.timeline
+            previous_ns = timeline.last_token_ns
+            timeline.last_token_ns = now_ns
+            if not timeline.first_token_ns:
+                timeline.first_token_ns = now_ns
+            self.stats.on_token(seq, previous_ns)
+            self._emit(request, token_id, previous_ns == 0)
+
+    def _emit(self, request: _Request, token_id: int, first: bool) -> None:
+        seq, params = request.seq, request.seq.params
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        reason = None
+        if is_eos:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if not is_eos:
+            request.detok.push(token_id)
+        if reason is not None:
+            request.detok.flush()
+        text = request.detok.text
+        stop_sequence = None
+        if params.stop:
+            search_from = max(0, request.emitted_chars - request.stop_hold)
+            found = [(text.find(s, search_from), s) for s in params.stop]
+            found = [(i, s) for i, s in found if i >= 0]
+            if found:
+                cut, stop_sequence = min(found)
+                text = text[:cut]
+                reason = FinishReason.STOP_SEQUENCE
+        end = len(text) if reason is not None else max(request.emitted_chars,
+                                                       len(text) - request.stop_hold)
+        new_text = text[request.emitted_chars:end]
+        request.emitted_chars = end
+        if reason is not None:
+            self._finish(request, reason, token_id, new_text, stop_sequence)
+        else:
+            request.deliver(self._output(request, [token_id], new_text, first))
+
+    def _finish(self, request: _Request, reason: FinishReason, token_id: int | None = None,
+                new_text: str = "", stop_sequence: str | None = None) -> None:
+        seq = request.seq
+        self.scheduler.finish(seq, reason)
+        del self._requests[seq.request_id]
+        self.stats.on_finished(seq)
+        new_ids = [] if token_id is None else [token_id]
+        out = self._output(request, new_ids, new_text, True)
+        out.finished, out.finish_reason, out.stop_sequence = True, reason, stop_sequence
+        request.deliver(out)
+
+    def _output(self, request: _Request, new_ids: list[int], new_text: str,
+                with_trace: bool) -> RequestOutput:
+        seq = request.seq
+        trace = None
+        if with_trace:
+            timeline = seq.timeline
+            trace = TraceDetail(
+                queue_ns=timeline.queue_ns, ttft_ns=timeline.ttft_ns, e2e_ns=timeline.e2e_ns,
+                prefill_ms=timeline.prefill_seconds * 1e3,
+                decode_ms=timeline.decode_seconds * 1e3,
+                kv_hit_blocks=seq.kv_hit_blocks, kv_query_blocks=seq.kv_query_blocks,
+                skeleton_depth=seq.skeleton.depth if seq.skeleton else 0, stream=seq.lane,
+                num_preemptions=seq.num_preemptions)
+        return RequestOutput(seq.request_id, new_ids, new_text, False, None, None,
+                             seq.num_prompt_tokens, seq.num_output_tokens,
+                             seq.num_cached_tokens, trace)
+
+
+def _flatten(content) -> str:
+    """Text of a message's content: a string or a list of content blocks."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(block.get("text", "") for block in content
+                       if isinstance(block, dict) and block.get("type", "text") == "text")
+    return ""

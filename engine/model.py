@@ -1,0 +1,177 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+Covers Llama, Qwen2 (q/k/v biases, tied embeddings) and Mistral-shaped checkpoints. Numerics
+follow Hugging Face `transformers` (RoPE tables and RMSNorm in float32) so logits agree.
+
+Shapes: B sequences in the step, N new tokens per sequence (padded), L context positions per
+sequence (cached + new, padded), D hidden, H query heads, G key/value heads, E head dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what each one may attend to.
+
+    NOTE: every layer writes the step's new keys/values before it gathers the context, so
+    a sequence always reads its own new tokens, and a padded slot is never read.
+    """
+    write_index: torch.Tensor    # [T] flat positions (into B*N) of the real new tokens
+    write_slots: torch.Tensor    # [T] cache slot of each real new token
+    context_slots: torch.Tensor  # [B, L] cache slot of each context position (0 where padded)
+    attn_mask: torch.Tensor      # [B, 1, N, L] True where a query may attend a key
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (
+        torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, N, heads, E]; cos/sin: [B, N, 1, E]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        # Views into the engine's pool, bound by `bind_kv_cache`: [num_slots, G, E].
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
+        B, N, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = apply_rope(q.view(B, N, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(B, N, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(B, N, self.num_kv_heads, self.head_dim)
+        self.k_cache.index_copy_(0, meta.write_slots,
+                                 k.reshape(B * N, self.num_kv_heads, self.head_dim)[meta.write_index])
+        self.v_cache.index_copy_(0, meta.write_slots,
+                                 v.reshape(B * N, self.num_kv_heads, self.head_dim)[meta.write_index])
+        keys = self.k_cache[meta.context_slots].transpose(1, 2)    # [B, G, L, E]
+        values = self.v_cache[meta.context_slots].transpose(1, 2)  # [B, G, L, E]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                             attn_mask=meta.attn_mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Parameter names mirror Hugging Face's, with q/k/v and gate/up fused (see loader)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        # positions: [B, N] -> cos, sin: [B, N, 1, E]; computed in float32 as transformers does.
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: [B, N] -> hidden states [B, N, D] after the final norm
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_tables(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def bind_kv_cache(self, kv_pool: torch.Tensor) -> None:
+        """kv_pool: [layers, 2, num_slots, G, E], allocated once by the model runner."""
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache = kv_pool[i, 0]
+            layer.self_attn.v_cache = kv_pool[i, 1]

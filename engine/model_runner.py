@@ -1,0 +1,107 @@
+"""Runs one scheduled batch on the device: inputs, forward, sampling, and its device time.
+
+Device time of a step comes from a pair of `torch.cuda.Event`s recorded on the lane's
+stream and read after the step's own synchronisation (the sampled token ids' copy to the
+host); no extra sync is added. On CPU the host monotonic clock brackets the same work.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import build_model, resolve_dtype
+from engine.model import AttentionMetadata
+from engine.sampler import sample
+from engine.scheduler import ScheduledBatch
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda requested but torch sees no CUDA device")
+    return device
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.device = pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = build_model(config.model, self.device, self.dtype, config.seed)
+        mc = self.model.config
+        self.block_size = config.block_size
+        slot_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * \
+            torch.empty(0, dtype=self.dtype).element_size()
+        self.num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_bytes // (slot_bytes * config.block_size))
+        # One pre-allocated pool for every layer: [layers, K/V, slots, kv heads, head dim].
+        self.kv_pool = torch.zeros(mc.num_hidden_layers, 2, self.num_blocks * self.block_size,
+                                   mc.num_key_value_heads, mc.head_dim,
+                                   dtype=self.dtype, device=self.device)
+        self.model.bind_kv_cache(self.kv_pool)
+        self.streams = ({lane.name: torch.cuda.Stream(self.device) for lane in config.lanes}
+                        if self.device.type == "cuda" else {})
+
+    def _prepare(self, batch: ScheduledBatch):
+        seqs, bs = batch.seqs, self.block_size
+        new_lens = [len(s) - s.num_computed_tokens for s in seqs]
+        ctx_lens = [len(s) for s in seqs]
+        N, L = max(new_lens), max(ctx_lens)
+        input_ids, positions, write_index, write_slots, context_slots = [], [], [], [], []
+        for row, (seq, n, ctx) in enumerate(zip(seqs, new_lens, ctx_lens)):
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            slots = [table[p // bs] * bs + p % bs for p in range(ctx)]
+            input_ids += seq.token_ids[start:] + [0] * (N - n)
+            positions += list(range(start, ctx)) + [0] * (N - n)
+            write_index += range(row * N, row * N + n)
+            write_slots += slots[start:]
+            context_slots += slots + [0] * (L - ctx)
+        dev = self.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=dev)
+        positions_t = as_tensor(positions).view(len(seqs), N)
+        ctx_t = as_tensor(ctx_lens)
+        key_pos = torch.arange(L, device=dev)
+        # A query at position p sees keys 0..p of its own sequence; padded queries see key 0.
+        mask = (key_pos[None, None, :] <= positions_t[:, :, None]) & \
+               (key_pos[None, None, :] < ctx_t[:, None, None])
+        meta = AttentionMetadata(write_index=as_tensor(write_index),
+                                 write_slots=as_tensor(write_slots),
+                                 context_slots=as_tensor(context_slots).view(len(seqs), L),
+                                 attn_mask=mask[:, None, :, :])
+        last_index = as_tensor([n - 1 for n in new_lens])
+        return as_tensor(input_ids).view(len(seqs), N), positions_t, meta, last_index
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], float]:
+        """Returns the next token of every sequence and the step's device time in seconds."""
+        stream = self.streams.get(batch.lane)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            start_evt = torch.cuda.Event(enable_timing=True)
+            end_evt = torch.cuda.Event(enable_timing=True)
+        host_start = time.perf_counter_ns()
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            if stream is not None:
+                start_evt.record(stream)
+            input_ids, positions, meta, last_index = self._prepare(batch)
+            hidden = self.model(input_ids, positions, meta)
+            rows = torch.arange(len(batch.seqs), device=self.device)
+            logits = self.model.compute_logits(hidden[rows, last_index]).float()
+            token_ids = sample(logits, batch.seqs)
+            if stream is not None:
+                end_evt.record(stream)
+        next_tokens = token_ids.tolist()  # the step's synchronisation point
+        if stream is not None:
+            return next_tokens, start_evt.elapsed_time(end_evt) / 1e3
+        return next_tokens, (time.perf_counter_ns() - host_start) / 1e9
+
+    @torch.inference_mode()
+    def prompt_logits(self, seq) -> torch.Tensor:
+        """Logits at every position of a sequence holding blocks and no computed KV."""
+        input_ids, positions, meta, _ = self._prepare(ScheduledBatch("throughput", True, [seq]))
+        return self.model.compute_logits(self.model(input_ids, positions, meta))[0]

@@ -1,0 +1,28 @@
+"""Greedy and temperature / top-k / top-p sampling for one batch of logits."""
+from __future__ import annotations
+
+import torch
+
+
+def sample(logits: torch.Tensor, seqs) -> torch.Tensor:
+    # logits: [B, V] float32 -> token ids [B]
+    token_ids = logits.argmax(dim=-1)
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        if params.temperature == 0:
+            continue
+        row_logits = logits[row] / params.temperature
+        if params.top_k:
+            kth = torch.topk(row_logits, min(params.top_k, row_logits.numel())).values[-1]
+            row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
+        probs = torch.softmax(row_logits, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if seq.generator is None and params.seed is not None:
+            seq.generator = torch.Generator(device=logits.device).manual_seed(params.seed)
+        token_ids[row] = torch.multinomial(probs, 1, generator=seq.generator)[0]
+    return token_ids

@@ -1,0 +1,161 @@
+"""Continuous batching over two lanes, admission by free KV blocks, preemption by recompute.
+
+Each step serves one lane with either a prefill batch (admitting waiting requests) or a
+decode batch (one token for every running request of the lane). `low_latency` is served
+first, but every `throughput_share`-th step goes to `throughput` when it has work, so
+neither lane starves.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full: the request is rejected, not dropped."""
+
+
+class NeverFitsError(ValueError):
+    """The request needs more KV blocks than the whole pool holds."""
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    lane: str
+    is_prefill: bool
+    seqs: list[Sequence]
+    first_scheduled: list[Sequence] = field(default_factory=list)  # admitted for the first time
+
+
+class Lane:
+    __slots__ = ("name", "max_num_seqs", "waiting", "running")
+
+    def __init__(self, name: str, max_num_seqs: int):
+        self.name = name
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.max_waiting = config.max_waiting
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.throughput_share = config.throughput_share
+        self.lanes = {lane.name: Lane(lane.name, lane.max_num_seqs) for lane in config.lanes}
+        self.num_preemptions = 0
+        self._steps_since_throughput = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(lane.waiting) for lane in self.lanes.values())
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(lane.running) for lane in self.lanes.values())
+
+    def has_work(self) -> bool:
+        return any(lane.has_work() for lane in self.lanes.values())
+
+    def live_sequences(self) -> list[Sequence]:
+        return [seq for lane in self.lanes.values() for seq in (*lane.waiting, *lane.running)]
+
+    def add(self, seq: Sequence) -> None:
+        if seq.lane not in self.lanes:
+            raise ValueError(f"unknown lane {seq.lane!r}; use low_latency or throughput")
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
+        worst_len = min(len(seq) + seq.params.max_tokens, self.max_model_len)
+        if not self.block_manager.fits_ever(worst_len):
+            raise NeverFitsError(
+                f"request needs {worst_len} tokens of KV cache; the pool holds "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size}")
+        self.lanes[seq.lane].waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch | None:
+        for lane in self._lane_order():
+            batch = self._schedule_prefill(lane) or self._schedule_decode(lane)
+            if batch is not None:
+                self._steps_since_throughput = (
+                    0 if lane.name == "throughput" else self._steps_since_throughput + 1)
+                return batch
+        return None
+
+    def _lane_order(self) -> list[Lane]:
+        low, high = self.lanes["low_latency"], self.lanes["throughput"]
+        if self._steps_since_throughput + 1 >= self.throughput_share and high.has_work():
+            return [high, low]
+        return [low, high]
+
+    def _schedule_prefill(self, lane: Lane) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        first: list[Sequence] = []
+        num_tokens = 0
+        while lane.waiting and len(lane.running) < lane.max_num_seqs:
+            seq = lane.waiting[0]
+            if scheduled and num_tokens + len(seq) > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.try_allocate(seq):
+                break
+            num_tokens += len(seq) - seq.num_computed_tokens
+            lane.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if not seq.timeline.first_scheduled_ns:
+                seq.timeline.first_scheduled_ns = time.monotonic_ns()
+                first.append(seq)
+            lane.running.append(seq)
+            scheduled.append(seq)
+        return ScheduledBatch(lane.name, True, scheduled, first) if scheduled else None
+
+    def _schedule_decode(self, lane: Lane) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        for seq in list(lane.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below while making room for an earlier one
+            while not self.block_manager.can_append(seq):
+                victim = self._pick_victim(exclude=seq, scheduled=scheduled)
+                self._preempt(victim or seq)
+                if victim is None:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.append_slot(seq)
+                scheduled.append(seq)
+        return ScheduledBatch(lane.name, False, scheduled) if scheduled else None
+
+    def _pick_victim(self, exclude: Sequence, scheduled: list[Sequence]) -> Sequence | None:
+        """The most recently admitted running request: the other lane's first, then this one's."""
+        for lane in sorted(self.lanes.values(), key=lambda l: l.name == exclude.lane):
+            for seq in reversed(lane.running):
+                if seq is not exclude and seq not in scheduled:
+                    return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.lanes[seq.lane].running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.lanes[seq.lane].waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Remove a request wherever it is and free every block it holds."""
+        lane = self.lanes[seq.lane]
+        if seq.status is SequenceStatus.RUNNING:
+            lane.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            lane.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.timeline.finished_ns = time.monotonic_ns()
