@@ -9,10 +9,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -62,28 +62,48 @@ class RequestOutput:
 
 
 class RequestHandle:
-    """Outputs of one request, in order; iterate it from any thread."""
+    """Outputs of one request, in order; iterate it (or wait for `result`) from any thread.
+
+    A consumer that only wants the result is woken once, at the finish, not per token.
+    """
 
     def __init__(self, engine: "Engine", request_id: str, num_prompt_tokens: int):
         self.engine = engine
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
-        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._outputs: deque[RequestOutput] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._finished = False
+        self._streaming = False
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._cond:
+            self._outputs.append(out)
+            self._finished = self._finished or out.finished
+            if self._streaming or out.finished:
+                self._cond.notify_all()
 
     def __iter__(self) -> Iterator[RequestOutput]:
+        self._streaming = True
         while True:
-            out = self._queue.get()
+            with self._cond:
+                while not self._outputs:
+                    self._cond.wait()
+                out = self._outputs.popleft()
             yield out
             if out.finished:
                 return
 
-    def result(self) -> RequestOutput:
+    def result(self, timeout: float | None = None) -> RequestOutput:
         """Block until the request finishes; the merged output."""
-        token_ids, text, last = [], [], None
-        for last in self:
-            token_ids += last.new_token_ids
-            text.append(last.new_text)
-        last.new_token_ids, last.new_text = token_ids, "".join(text)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finished, timeout):
+                raise TimeoutError(f"request {self.request_id} still running")
+            outputs = list(self._outputs)
+            self._outputs.clear()
+        last = outputs[-1]
+        last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
+        last.new_text = "".join(out.new_text for out in outputs)
         return last
 
     def abort(self) -> None:
@@ -105,8 +125,45 @@ class _Request:
 
 
 class Engine:
+    """NOTE: with `start=True` the engine thread builds the model and runs every step, so
+    all tensor work stays on one thread. (A thread doing CPU tensor work after another
+    thread has used the OpenMP pool runs at about half speed here, so keep that one thread
+    the only one.) With `start=False` the caller builds and drives it through `step()`."""
+
     def __init__(self, config: EngineConfig | None = None, start: bool = True):
-        self.config = config = config or EngineConfig()
+        self.config = config or EngineConfig()
+        self._requests: dict[str, _Request] = {}
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        if not start:
+            self._build()
+            return
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._build()
+            except BaseException as exc:  # handed to the constructor's caller
+                failure.append(exc)
+                return
+            finally:
+                built.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=run, name="ac-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if failure:
+            self._thread = None
+            raise failure[0]
+
+    def _build(self) -> None:
+        config = self.config
         self.runner = ModelRunner(config)
         model_config = self.runner.model.config
         self.model_name = config.model_name or model_config.name
@@ -124,19 +181,11 @@ class Engine:
             }, engine=config.engine_name, model=self.model_name)
         self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k))
         self.stats.on_state(self.scheduler, self.block_manager)
-        self._requests: dict[str, _Request] = {}
-        self._aborts: set[str] = set()
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._ids = itertools.count()
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-        if start:
-            self.start()
 
     # ----- public API -------------------------------------------------------------------
 
     def start(self) -> None:
+        """Drive an engine built with start=False from a background thread."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ac-engine", daemon=True)
             self._thread.start()
@@ -160,7 +209,7 @@ class Engine:
         seq = Sequence(request_id, token_ids, params, lane)
         seq.skeleton = skeleton
         handle = RequestHandle(self, request_id, len(token_ids))
-        deliver = on_output or handle._queue.put
+        deliver = on_output or handle._deliver
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")

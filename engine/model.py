@@ -27,8 +27,8 @@ class AttentionMetadata:
     """
     write_index: torch.Tensor    # [T] flat positions (into B*N) of the real new tokens
     write_slots: torch.Tensor    # [T] cache slot of each real new token
-    context_slots: torch.Tensor  # [B, L] cache slot of each context position (0 where padded)
-    attn_mask: torch.Tensor      # [B, 1, N, L] True where a query may attend a key
+    block_tables: torch.Tensor   # [B, M] KV blocks of each sequence (padded); L = M * block size
+    attn_mask: torch.Tensor      # [B, 1, N, L] additive: 0 where a query may attend a key, -inf elsewhere
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        # Views into the engine's pool, bound by `bind_kv_cache`: [num_slots, G, E].
+        # Views into the engine's pool, bound by `bind_kv_cache`: [num_blocks, block size, G, E].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -96,16 +96,33 @@ class Attention(nn.Module):
         q = apply_rope(q.view(B, N, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(B, N, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(B, N, self.num_kv_heads, self.head_dim)
-        self.k_cache.index_copy_(0, meta.write_slots,
-                                 k.reshape(B * N, self.num_kv_heads, self.head_dim)[meta.write_index])
-        self.v_cache.index_copy_(0, meta.write_slots,
-                                 v.reshape(B * N, self.num_kv_heads, self.head_dim)[meta.write_index])
-        keys = self.k_cache[meta.context_slots].transpose(1, 2)    # [B, G, L, E]
-        values = self.v_cache[meta.context_slots].transpose(1, 2)  # [B, G, L, E]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
-                                             attn_mask=meta.attn_mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        G, E = self.num_kv_heads, self.head_dim
+        self.k_cache.view(-1, G, E).index_copy_(0, meta.write_slots,
+                                                k.reshape(B * N, G, E)[meta.write_index])
+        self.v_cache.view(-1, G, E).index_copy_(0, meta.write_slots,
+                                                v.reshape(B * N, G, E)[meta.write_index])
+        # Gather whole blocks (contiguous copies), then view them as one context per sequence.
+        blocks = meta.block_tables.view(-1)
+        num_blocks = self.k_cache.shape[0]
+        keys = self.k_cache.view(num_blocks, -1).index_select(0, blocks) \
+            .view(B, -1, G, E).transpose(1, 2)    # [B, G, L, E]
+        values = self.v_cache.view(num_blocks, -1).index_select(0, blocks) \
+            .view(B, -1, G, E).transpose(1, 2)  # [B, G, L, E]
+        if N == 1:  # decode: two batched matmuls beat the fused kernel's setup at this size
+            out = self._decode_attention(q, keys, values, meta.attn_mask)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                 attn_mask=meta.attn_mask,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
+
+    def _decode_attention(self, q, keys, values, mask):
+        # q: [B, 1, H, E] -> grouped [B, G, H/G, E]; keys/values: [B, G, L, E]; mask: [B, 1, 1, L]
+        B, G = q.shape[0], self.num_kv_heads
+        grouped = q.view(B, G, -1, self.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.head_dim ** -0.5
+        probs = torch.softmax(scores + mask, dim=-1)
+        return torch.matmul(probs, values).view(B, self.num_heads, 1, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -171,7 +188,7 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def bind_kv_cache(self, kv_pool: torch.Tensor) -> None:
-        """kv_pool: [layers, 2, num_slots, G, E], allocated once by the model runner."""
+        """kv_pool: [layers, 2, num_blocks, block size, G, E], allocated once by the runner."""
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache = kv_pool[i, 0]
             layer.self_attn.v_cache = kv_pool[i, 1]

@@ -39,7 +39,7 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_bytes // (slot_bytes * config.block_size))
         # One pre-allocated pool for every layer: [layers, K/V, slots, kv heads, head dim].
-        self.kv_pool = torch.zeros(mc.num_hidden_layers, 2, self.num_blocks * self.block_size,
+        self.kv_pool = torch.zeros(mc.num_hidden_layers, 2, self.num_blocks, self.block_size,
                                    mc.num_key_value_heads, mc.head_dim,
                                    dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_pool)
@@ -49,30 +49,30 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch):
         seqs, bs = batch.seqs, self.block_size
         new_lens = [len(s) - s.num_computed_tokens for s in seqs]
-        ctx_lens = [len(s) for s in seqs]
-        N, L = max(new_lens), max(ctx_lens)
-        input_ids, positions, write_index, write_slots, context_slots = [], [], [], [], []
-        for row, (seq, n, ctx) in enumerate(zip(seqs, new_lens, ctx_lens)):
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            slots = [table[p // bs] * bs + p % bs for p in range(ctx)]
+        N = max(new_lens)
+        M = max(len(s.block_table) for s in seqs)
+        input_ids, positions, write_index, write_slots, tables = [], [], [], [], []
+        for row, (seq, n) in enumerate(zip(seqs, new_lens)):
+            start, table = seq.num_computed_tokens, seq.block_table
             input_ids += seq.token_ids[start:] + [0] * (N - n)
-            positions += list(range(start, ctx)) + [0] * (N - n)
+            positions += range(start, start + n)
+            positions += [0] * (N - n)
             write_index += range(row * N, row * N + n)
-            write_slots += slots[start:]
-            context_slots += slots + [0] * (L - ctx)
+            write_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            tables += table + [0] * (M - len(table))
         dev = self.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=dev)
         positions_t = as_tensor(positions).view(len(seqs), N)
-        ctx_t = as_tensor(ctx_lens)
-        key_pos = torch.arange(L, device=dev)
+        ctx_t = as_tensor([len(s) for s in seqs])
+        key_pos = torch.arange(M * bs, device=dev)
         # A query at position p sees keys 0..p of its own sequence; padded queries see key 0.
         mask = (key_pos[None, None, :] <= positions_t[:, :, None]) & \
                (key_pos[None, None, :] < ctx_t[:, None, None])
         meta = AttentionMetadata(write_index=as_tensor(write_index),
                                  write_slots=as_tensor(write_slots),
-                                 context_slots=as_tensor(context_slots).view(len(seqs), L),
-                                 attn_mask=mask[:, None, :, :])
+                                 block_tables=as_tensor(tables).view(len(seqs), M),
+                                 attn_mask=torch.zeros(mask.shape, dtype=self.dtype, device=dev)
+                                 .masked_fill_(~mask, float("-inf"))[:, None, :, :])
         last_index = as_tensor([n - 1 for n in new_lens])
         return as_tensor(input_ids).view(len(seqs), N), positions_t, meta, last_index
 

@@ -58,7 +58,11 @@ class TelemetryWriter:
         }
         self._base = {"engine": engine, "model": model}
         self._specs = {spec.name: spec for spec in specs}
-        self._values: dict[str, float] = {}
+        # A file of this pid may exist already (an engine re-created in one process):
+        # continue its counters rather than overwrite them.
+        self._values: dict[str, float] = {
+            key: value for typ in (COUNTER, HISTOGRAM)
+            for key, value, _ in self._files[typ].read_all_values()}
         self._keys: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self._declare_series()

@@ -9,7 +9,7 @@ import transformers
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine, SamplingParams
-from tests.conftest import write_hf_checkpoint
+from engine.checkpoints import write_hf_checkpoint
 
 MAX_NEW = 24
 

@@ -1,0 +1,71 @@
+"""The `ac-observe` command line (typer). Torch-free: engine code loads only in `engine`/`up`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from daemon import __version__
+
+app = typer.Typer(add_completion=False, no_args_is_help=False,
+                  help="Kernel-level observability for self-hosted LLM inference.")
+
+
+@app.callback(invoke_without_command=True)
+def root(ctx: typer.Context,
+         version: bool = typer.Option(False, "--version", help="Print the version.")) -> None:
+    if version:
+        typer.echo(f"ac-observe {__version__}")
+        raise typer.Exit()
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+
+
+@app.command()
+def skeleton(source: str = typer.Argument(..., metavar="FILE|-",
+                                          help="A prompt file, a JSON request body, or - for stdin."),
+             as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Print a prompt's structural skeleton and its depth (the skeleton_complexity)."""
+    from engine.skeleton import skeleton_of_request, skeleton_of_text
+
+    try:
+        raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
+    except OSError as exc:
+        typer.echo(f"error: cannot read {source}: {exc.strerror}", err=True)
+        raise typer.Exit(2)
+    text = raw.decode("utf-8", errors="replace")
+    request = _as_request(text)
+    result = (skeleton_of_request(request.get("system"), request["messages"])
+              if request else skeleton_of_text(text))
+    if as_json:
+        typer.echo(json.dumps({"depth": result.depth, "nodes": result.node_count,
+                               "skeleton_id": result.skeleton_id,
+                               "truncated": result.truncated, "tree": result.render()}))
+        return
+    typer.echo(result.render())
+    typer.echo(f"depth: {result.depth}  nodes: {result.node_count}  "
+               f"id: {result.skeleton_id}" + ("  (truncated)" if result.truncated else ""))
+
+
+def _as_request(text: str) -> dict | None:
+    """A Messages / Chat Completions request body, if that is what the file holds."""
+    stripped = text.lstrip()
+    if not stripped.startswith("{"):
+        return None
+    try:
+        body = json.loads(stripped)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(body, dict) and isinstance(body.get("messages"), list):
+        return body
+    return None
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

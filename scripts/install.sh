@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install ac-observe with its engine and test extras into ./.venv (idempotent).
+# torch is pinned to 2.13.0, which these machines carry as a CPU wheel: pip never pulls a
+# CUDA build here. On a GPU node, install the CUDA build of torch 2.13.0 into the venv first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[engine,test]"

@@ -1,0 +1,170 @@
+"""Paged KV behaviour a user depends on: exact hit accounting, no leaks, bounded queue."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import Engine, QueueFullError, SamplingParams
+from engine.scheduler import NeverFitsError
+
+BLOCK = 16
+
+
+def _tiny(**kw) -> Engine:
+    return Engine(EngineConfig(**kw), start=False)
+
+
+def _run(engine, prompts, max_tokens=4, lane="throughput"):
+    handles = [engine.add_request(p, params=SamplingParams(max_tokens=max_tokens,
+                                                           ignore_eos=True), lane=lane)
+               for p in prompts]
+    engine.run_until_idle()
+    return [h.result() for h in handles]
+
+
+def test_shared_system_prompt_hit_rate_is_exact():
+    rng = random.Random(0)
+    system = [rng.randrange(0, 256) for _ in range(256)]
+    suffix_lens = [rng.randint(1, 70) for _ in range(12)]
+    # Every suffix starts with a distinct token, so nothing past the system prompt is shared.
+    prompts = [system + [i] + [rng.randrange(0, 256) for _ in range(n - 1)]
+               for i, n in enumerate(suffix_lens)]
+    with _tiny() as engine:
+        first = _run(engine, prompts[:1])
+        rest = _run(engine, prompts[1:])
+        stats = engine.block_manager.stats
+    query_blocks = sum((len(p) - 1) // BLOCK for p in prompts)
+    hit_blocks = 16 * (len(prompts) - 1)  # the first request finds nothing
+    assert (stats.query_blocks, stats.hit_blocks) == (query_blocks, hit_blocks)
+    assert stats.query_tokens == sum(len(p) for p in prompts)
+    assert stats.hit_tokens == hit_blocks * BLOCK
+    assert first[0].trace.kv_hit_blocks == 0
+    assert all(out.trace.kv_hit_blocks == 16 for out in rest)
+    assert all(out.num_cached_tokens == 256 for out in rest)
+
+
+def test_last_prompt_token_is_never_a_hit():
+    prompt = list(range(2 * BLOCK))  # exactly two full blocks
+    with _tiny() as engine:
+        _run(engine, [prompt])
+        again = _run(engine, [prompt])[0]
+    # Only the first block can hit: the second holds the last token, whose logits are needed.
+    assert (again.trace.kv_query_blocks, again.trace.kv_hit_blocks) == (1, 1)
+
+
+def test_no_shared_prefix_means_zero_hits():
+    rng = random.Random(1)
+    prompts = [[i] + [rng.randrange(0, 256) for _ in range(rng.randint(20, 120))]
+               for i in range(20)]
+    with _tiny() as engine:
+        _run(engine, prompts)
+        stats = engine.block_manager.stats
+    assert stats.hit_blocks == 0 and stats.hit_tokens == 0
+    assert stats.query_blocks == sum((len(p) - 1) // BLOCK for p in prompts)
+
+
+def test_preemption_recompute_adds_no_hits():
+    rng = random.Random(2)
+    prompts = [[i] + [rng.randrange(0, 256) for _ in range(60)] for i in range(8)]
+    with _tiny(num_kv_blocks=24) as engine:
+        _run(engine, prompts, max_tokens=60)
+        stats = engine.block_manager.stats
+        assert engine.scheduler.num_preemptions > 0
+    assert stats.recompute_tokens > 0
+    assert stats.hit_blocks == 0
+    assert stats.query_blocks == sum((len(p) - 1) // BLOCK for p in prompts)
+
+
+def test_evicted_prefix_is_no_longer_a_hit():
+    with _tiny(num_kv_blocks=8) as engine:
+        a = list(range(100, 100 + 3 * BLOCK + 1))
+        _run(engine, [a], max_tokens=1)
+        # Other content takes 7 of 8 blocks: a's tail blocks go first, its head survives.
+        _run(engine, [[7] * (7 * BLOCK)], max_tokens=1)
+        assert engine.block_manager.stats.evictions == 2
+        assert _run(engine, [a], max_tokens=1)[0].trace.kv_hit_blocks == 1
+        # Content needing the whole pool evicts the rest of a.
+        _run(engine, [[9] * (8 * BLOCK - 1)], max_tokens=1)
+        again = _run(engine, [a], max_tokens=1)[0]
+    assert again.trace.kv_hit_blocks == 0
+
+
+def test_random_aborts_leave_every_block_free():
+    rng = random.Random(3)
+    with _tiny(num_kv_blocks=64, max_waiting=256) as engine:
+        handles = []
+        for i in range(200):
+            prompt = [rng.randrange(0, 256) for _ in range(rng.randint(1, 100))]
+            if rng.random() < 0.3:  # some share a prefix, so aborted blocks are shared too
+                prompt = [1] * 40 + prompt
+            lane = "low_latency" if i % 5 == 0 else "throughput"
+            handles.append(engine.add_request(
+                prompt, params=SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True),
+                lane=lane))
+            if i % 3 == 0:
+                engine.step()
+                engine.check_invariants()
+            if rng.random() < 0.35:
+                rng.choice(handles).abort()
+        while engine.step():
+            engine.check_invariants()
+            if rng.random() < 0.1 and engine.num_unfinished:
+                rng.choice(handles).abort()
+        engine.check_invariants()
+        assert engine.num_unfinished == 0
+        assert engine.block_manager.num_free_blocks == 64
+        reasons = [h.result().finish_reason.value for h in handles]
+    assert "aborted" in reasons and "length" in reasons
+
+
+def test_double_free_is_refused():
+    with _tiny() as engine:
+        from engine.sequence import Sequence
+        seq = Sequence("x", list(range(40)), SamplingParams())
+        assert engine.block_manager.try_allocate(seq)
+        table = list(seq.block_table)
+        engine.block_manager.free(seq)
+        seq.block_table = table
+        with pytest.raises(RuntimeError, match="double free"):
+            engine.block_manager.free(seq)
+
+
+def test_full_waiting_queue_rejects_instead_of_dropping():
+    with _tiny(max_waiting=3) as engine:
+        for _ in range(3):
+            engine.add_request([1, 2, 3], params=SamplingParams(max_tokens=2))
+        with pytest.raises(QueueFullError):
+            engine.add_request([1, 2, 3])
+        assert engine.num_unfinished == 3
+        engine.run_until_idle()
+        engine.add_request([1, 2, 3])  # room again once the queue drains
+
+
+def test_request_larger_than_the_pool_is_refused():
+    with _tiny(num_kv_blocks=4) as engine:
+        with pytest.raises(NeverFitsError):
+            engine.add_request(list(range(100)), params=SamplingParams(max_tokens=1))
+
+
+def test_prompt_longer_than_context_is_refused():
+    with _tiny(max_model_len=64) as engine:
+        with pytest.raises(ValueError, match="context"):
+            engine.add_request([1] * 64)
+
+
+def test_low_latency_lane_is_served_first_without_starving_throughput():
+    with _tiny(throughput_share=4) as engine:
+        bulk = [engine.add_request([5] * 30, params=SamplingParams(max_tokens=30,
+                                                                  ignore_eos=True))
+                for _ in range(4)]
+        urgent = engine.add_request([6] * 30, params=SamplingParams(max_tokens=10,
+                                                                   ignore_eos=True),
+                                    lane="low_latency")
+        engine.run_until_idle()
+        urgent_out = urgent.result()
+        bulk_out = [h.result() for h in bulk]
+    assert urgent_out.trace.e2e_ns < min(out.trace.e2e_ns for out in bulk_out)
+    assert urgent_out.trace.queue_ns <= min(out.trace.queue_ns for out in bulk_out) + 10**9
+    assert engine.stats.lanes["throughput"].num_steps > 0

@@ -1,0 +1,126 @@
+"""Timing invariants and the telemetry files a separate daemon process reads."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+from daemon.catalog import COUNTER, ENGINE_METRICS, HISTOGRAM
+from engine.config import EngineConfig
+from engine.llm_engine import Engine, QueueFullError, SamplingParams
+
+
+def _workload(engine, n=24, seed=0):
+    rng = random.Random(seed)
+    system = "<system>You are terse.</system>\n" * 20
+    handles = []
+    for i in range(n):
+        lane = "low_latency" if i % 3 == 0 else "throughput"
+        messages = [{"role": "user", "content": f"# Q{i}\n- item\n```json\n{{\"a\": [{i}]}}\n```"}]
+        handles.append(engine.add_request(
+            messages=messages, system=system if rng.random() < 0.7 else None, lane=lane,
+            params=SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True)))
+    return [h.result() for h in handles]
+
+
+def test_timing_invariants_hold_on_every_request_and_lane(tmp_path):
+    with Engine(EngineConfig(telemetry_dir=str(tmp_path))) as engine:
+        outs = _workload(engine)
+        lanes = dict(engine.stats.lanes)
+    for out in outs:
+        t = out.trace
+        assert 0 <= t.queue_ns <= t.ttft_ns <= t.e2e_ns
+        assert (t.prefill_ms + t.decode_ms) * 1e6 <= t.e2e_ns
+        assert t.prefill_ms > 0
+    assert set(lanes) == {"low_latency", "throughput"}
+    for totals in lanes.values():
+        elapsed = (totals.last_step_end_ns - totals.first_step_start_ns) / 1e9
+        assert 0 < totals.busy_seconds <= elapsed
+
+
+READER = r"""
+import json, sys
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+registry = CollectorRegistry()
+MultiProcessCollector(registry, path=sys.argv[1])
+text = generate_latest(registry).decode()
+families = {}
+for fam in text_string_to_metric_families(text):
+    families[fam.name] = {"type": fam.type, "samples": [[s.name, s.labels, s.value] for s in fam.samples]}
+print(json.dumps(families))
+"""
+
+
+def _read_in_other_process(directory) -> dict:
+    out = subprocess.run([sys.executable, "-c", READER, str(directory)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def _value(families, family, sample, **labels):
+    return sum(v for name, lab, v in families[family]["samples"]
+               if name == sample and all(lab.get(k) == val for k, val in labels.items()))
+
+
+def test_telemetry_files_hold_every_engine_metric_with_type_and_labels(tmp_path):
+    with Engine(EngineConfig(telemetry_dir=str(tmp_path), engine_name="e1",
+                             model_name="tiny-test", max_waiting=40)) as engine:
+        outs = _workload(engine)
+        rejected = 0
+        for _ in range(60):  # overflow the queue while the engine is busy
+            try:
+                engine.add_request([1] * 50, params=SamplingParams(max_tokens=64))
+            except QueueFullError:
+                rejected += 1
+        engine.close()
+        stats = engine.block_manager.stats
+        info = json.loads((tmp_path / "engine.json").read_text())
+    assert info["engine"] == "e1" and info["model"] == "tiny-test"
+    assert {"pid", "api_address", "started_at", "engine_id"} <= set(info)
+    families = _read_in_other_process(tmp_path)
+    for spec in ENGINE_METRICS:
+        family = spec.name[:-6] if spec.type == COUNTER else spec.name
+        assert family in families, spec.name
+        fam = families[family]
+        assert fam["type"] == spec.type, spec.name
+        for name, labels, _ in fam["samples"]:
+            expected = set(spec.labels) | ({"le"} if name.endswith("_bucket") else set())
+            assert set(labels) == expected, (spec.name, labels)
+            assert labels["engine"] == "e1" and labels["model"] == "tiny-test"
+    ok = _value(families, "ac_requests", "ac_requests_total", status="ok")
+    assert ok >= len(outs)
+    assert _value(families, "ac_requests", "ac_requests_total", status="rejected") == rejected > 0
+    ttft_count = _value(families, "ac_inference_latency_seconds",
+                        "ac_inference_latency_seconds_count")
+    assert ttft_count >= len(outs)
+    assert _value(families, "ac_kv_cache_hit_blocks", "ac_kv_cache_hit_blocks_total") == \
+        stats.hit_blocks > 0
+    assert _value(families, "ac_kv_cache_query_tokens", "ac_kv_cache_query_tokens_total") == \
+        stats.query_tokens
+    depth_count = _value(families, "ac_skeleton_complexity", "ac_skeleton_complexity_count")
+    assert depth_count == len(outs)
+    skeleton_labels = {lab["skeleton"] for name, lab, _ in
+                       families["ac_skeleton_requests"]["samples"]}
+    assert "other" in skeleton_labels and len(skeleton_labels) <= 21
+
+
+def test_trace_ttft_lands_in_the_latency_histogram(tmp_path):
+    with Engine(EngineConfig(telemetry_dir=str(tmp_path))) as engine:
+        out = engine.generate("hello", params=SamplingParams(max_tokens=3), lane="low_latency")
+    families = _read_in_other_process(tmp_path)
+    ttft = out.trace.ttft_ns / 1e9
+    total = _value(families, "ac_inference_latency_seconds",
+                   "ac_inference_latency_seconds_sum", stream="low_latency")
+    assert abs(total - ttft) < 1e-6
+
+
+def test_restarted_engine_counters_stay_monotonic(tmp_path):
+    for _ in range(2):
+        with Engine(EngineConfig(telemetry_dir=str(tmp_path))) as engine:
+            engine.generate("hi", params=SamplingParams(max_tokens=2, ignore_eos=True))
+    families = _read_in_other_process(tmp_path)
+    assert _value(families, "ac_requests", "ac_requests_total", status="ok") == 2
+    assert _value(families, "ac_generation_tokens", "ac_generation_tokens_total") == 4
