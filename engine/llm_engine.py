@@ -261,6 +261,19 @@ class Engine:
     def count_tokens(self, prompt=None, messages=None, system=None) -> int:
         return len(self._tokenize(prompt, messages, system)[0])
 
+    def load_summary(self) -> dict:
+        """KV pool and queue occupancy, as /health reports it."""
+        with self._lock:
+            return {"kv_blocks": self.block_manager.num_blocks,
+                    "kv_blocks_free": self.block_manager.num_free_blocks,
+                    "block_size": self.block_manager.block_size,
+                    "requests_running": self.scheduler.num_running,
+                    "requests_waiting": self.scheduler.num_waiting}
+
+    def is_alive(self) -> bool:
+        """Serving: not closed, and the engine thread (if any) is running."""
+        return not self._stopped and (self._thread is None or self._thread.is_alive())
+
     @property
     def num_unfinished(self) -> int:
         with self._lock:

@@ -168,3 +168,30 @@ def test_low_latency_lane_is_served_first_without_starving_throughput():
     assert urgent_out.trace.e2e_ns < min(out.trace.e2e_ns for out in bulk_out)
     assert urgent_out.trace.queue_ns <= min(out.trace.queue_ns for out in bulk_out) + 10**9
     assert engine.stats.lanes["throughput"].num_steps > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=3, temperature=1e-300),
+    SamplingParams(max_tokens=3, temperature=1.0, top_p=5e-324),
+    SamplingParams(max_tokens=3, temperature=2.0, top_k=1, top_p=1e-9, seed=3),
+    SamplingParams(max_tokens=3, temperature=1e30),
+])
+def test_extreme_sampling_settings_never_fail_a_batch(params):
+    with _tiny() as engine:
+        neighbour = engine.add_request([1, 2, 3], params=SamplingParams(max_tokens=3,
+                                                                        ignore_eos=True))
+        odd = engine.add_request([4, 5, 6], params=params)
+        engine.run_until_idle()
+        assert neighbour.result().finish_reason.value == "length"
+        assert odd.result().finish_reason.value in ("length", "stop")
+
+
+def test_seeded_sampling_is_reproducible():
+    with _tiny() as engine:
+        runs = []
+        for _ in range(2):
+            handle = engine.add_request([9, 8, 7], params=SamplingParams(
+                max_tokens=12, temperature=1.0, seed=42, ignore_eos=True))
+            engine.run_until_idle()
+            runs.append(handle.result().new_token_ids)
+    assert runs[0] == runs[1]

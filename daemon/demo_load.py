@@ -1,0 +1,91 @@
+"""Demo traffic for `--demo-load`: a few concurrent clients on the engine's real HTTP API.
+
+Mixes both APIs, both lanes, stream and non-stream, prompts that share long system
+prompts (prefix-cache hits) and prompts with nested structure (skeleton depth). Torch-free.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import httpx
+
+log = logging.getLogger("ac_observe.demo")
+
+SYSTEMS = [
+    "You are a careful SRE assistant. " * 24,
+    "<instructions>\nAnswer in one line.\n<rules>\n- cite\n- be brief\n</rules>\n</instructions>\n" * 6,
+    "",
+]
+USER_TEMPLATES = [
+    "What is the GPU doing right now? Request {n}.",
+    "# Incident {n}\n## Symptoms\n- TTFT up\n- KV hit rate down\n  1. since deploy\n",
+    "<context><doc id='{n}'>\n```json\n{{\"p95_ms\": [{n}, 12], \"stream\": {{\"util\": 0.9}}}}\n```\n</doc></context>\nSummarise.",
+    "| metric | value |\n|---|---|\n| ttft | {n} ms |\nExplain the table.",
+]
+
+
+def _one_request(client: httpx.Client, rng: random.Random, n: int) -> None:
+    system = rng.choice(SYSTEMS)
+    user = rng.choice(USER_TEMPLATES).format(n=n % 50)
+    lane = "low_latency" if rng.random() < 0.3 else "throughput"
+    headers = {"x-ac-stream": lane}
+    max_tokens = rng.randint(8, 48)
+    stream = rng.random() < 0.5
+    if rng.random() < 0.5:
+        body = {"model": "demo", "max_tokens": max_tokens, "stream": stream,
+                "messages": [{"role": "user", "content": user}]}
+        if system:
+            body["system"] = system
+        path = "/v1/messages"
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": user}]
+        body = {"model": "demo", "max_tokens": max_tokens, "stream": stream,
+                "messages": messages}
+        path = "/v1/chat/completions"
+    if stream:
+        with client.stream("POST", path, json=body, headers=headers) as response:
+            for _ in response.iter_bytes():
+                pass
+    else:
+        client.post(path, json=body, headers=headers)
+
+
+def run_demo_load(base_url: str, stop: threading.Event, concurrency: int = 3,
+                  seed: int = 0, pause_seconds: float = 0.05) -> None:
+    """Send requests until `stop` is set; survives an engine that restarts or goes away."""
+
+    def worker(index: int) -> None:
+        rng = random.Random(seed + index)
+        n = 0
+        with httpx.Client(base_url=base_url, timeout=60) as client:
+            while not stop.is_set():
+                n += 1
+                try:
+                    _one_request(client, rng, n)
+                except httpx.HTTPError as exc:
+                    log.debug("demo request failed: %s", exc)
+                    stop.wait(1.0)
+                stop.wait(pause_seconds * rng.random())
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True, name=f"demo-{i}")
+               for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def wait_healthy(base_url: str, timeout_seconds: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False

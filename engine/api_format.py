@@ -1,0 +1,137 @@
+"""Wire formats: Anthropic message objects and SSE events, OpenAI chat objects and chunks,
+both APIs' error bodies, and the ac-observe trace headers."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from engine.llm_engine import RequestOutput, TraceDetail
+from engine.sequence import FinishReason
+
+ANTHROPIC_STOP = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
+                  FinishReason.STOP_SEQUENCE: "stop_sequence"}
+OPENAI_STOP = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+               FinishReason.STOP_SEQUENCE: "stop"}
+
+# HTTP status -> Anthropic error type
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         404: "not_found_error", 405: "invalid_request_error",
+                         413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "api_error", 529: "overloaded_error"}
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex[:24]
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    return {"type": "error",
+            "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> dict:
+    kind = {400: "invalid_request_error", 404: "invalid_request_error",
+            413: "invalid_request_error", 429: "rate_limit_exceeded",
+            529: "server_overloaded"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def trace_detail_json(trace: TraceDetail | None) -> dict:
+    if trace is None:
+        return {}
+    return {"prefill_ms": round(trace.prefill_ms, 3), "decode_ms": round(trace.decode_ms, 3),
+            "kv_hit_blocks": trace.kv_hit_blocks, "kv_query_blocks": trace.kv_query_blocks,
+            "skeleton_depth": trace.skeleton_depth, "stream": trace.stream}
+
+
+def trace_headers(trace: TraceDetail | None) -> dict[str, str]:
+    return {
+        "x-ac-model-latency-ns": str(trace.ttft_ns if trace else 0),
+        "x-ac-queue-time-ns": str(trace.queue_ns if trace else 0),
+        "x-ac-trace-detail": json.dumps(trace_detail_json(trace), separators=(",", ":")),
+    }
+
+
+def trace_metadata(trace: TraceDetail | None) -> dict:
+    """The same figures for the body of a stream's last event (headers left long before)."""
+    if trace is None:
+        return {}
+    return {"model_latency_ns": trace.ttft_ns, "queue_time_ns": trace.queue_ns,
+            "e2e_ns": trace.e2e_ns, **trace_detail_json(trace)}
+
+
+def anthropic_usage(out: RequestOutput) -> dict:
+    return {"input_tokens": out.num_prompt_tokens, "output_tokens": out.num_output_tokens,
+            "cache_read_input_tokens": out.num_cached_tokens,
+            "cache_creation_input_tokens": 0}
+
+
+def anthropic_message(message_id: str, model: str, out: RequestOutput) -> dict:
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": out.new_text}],
+            "stop_reason": ANTHROPIC_STOP.get(out.finish_reason),
+            "stop_sequence": out.stop_sequence, "usage": anthropic_usage(out)}
+
+
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def anthropic_stream_start(message_id: str, model: str, first: RequestOutput) -> str:
+    usage = anthropic_usage(first)
+    usage["output_tokens"] = 0
+    message = {"id": message_id, "type": "message", "role": "assistant", "model": model,
+               "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
+    return (sse("message_start", {"type": "message_start", "message": message})
+            + sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                          "content_block": {"type": "text", "text": ""}})
+            + sse("ping", {"type": "ping"}))
+
+
+def anthropic_text_delta(text: str) -> str:
+    return sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                       "delta": {"type": "text_delta", "text": text}})
+
+
+def anthropic_stream_end(out: RequestOutput) -> str:
+    usage = anthropic_usage(out)
+    return (sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+            + sse("message_delta", {
+                "type": "message_delta",
+                "delta": {"stop_reason": ANTHROPIC_STOP.get(out.finish_reason),
+                          "stop_sequence": out.stop_sequence},
+                "usage": {"output_tokens": usage["output_tokens"],
+                          "input_tokens": usage["input_tokens"],
+                          "cache_read_input_tokens": usage["cache_read_input_tokens"]},
+                "metadata": {"ac_trace": trace_metadata(out.trace)}})
+            + sse("message_stop", {"type": "message_stop"}))
+
+
+def anthropic_stream_error(status: int, message: str) -> str:
+    return sse("error", anthropic_error(status, message))
+
+
+def openai_usage(out: RequestOutput) -> dict:
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def openai_completion(completion_id: str, model: str, out: RequestOutput) -> dict:
+    return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.new_text},
+                         "finish_reason": OPENAI_STOP.get(out.finish_reason), "logprobs": None}],
+            "usage": openai_usage(out)}
+
+
+def openai_chunk(completion_id: str, model: str, created: int, delta: dict | None,
+                 finish_reason: str | None = None, usage: dict | None = None) -> str:
+    body = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+            "model": model,
+            "choices": [] if delta is None else [
+                {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"

@@ -1,0 +1,129 @@
+"""Request bodies of the Anthropic Messages and OpenAI Chat Completions APIs (pydantic).
+
+Strict types: a wrong type is a 400 naming the field, never a silent coercion. Unknown
+fields are accepted and ignored, as clients and load generators send many.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_STRICT = ConfigDict(strict=True, extra="allow")
+
+
+class ContentBlock(BaseModel):
+    model_config = _STRICT
+    type: str
+    text: Optional[str] = None
+
+
+def check_text_blocks(blocks: list[ContentBlock]) -> list[ContentBlock]:
+    for block in blocks:
+        if block.type == "text" and block.text is None:
+            raise ValueError("a text block needs a 'text' string")
+        if block.type in ("image", "document", "image_url", "input_audio"):
+            raise ValueError(f"{block.type} content is not supported by this text-only model")
+    return blocks
+
+
+class AnthropicMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["user", "assistant"]
+    content: Union[str, list[ContentBlock]]
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value):
+        return value if isinstance(value, str) else check_text_blocks(value)
+
+
+class Metadata(BaseModel):
+    model_config = _STRICT
+    user_id: Optional[str] = None
+
+
+class MessagesRequest(BaseModel):
+    model_config = _STRICT
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[ContentBlock], None] = None
+    stop_sequences: Optional[list[str]] = Field(default=None, max_length=16)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    metadata: Optional[Metadata] = None
+    stream: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, value):
+        if value < 1:
+            raise ValueError("max_tokens must be at least 1")
+        return value
+
+    @field_validator("system")
+    @classmethod
+    def _system(cls, value):
+        return value if value is None or isinstance(value, str) else check_text_blocks(value)
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, value):
+        if value and any(not s for s in value):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+
+class CountTokensRequest(BaseModel):
+    model_config = _STRICT
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[ContentBlock], None] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentBlock], None] = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value):
+        return value if value is None or isinstance(value, str) else check_text_blocks(value)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = _STRICT
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _positive(cls, value):
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("stop takes up to 16 non-empty strings")
+        return value

@@ -1,0 +1,75 @@
+"""ASGI middleware: request ids on every response, and a hard limit on body size (413)."""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Callable
+
+from engine.api_format import new_request_id
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+class BodyLimitAndIdsMiddleware:
+    """Tags every response with `request-id` and `x-ac-trace-id` (the W3C traceparent's
+    trace id when the client sent one) and refuses bodies over `max_body_bytes` before
+    the app parses a byte of them."""
+
+    def __init__(self, app, max_body_bytes: int, error_body: Callable[..., dict]):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.error_body = error_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        request_id = new_request_id()
+        match = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1").strip())
+        trace_id = match.group(1) if match else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"], state["trace_id"] = request_id, trace_id
+        ids = [(b"request-id", request_id.encode()), (b"x-ac-trace-id", trace_id.encode())]
+
+        async def send_with_ids(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": list(message.get("headers", [])) + ids}
+            await send(message)
+
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await self._too_large(scope, send_with_ids)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send_with_ids)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return await self._too_large(scope, send_with_ids)
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send_with_ids)
+
+    async def _too_large(self, scope, send) -> None:
+        message = f"request body is larger than the limit of {self.max_body_bytes} bytes"
+        payload = json.dumps(self.error_body(scope["path"], 413, message)).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,337 @@
+"""The engine's HTTP API: Anthropic Messages and OpenAI Chat Completions over FastAPI.
+
+The event loop never touches tensors: requests are tokenized in a worker thread, the
+engine thread runs every step, and outputs come back through `call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import api_format as fmt
+from engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest
+from engine.config import EngineConfig
+from engine.http_middleware import BodyLimitAndIdsMiddleware
+from engine.llm_engine import (Engine, FinishReason, NeverFitsError, QueueFullError,
+                               RequestOutput, SamplingParams)
+
+log = logging.getLogger("ac_observe.engine.api")
+LANE_HEADER = "x-ac-stream"
+LANES = ("low_latency", "throughput")
+DISCONNECT_POLL_SECONDS = 0.5
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+class EngineService:
+    """Owns the engine for the app: loads it in the background so /health can say 'loading'."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+
+    async def load(self) -> None:
+        try:
+            self.engine = await asyncio.to_thread(Engine, self.config)
+        except Exception as exc:  # reported by /health; the process stays up to say why
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("engine failed to load: %s", self.load_error)
+
+    def ready(self) -> Engine:
+        if self.engine is None:
+            raise APIError(503, "the engine is still loading" if self.load_error is None
+                           else f"the engine failed to load: {self.load_error}")
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(service.load())
+        yield
+        task.cancel()
+        await asyncio.to_thread(service.close)
+
+    app = FastAPI(title="ac-observe engine", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimitAndIdsMiddleware, max_body_bytes=max_body_bytes,
+                       error_body=_error_body)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        engine = service.engine
+        if engine is None or not engine.is_alive():
+            status = "failed" if service.load_error or engine is not None else "loading"
+            body = {"status": status}
+            if service.load_error:
+                body["error"] = service.load_error
+            return JSONResponse(body, status_code=503)
+        return {"status": "ok", "model": engine.model_name, "engine": engine.config.engine_name,
+                **engine.load_summary()}
+
+    @app.get("/v1/models")
+    async def models():
+        engine = service.ready()
+        name = engine.model_name
+        item = {"type": "model", "id": name, "display_name": name,
+                "created_at": "1970-01-01T00:00:00Z", "object": "model", "created": 0,
+                "owned_by": "ac-observe"}
+        return {"object": "list", "data": [item], "has_more": False, "first_id": name,
+                "last_id": name}
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        engine = service.ready()
+        messages = [m.model_dump() for m in body.messages]
+        system = _system(body.system)
+        count = await asyncio.to_thread(engine.count_tokens, messages=messages, system=system)
+        return {"input_tokens": count}
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        engine = service.ready()
+        _check_max_tokens(engine, body.max_tokens, "max_tokens")
+        params = SamplingParams(
+            max_tokens=body.max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0, top_k=body.top_k or 0,
+            stop=tuple(body.stop_sequences or ()))
+        request_id = request.state.request_id
+        queue = await _submit(engine, request, params, request_id,
+                              messages=[m.model_dump() for m in body.messages],
+                              system=_system(body.system))
+        first = await _next_output(queue, request, engine, request_id)
+        message_id = "msg_" + request_id.removeprefix("req_")
+        if not body.stream:
+            out = await _collect(first, queue, request, engine, request_id)
+            _raise_if_failed(out)
+            return JSONResponse(fmt.anthropic_message(message_id, body.model, out),
+                                headers=fmt.trace_headers(out.trace))
+
+        async def events():
+            try:
+                yield fmt.anthropic_stream_start(message_id, body.model, first)
+                out = first
+                while True:
+                    if out.new_text:
+                        yield fmt.anthropic_text_delta(out.new_text)
+                    if out.finished:
+                        break
+                    out = await queue.get()
+                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
+                    yield fmt.anthropic_stream_error(500, _failure_message(out))
+                else:
+                    yield fmt.anthropic_stream_end(out)
+            finally:
+                engine.abort(request_id)  # a client that went away frees its blocks now
+
+        return _sse_response(events(), first)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        engine = service.ready()
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is not None:
+            _check_max_tokens(engine, max_tokens, "max_completion_tokens"
+                              if body.max_completion_tokens else "max_tokens")
+        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        params = SamplingParams(
+            max_tokens=max_tokens or 256,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0, seed=body.seed, stop=stops)
+        request_id = request.state.request_id
+        messages = [{"role": m.role, "content": m.model_dump()["content"] or ""}
+                    for m in body.messages]
+        queue = await _submit(engine, request, params, request_id, messages=messages)
+        first = await _next_output(queue, request, engine, request_id)
+        completion_id = "chatcmpl-" + request_id.removeprefix("req_")
+        if not body.stream:
+            out = await _collect(first, queue, request, engine, request_id)
+            _raise_if_failed(out)
+            return JSONResponse(fmt.openai_completion(completion_id, body.model, out),
+                                headers=fmt.trace_headers(out.trace))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        created = int(time.time())
+
+        async def chunks():
+            try:
+                yield fmt.openai_chunk(completion_id, body.model, created,
+                                       {"role": "assistant", "content": ""})
+                out = first
+                while True:
+                    if out.new_text:
+                        yield fmt.openai_chunk(completion_id, body.model, created,
+                                               {"content": out.new_text})
+                    if out.finished:
+                        break
+                    out = await queue.get()
+                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
+                    yield "data: " + json.dumps(fmt.openai_error(500, _failure_message(out))) \
+                        + "\n\n"
+                    return
+                yield fmt.openai_chunk(completion_id, body.model, created, {},
+                                       fmt.OPENAI_STOP.get(out.finish_reason))
+                if include_usage:
+                    usage = fmt.openai_usage(out)
+                    usage["ac_trace"] = fmt.trace_metadata(out.trace)
+                    yield fmt.openai_chunk(completion_id, body.model, created, None, usage=usage)
+                yield "data: [DONE]\n\n"
+            finally:
+                engine.abort(request_id)
+
+        return _sse_response(chunks(), first)
+
+    return app
+
+
+# ----- request plumbing -------------------------------------------------------------------
+
+def _system(system):
+    if system is None or isinstance(system, str):
+        return system
+    return [block.model_dump() for block in system]
+
+
+def _lane(request: Request) -> str:
+    lane = request.headers.get(LANE_HEADER, "throughput").strip().lower()
+    if lane not in LANES:
+        raise APIError(400, f"header {LANE_HEADER}: must be low_latency or throughput, "
+                            f"got {lane[:40]!r}", param=LANE_HEADER)
+    return lane
+
+
+def _check_max_tokens(engine: Engine, max_tokens: int, field: str) -> None:
+    if max_tokens > engine.max_model_len:
+        raise APIError(400, f"{field}: {max_tokens} exceeds the model's limit of "
+                            f"{engine.max_model_len} tokens", param=field)
+
+
+async def _submit(engine: Engine, request: Request, params: SamplingParams, request_id: str,
+                  **prompt) -> asyncio.Queue:
+    lane = _lane(request)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def on_output(out: RequestOutput) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    try:
+        await asyncio.to_thread(engine.add_request, params=params, lane=lane,
+                                request_id=request_id, on_output=on_output, **prompt)
+    except QueueFullError as exc:
+        raise APIError(429, f"{exc}; retry shortly", headers={"retry-after": "1"}) from None
+    except NeverFitsError as exc:
+        raise APIError(529, f"overloaded: {exc}") from None
+    except ValueError as exc:
+        raise APIError(400, f"messages: {exc}", param="messages") from None
+    return queue
+
+
+async def _next_output(queue: asyncio.Queue, request: Request, engine: Engine,
+                       request_id: str) -> RequestOutput:
+    """The next output; aborts the request if the client hangs up while it waits."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                engine.abort(request_id)
+                raise APIError(499, "client closed the request") from None
+        except asyncio.CancelledError:
+            engine.abort(request_id)
+            raise
+
+
+async def _collect(first: RequestOutput, queue, request, engine, request_id) -> RequestOutput:
+    outputs = [first]
+    while not outputs[-1].finished:
+        outputs.append(await _next_output(queue, request, engine, request_id))
+    last = outputs[-1]
+    last.new_text = "".join(out.new_text for out in outputs)
+    last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
+    return last
+
+
+def _failure_message(out: RequestOutput) -> str:
+    if out.finish_reason is FinishReason.ABORTED:
+        return "the request was aborted (the engine is shutting down)"
+    return "the engine failed while generating this request"
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    if out.finish_reason is FinishReason.ERROR:
+        raise APIError(500, _failure_message(out))
+    if out.finish_reason is FinishReason.ABORTED:
+        raise APIError(503, _failure_message(out))
+
+
+def _sse_response(body, first: RequestOutput) -> StreamingResponse:
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no",
+               **fmt.trace_headers(first.trace)}
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+
+# ----- errors -----------------------------------------------------------------------------
+
+def _error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
+    if path.startswith("/v1/chat/"):
+        return fmt.openai_error(status, message, param)
+    return fmt.anthropic_error(status, message)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid JSON')}", None
+    parts, param = [], None
+    for err in errors[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        param = param or field
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{field}: {msg.removeprefix('Value error, ')}")
+    return "; ".join(parts), param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(_error_body(request.url.path, 400, message, param), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return JSONResponse(_error_body(request.url.path, exc.status, exc.message, exc.param),
+                            status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(_error_body(request.url.path, exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception):
+        log.exception("unhandled error in %s (request %s)", request.url.path,
+                      getattr(request.state, "request_id", "?"))
+        return JSONResponse(_error_body(request.url.path, 500, "internal server error"),
+                            status_code=500)
+

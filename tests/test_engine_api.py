@@ -1,0 +1,324 @@
+"""The engine's HTTP API driven by the official `anthropic` and `openai` SDKs and raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+PROMPT = "<task>Summarise the incident.</task>\n- ttft up\n- kv hits down"
+
+
+def _anthropic(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def _openai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _wait_all_blocks_free(server, timeout=20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(server.url + "/health", timeout=5).json()
+        if health["kv_blocks_free"] == health["kv_blocks"] and not health["requests_running"] \
+                and not health["requests_waiting"]:
+            return health
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held: {health}")
+        time.sleep(0.1)
+
+
+def test_anthropic_sdk_create_stream_and_count_tokens_agree(engine_server):
+    client = _anthropic(engine_server)
+    # This SDK release no longer types sampling settings; the API still takes them.
+    kwargs = dict(model="tiny", max_tokens=40, extra_body={"temperature": 0}, system="Be terse.",
+                  messages=[{"role": "user", "content": PROMPT}])
+    raw = client.messages.with_raw_response.create(**kwargs)
+    message = raw.parse()
+    assert raw.headers["request-id"].startswith("req_")
+    assert int(raw.headers["x-ac-model-latency-ns"]) > 0
+    detail = json.loads(raw.headers["x-ac-trace-detail"])
+    assert detail["stream"] == "throughput" and detail["skeleton_depth"] >= 2
+    assert message.role == "assistant" and message.type == "message"
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.output_tokens >= 1
+    with client.messages.stream(**kwargs) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == message.content[0].text == final.content[0].text
+    assert final.usage.output_tokens == message.usage.output_tokens
+    # The second identical prompt is served from the prefix cache.
+    assert final.usage.cache_read_input_tokens > 0
+    count = client.messages.count_tokens(model="tiny", system="Be terse.",
+                                         messages=[{"role": "user", "content": PROMPT}])
+    assert count.input_tokens == message.usage.input_tokens
+
+
+def test_anthropic_stream_event_sequence_and_final_trace(engine_server):
+    events = []
+    with httpx.stream("POST", engine_server.url + "/v1/messages", json={
+            "model": "tiny", "max_tokens": 12, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-ac-stream": "low_latency"}, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert json.loads(response.headers["x-ac-trace-detail"])["stream"] == "low_latency"
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                events.append(line[7:])
+            elif line.startswith("data: ") and events[-1] == "message_delta":
+                delta = json.loads(line[6:])
+    names = [e for e in events if e not in ("ping", "content_block_delta")]
+    assert names == ["message_start", "content_block_start", "content_block_stop",
+                     "message_delta", "message_stop"]
+    trace = delta["metadata"]["ac_trace"]
+    assert 0 < trace["queue_time_ns"] <= trace["model_latency_ns"] <= trace["e2e_ns"]
+    assert delta["usage"]["output_tokens"] == 12 or delta["delta"]["stop_reason"] == "end_turn"
+
+
+def test_stop_sequence_is_reported_and_cut(engine_server):
+    client = _anthropic(engine_server)
+    base = client.messages.create(model="tiny", max_tokens=30, extra_body={"temperature": 0},
+                                  messages=[{"role": "user", "content": "abc"}])
+    text = base.content[0].text
+    stop = next((text[i:i + 2] for i in range(3, len(text) - 2)
+                 if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()), None)
+    if stop is None:
+        pytest.skip("the random model produced no usable stop string")
+    cut = client.messages.create(model="tiny", max_tokens=30, extra_body={"temperature": 0},
+                                 stop_sequences=[stop],
+                                 messages=[{"role": "user", "content": "abc"}])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[:text.index(stop)]
+
+
+def test_openai_sdk_stream_and_non_stream_agree(engine_server):
+    client = _openai(engine_server)
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": PROMPT}]
+    done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30,
+                                          temperature=0)
+    assert done.choices[0].finish_reason in ("stop", "length")
+    assert done.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == done.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+BAD_REQUESTS = [
+    # (body or raw bytes, expected status, words the message must contain)
+    (b"{not json", 400, "malformed JSON"),
+    ({"model": "tiny", "max_tokens": "8", "messages": [{"role": "user", "content": "x"}]},
+     400, "max_tokens"),
+    ({"model": "tiny", "max_tokens": 8, "messages": []}, 400, "messages"),
+    ({"model": "tiny", "max_tokens": 8, "messages": [{"role": "robot", "content": "x"}]},
+     400, "messages.0.role"),
+    ({"model": "tiny", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]},
+     400, "max_tokens"),
+    ({"model": "tiny", "max_tokens": 5000, "messages": [{"role": "user", "content": "x"}]},
+     400, "max_tokens"),
+    ({"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 3000}]},
+     400, "context"),
+    ({"model": "tiny", "max_tokens": 8, "temperature": 3,
+      "messages": [{"role": "user", "content": "x"}]}, 400, "temperature"),
+    ({"model": "tiny", "max_tokens": 8,
+      "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     400, "image"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,words", BAD_REQUESTS)
+def test_bad_messages_requests_get_status_and_named_problem(engine_server, body, status, words):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(engine_server.url + "/v1/messages", content=content,
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert words in error["error"]["message"]
+    assert response.headers["request-id"].startswith("req_")
+
+
+def test_bad_lane_header_and_openai_errors_use_their_shapes(engine_server):
+    response = httpx.post(engine_server.url + "/v1/messages", headers={"x-ac-stream": "fast"},
+                          json={"model": "tiny", "max_tokens": 4,
+                                "messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 400 and "x-ac-stream" in response.json()["error"]["message"]
+    response = httpx.post(engine_server.url + "/v1/chat/completions",
+                          json={"model": "tiny", "n": 3,
+                                "messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        _openai(engine_server).chat.completions.create(model="tiny", messages=[])
+
+
+def test_body_over_the_limit_is_413(engine_server):
+    body = {"model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    response = httpx.post(engine_server.url + "/v1/messages", json=body, timeout=30)
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large"
+    assert "limit" in response.json()["error"]["message"]
+
+
+def test_unknown_route_is_404_in_anthropic_shape(engine_server):
+    response = httpx.get(engine_server.url + "/v1/nothing")
+    assert response.status_code == 404 and response.json()["type"] == "error"
+
+
+def test_request_that_can_never_fit_the_pool_is_529(start_engine):
+    server = start_engine("--kv-blocks", "16", "--max-model-len", "2048")
+    with pytest.raises(anthropic.APIStatusError) as info:
+        _anthropic(server).messages.create(
+            model="tiny", max_tokens=200, messages=[{"role": "user", "content": "y" * 200}])
+    assert info.value.status_code == 529
+    assert info.value.body["error"]["type"] == "overloaded_error"
+
+
+def test_64_streaming_clients_disconnecting_free_every_block_and_overflow_gets_429(
+        start_engine):
+    server = start_engine("--max-waiting", "24", "--kv-blocks", "1024",
+                          "--throughput-seqs", "8")
+    rng = random.Random(7)
+    statuses: list[int] = []
+
+    async def client(i: int) -> None:
+        # Long generations: only aborting on disconnect frees their blocks in time.
+        body = {"model": "tiny", "max_tokens": 2000, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": f"client {i} " * rng.randint(1, 20)}]}
+        stop_after = rng.randint(0, 30)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            async with http.stream("POST", "/v1/messages", json=body) as response:
+                statuses.append(response.status_code)
+                if response.status_code != 200:
+                    await response.aread()
+                    assert response.status_code == 429, response.text
+                    assert response.headers["retry-after"] == "1"
+                    return
+                seen = 0
+                async for _ in response.aiter_lines():
+                    seen += 1
+                    if seen >= stop_after:
+                        break  # hang up mid-stream
+
+    async def main():
+        await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(64))), timeout=240)
+
+    asyncio.run(main())
+    assert len(statuses) == 64
+    assert 429 in statuses and 200 in statuses
+    health = _wait_all_blocks_free(server, timeout=15)
+    assert health["status"] == "ok"
+    from tests.test_engine_telemetry import _read_in_other_process, _value
+    families = _read_in_other_process(server.telemetry_dir)
+    assert _value(families, "ac_requests", "ac_requests_total", status="aborted") == \
+        statuses.count(200)
+    assert _value(families, "ac_requests", "ac_requests_total", status="rejected") == \
+        statuses.count(429)
+    # Still serving after all that.
+    assert _anthropic(server).messages.create(
+        model="tiny", max_tokens=4, messages=[{"role": "user", "content": "ok?"}]).id
+
+
+def test_trace_header_ttft_is_the_one_in_telemetry(start_engine):
+    from tests.test_engine_telemetry import _read_in_other_process, _value
+    server = start_engine()
+    raw = _anthropic(server).messages.with_raw_response.create(
+        model="tiny", max_tokens=3, messages=[{"role": "user", "content": "trace me"}],
+        extra_headers={"x-ac-stream": "low_latency"})
+    ttft_seconds = int(raw.headers["x-ac-model-latency-ns"]) / 1e9
+    queue_seconds = int(raw.headers["x-ac-queue-time-ns"]) / 1e9
+    families = _read_in_other_process(server.telemetry_dir)
+    assert _value(families, "ac_inference_latency_seconds", "ac_inference_latency_seconds_count",
+                  stream="low_latency") == 1
+    assert abs(_value(families, "ac_inference_latency_seconds",
+                      "ac_inference_latency_seconds_sum", stream="low_latency")
+               - ttft_seconds) < 1e-6
+    assert abs(_value(families, "ac_queue_time_seconds", "ac_queue_time_seconds_sum",
+                      stream="low_latency") - queue_seconds) < 1e-6
+
+
+def test_schemathesis_finds_no_server_error(engine_server, tmp_path):
+    import re
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "run", engine_server.url + "/openapi.json",
+         "--checks", "not_a_server_error", "--max-examples", "30", "--phases",
+         "coverage,fuzzing", "--workers", "2", "--suppress-health-check", "all",
+         "--request-timeout", "60", "--seed", "1", "--no-color"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    report = out.stdout + out.stderr
+    # Judged on the server's answers: schemathesis' own generator can trip on a schema
+    # ("Runtime Error"), which says nothing about the API.
+    assert "Server error" not in report and "ST101" not in report, report[-4000:]
+    generated = re.search(r"(\d+) generated", report)
+    assert generated and int(generated.group(1)) >= 100, report[-2000:]
+    assert engine_server.proc.poll() is None
+
+
+def test_health_is_unhealthy_until_the_model_is_ready(tmp_path):
+    import threading
+
+    import uvicorn
+
+    from engine.config import EngineConfig
+    from engine.server import EngineService, create_app
+    from tests.conftest import free_port
+
+    gate = threading.Event()
+
+    class GatedService(EngineService):
+        async def load(self):
+            await asyncio.to_thread(gate.wait)
+            await super().load()
+
+    def serve(service):
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(service), port=port,
+                                               log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        return server, thread, f"http://127.0.0.1:{port}"
+
+    server, thread, url = serve(GatedService(EngineConfig(telemetry_dir=str(tmp_path))))
+    try:
+        response = httpx.get(url + "/health")
+        assert response.status_code == 503 and response.json()["status"] == "loading"
+        early = httpx.post(url + "/v1/messages", json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+        assert early.status_code == 503 and "loading" in early.json()["error"]["message"]
+        gate.set()
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.get(url + "/health").json()["kv_blocks"] > 0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    server, thread, url = serve(EngineService(EngineConfig(model=str(tmp_path / "missing"))))
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        failed = httpx.get(url + "/health")
+        assert failed.status_code == 503 and "config.json" in failed.json()["error"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
