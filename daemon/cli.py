@@ -13,14 +13,114 @@ app = typer.Typer(add_completion=False, no_args_is_help=False,
                   help="Kernel-level observability for self-hosted LLM inference.")
 
 
+DEFAULT_DAEMON_URL = "http://127.0.0.1:9410"
+
+
 @app.callback(invoke_without_command=True)
 def root(ctx: typer.Context,
+         metric: str = typer.Option(None, "--metric", "-m",
+                                    help="Friendly metric name, e.g. cuda_stream_utilization."),
+         window: str = typer.Option("60s", "--window", "-w", help="Look-back window: 30s, 5m, 1h."),
+         labels: str = typer.Option("", "--labels", "-l", help="Filter: k=v[,k=v]."),
+         as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+         watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
+         list_metrics: bool = typer.Option(False, "--list", help="List the friendly names."),
+         daemon_url: str = typer.Option(None, "--daemon", envvar="AC_OBSERVE_URL",
+                                        help=f"Daemon URL (default {DEFAULT_DAEMON_URL})."),
+         token: str = typer.Option(None, "--token", envvar="AC_OBSERVE_TOKEN",
+                                   help="Bearer token for a daemon bound off loopback."),
          version: bool = typer.Option(False, "--version", help="Print the version.")) -> None:
+    ctx.obj = {"url": (daemon_url or DEFAULT_DAEMON_URL).rstrip("/"), "token": token}
     if version:
         typer.echo(f"ac-observe {__version__}")
         raise typer.Exit()
-    if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
+    if ctx.invoked_subcommand is not None:
+        return
+    from daemon import cli_query
+    if list_metrics:
+        raise typer.Exit(cli_query.list_metrics(ctx.obj, as_json))
+    if metric:
+        raise typer.Exit(cli_query.show_metric(ctx.obj, metric, window, labels, as_json, watch))
+    typer.echo(ctx.get_help())
+
+
+@app.command()
+def status(ctx: typer.Context,
+           as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Collectors and engines the daemon sees: up or down, and why."""
+    from daemon import cli_query
+    raise typer.Exit(cli_query.show_status(ctx.obj, as_json))
+
+
+@app.command()
+def daemon(
+    host: str = typer.Option("127.0.0.1", help="Interface to bind; off loopback needs --token."),
+    port: int = typer.Option(9410, help="HTTP port (dcgm-exporter has 9400)."),
+    token: str = typer.Option(None, envvar="AC_OBSERVE_TOKEN", help="Bearer token."),
+    interval: str = typer.Option("1s", help="Collection interval."),
+    window: str = typer.Option("1h", help="In-memory history for queries."),
+    collectors: str = typer.Option("engine,nvml", help="Enabled collectors, comma-separated."),
+    collector_timeout: str = typer.Option("2s", help="A collector slower than this is down."),
+    telemetry_root: str = typer.Option("", help="Where engines write telemetry "
+                                                "(default $AC_OBSERVE_TELEMETRY_DIR)."),
+    engine_stale: str = typer.Option("5s", help="Heartbeat age after which an engine is gone."),
+    engine_grace: str = typer.Option("30s", help="How long a gone engine's series remain."),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run the daemon: collectors, /metrics, the query API."""
+    import logging
+    import signal
+
+    from daemon.config import DaemonConfig
+    from daemon.http_api import DaemonServer
+    from daemon.query import parse_duration
+    from daemon.service import Daemon, tune_interpreter
+    from engine.config import default_telemetry_root
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = DaemonConfig(
+            host=host, port=port, token=token, interval_seconds=parse_duration(interval),
+            window_seconds=parse_duration(window),
+            collectors=tuple(c.strip() for c in collectors.split(",") if c.strip()),
+            collector_timeout_seconds=parse_duration(collector_timeout),
+            telemetry_root=telemetry_root or default_telemetry_root(),
+            engine_stale_seconds=parse_duration(engine_stale),
+            engine_grace_seconds=parse_duration(engine_grace))
+        service = Daemon(config)
+        server = DaemonServer(service, host, port, token)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    signal.signal(signal.SIGTERM, _interrupt)
+    tune_interpreter()
+    service.start()
+    typer.echo(f"ac-observe daemon: http://{host}:{server.port}/metrics  "
+               f"telemetry root {config.telemetry_root}", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        service.close()
+
+
+@app.command()
+def up(
+    engine_port: int = typer.Option(8000, help="Engine HTTP port."),
+    daemon_port: int = typer.Option(9410, help="Daemon HTTP port."),
+    model: str = typer.Option("tiny", help="'tiny' or a local Hugging Face folder."),
+    demo_load: bool = typer.Option(False, "--demo-load", help="Send demo traffic."),
+    telemetry_root: str = typer.Option("", help="Telemetry root shared by engine and daemon."),
+    engine_arg: list[str] = typer.Option([], "--engine-arg", help="Extra `engine` option."),
+    daemon_arg: list[str] = typer.Option([], "--daemon-arg", help="Extra `daemon` option."),
+) -> None:
+    """Start an engine and a daemon on the embedded defaults; Ctrl-C stops both."""
+    from daemon.up import run_up
+    raise typer.Exit(run_up(engine_port, daemon_port, model, demo_load, telemetry_root,
+                            engine_arg, daemon_arg))
 
 
 @app.command()
@@ -114,6 +214,10 @@ def engine(
         server.run()
     finally:
         stop.set()
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
 
 
 def _as_request(text: str) -> dict | None:

@@ -46,7 +46,7 @@ def _family_name(spec: MetricSpec) -> str:
 
 class TelemetryWriter:
     def __init__(self, directory: str | os.PathLike, info: dict, engine: str, model: str,
-                 specs: tuple[MetricSpec, ...] = ENGINE_METRICS):
+                 specs: tuple[MetricSpec, ...] = ENGINE_METRICS, heartbeat_seconds: float = 1.0):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._reap_dead_predecessor()
@@ -68,6 +68,20 @@ class TelemetryWriter:
         self._declare_series()
         self._write_info({**info, "engine": engine, "model": model, "pid": pid,
                           "telemetry_format": TELEMETRY_FORMAT})
+        # The daemon reads engine.json's mtime as a heartbeat: a separate thread keeps it
+        # fresh, so a busy or stuck engine loop still counts as alive while the process is.
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_seconds,),
+                                           name="ac-telemetry-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self, period: float) -> None:
+        info_path = self.directory / ENGINE_INFO_FILE
+        while not self._closed.wait(period):
+            try:
+                os.utime(info_path)
+            except OSError:
+                pass  # removed by a daemon that judged us gone; nothing to refresh
 
     def _reap_dead_predecessor(self) -> None:
         info = read_engine_info(self.directory)
@@ -159,6 +173,7 @@ class TelemetryWriter:
             self._add(HISTOGRAM, sum_key, value)
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             for mmap_dict in self._files.values():
                 mmap_dict.close()

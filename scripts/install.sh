@@ -5,6 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# System packages the tests drive for real: promtool (Debian `prometheus`) and gcc.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if ! command -v promtool >/dev/null || ! command -v gcc >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      prometheus gcc libc6-dev >/dev/null
+  fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"

@@ -86,3 +86,75 @@ def engine_server(tmp_path_factory):
                           "--max-body-mb", "1").wait_healthy()
     yield server
     server.stop()
+
+
+class DaemonProcess:
+    """`ac-observe daemon` in a subprocess on a free loopback port."""
+
+    def __init__(self, telemetry_root, *args: str, env: dict | None = None):
+        import subprocess
+        import sys
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = telemetry_root.parent / f"daemon-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "daemon", "--port", str(self.port),
+             "--telemetry-root", str(telemetry_root), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout=30.0):
+        import time
+        import httpx
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("daemon did not start")
+
+    def metrics(self, headers=None) -> dict:
+        """{(sample name, frozenset(labels)): value} of /metrics."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(self.url + "/metrics", timeout=10, headers=headers).text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def start_daemon(tmp_path_factory):
+    daemons = []
+
+    def start(telemetry_root=None, *args, env=None) -> DaemonProcess:
+        root = telemetry_root or tmp_path_factory.mktemp("daemon") / "telemetry"
+        root.mkdir(parents=True, exist_ok=True)
+        daemon = DaemonProcess(root, *args, env=env).wait_ready()
+        daemons.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in daemons:
+        daemon.stop()
+
+
+def sample_value(metrics: dict, name: str, **labels):
+    """The one sample named `name` whose labels include `labels` (None if absent)."""
+    found = [v for (n, lab), v in metrics.items()
+             if n == name and all((k, val) in lab for k, val in labels.items())]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None

@@ -1,0 +1,102 @@
+"""The daemon's cost: CPU time per collection cycle and /metrics latency (p50/p99).
+
+Two sizes: one engine's worth of series (what the demo produces) and about 10,000 series
+(26 engines). Engines are stood in for by their telemetry files, written with the engine's
+own TelemetryWriter and filled with observations, so the daemon reads the real format.
+Usage: python bench/daemon_cost.py [--cycles 60] [--scrapes 300]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from daemon.catalog import LANES
+from daemon.config import DaemonConfig
+from daemon.http_api import DaemonServer
+from daemon.service import Daemon, tune_interpreter
+from engine.telemetry import TelemetryWriter
+
+
+def write_engine(directory: Path, name: str, rng: random.Random) -> TelemetryWriter:
+    writer = TelemetryWriter(directory, {"api_address": "", "started_at": time.time()},
+                             engine=name, model="tiny", heartbeat_seconds=0.5)
+    for _ in range(200):
+        lane = rng.choice(LANES)
+        for metric in ("ac_inference_latency_seconds", "ac_queue_time_seconds",
+                       "ac_e2e_latency_seconds", "ac_inter_token_latency_seconds"):
+            writer.observe(metric, rng.expovariate(20), stream=lane)
+        writer.observe("ac_prefill_gpu_seconds", rng.expovariate(100), stream=lane)
+        writer.observe("ac_decode_step_gpu_seconds", rng.expovariate(500), stream=lane)
+        writer.inc("ac_cuda_stream_busy_seconds_total", 0.01, stream=lane)
+        writer.inc("ac_requests_total", stream=lane, status="ok")
+        writer.observe("ac_skeleton_complexity", float(rng.randint(1, 9)))
+        writer.inc("ac_skeleton_requests_total", skeleton=f"{rng.randrange(20):012x}")
+    return writer
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(num_engines: int, cycles: int, scrapes: int) -> dict:
+    rng = random.Random(num_engines)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        writers = [write_engine(root / f"engine-{i}", f"engine-{i}", rng)
+                   for i in range(num_engines)]
+        daemon = Daemon(DaemonConfig(telemetry_root=root, collectors=("engine",)))
+        daemon.run_cycle()
+        series = sum(len(f.samples) for f in daemon._snapshot)
+        for _ in range(3):
+            daemon.run_cycle()
+        before = cpu_seconds()
+        for _ in range(cycles):
+            daemon.run_cycle()
+        per_cycle = (cpu_seconds() - before) / cycles
+        server = DaemonServer(daemon, "127.0.0.1", 0, None)
+        server.start()
+        daemon.start()  # scrapes race real cycles, so rendering is not always cached
+        latencies = []
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}") as client:
+            for _ in range(scrapes):
+                start = time.perf_counter()
+                body = client.get("/metrics").content
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.005)
+        daemon.close()
+        server.close()
+        for writer in writers:
+            writer.close()
+    latencies.sort()
+    return {"engines": num_engines, "series": series, "cpu_ms_per_cycle": per_cycle * 1e3,
+            "core_percent_at_1s": per_cycle * 100,
+            "scrape_p50_ms": statistics.median(latencies) * 1e3,
+            "scrape_p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
+            "body_kib": len(body) / 1024}
+
+
+def main() -> None:
+    tune_interpreter()  # as `ac-observe daemon` does
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cycles", type=int, default=60)
+    parser.add_argument("--scrapes", type=int, default=300)
+    args = parser.parse_args()
+    print(f"{'engines':>7} {'series':>7} {'cpu ms/cycle':>13} {'% core @1s':>11} "
+          f"{'scrape p50 ms':>14} {'scrape p99 ms':>14} {'body KiB':>9}")
+    for engines in (1, 26):
+        r = measure(engines, args.cycles, args.scrapes)
+        print(f"{r['engines']:>7} {r['series']:>7} {r['cpu_ms_per_cycle']:>13.2f} "
+              f"{r['core_percent_at_1s']:>11.2f} {r['scrape_p50_ms']:>14.2f} "
+              f"{r['scrape_p99_ms']:>14.2f} {r['body_kib']:>9.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

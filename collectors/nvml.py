@@ -1,0 +1,217 @@
+"""NVML collector: GPU state through the real `pynvml` binding (package nvidia-ml-py).
+
+Which fields are exported is data (`DEVICE_FIELDS`, `GPM_FIELDS`), as in dcgm-exporter.
+A field the device does not support is skipped; no library or no driver makes the
+collector report down with the reason, and nothing else breaks. GPM metrics (Hopper+)
+come from two samples at least 100 ms apart: the previous cycle's and this one's.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from collectors.base import Collector, CollectorUnavailable, register
+
+log = logging.getLogger("ac_observe.collectors.nvml")
+GPU_LABELS = ("gpu", "uuid")
+MIN_GPM_GAP_SECONDS = 0.1
+
+
+def _utilization(nv, handle):
+    return nv.nvmlDeviceGetUtilizationRates(handle).gpu
+
+
+def _memory_used(nv, handle):
+    return nv.nvmlDeviceGetMemoryInfo(handle).used
+
+
+def _memory_total(nv, handle):
+    return nv.nvmlDeviceGetMemoryInfo(handle).total
+
+
+def _temperature(nv, handle):
+    try:
+        return nv.nvmlDeviceGetTemperatureV(handle, nv.NVML_TEMPERATURE_GPU)
+    except nv.NVMLError_FunctionNotFound:  # drivers older than the V API
+        return nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)
+
+
+# metric, help, reader(pynvml, handle), scale to the metric's unit
+DEVICE_FIELDS = (
+    ("ac_gpu_utilization_ratio", "GPU busy fraction (NVML).", _utilization, 0.01),
+    ("ac_gpu_memory_used_bytes", "Device memory in use.", _memory_used, 1.0),
+    ("ac_gpu_memory_total_bytes", "Device memory installed.", _memory_total, 1.0),
+    ("ac_gpu_power_watts", "Board power draw.",
+     lambda nv, h: nv.nvmlDeviceGetPowerUsage(h), 1e-3),
+    ("ac_gpu_temperature_celsius", "GPU die temperature.", _temperature, 1.0),
+    ("ac_gpu_sm_clock_hertz", "SM clock.",
+     lambda nv, h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), 1e6),
+)
+
+# metric, help, GPM metric id name in pynvml, scale (NVML reports percent)
+GPM_FIELDS = (
+    ("ac_gpu_sm_occupancy_ratio", "SM occupancy (GPM).", "NVML_GPM_METRIC_SM_OCCUPANCY", 0.01),
+    ("ac_gpu_sm_active_ratio", "SM active (GPM).", "NVML_GPM_METRIC_SM_UTIL", 0.01),
+    ("ac_gpu_tensor_active_ratio", "Tensor core active (GPM).",
+     "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 0.01),
+    ("ac_gpu_dram_active_ratio", "DRAM active (GPM).", "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
+)
+
+
+@dataclass(slots=True)
+class _Device:
+    index: int
+    handle: object
+    uuid: str
+    gpm: bool
+    gpm_sample: object = None
+    gpm_time: float = 0.0
+    xid_total: int = 0
+    handle_address: int = 0
+    gpm_values: dict = field(default_factory=dict)
+
+
+@register("nvml")
+class NvmlCollector(Collector):
+    def __init__(self, config=None):
+        import pynvml
+        self.nv = pynvml
+        self.devices: list[_Device] = []
+        self.event_set = None
+
+    def _init(self) -> None:
+        nv = self.nv
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError_LibraryNotFound:
+            raise CollectorUnavailable("NVML library libnvidia-ml.so.1 not found "
+                                       "(no NVIDIA driver on this host)") from None
+        except nv.NVMLError as exc:
+            raise CollectorUnavailable(f"NVML init failed: {exc}") from None
+        devices = []
+        for index in range(nv.nvmlDeviceGetCount()):
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+            uuid = nv.nvmlDeviceGetUUID(handle)
+            devices.append(_Device(index, handle, uuid if isinstance(uuid, str) else uuid.decode(),
+                                   self._gpm_supported(handle),
+                                   handle_address=ctypes.cast(handle, ctypes.c_void_p).value or 0))
+        self.devices = devices
+        self.event_set = self._xid_events(devices)
+        log.info("NVML: %d GPU(s)", len(devices))
+
+    def _gpm_supported(self, handle) -> bool:
+        try:
+            return bool(self.nv.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+        except self.nv.NVMLError:
+            return False
+
+    def _xid_events(self, devices):
+        nv = self.nv
+        try:
+            event_set = nv.nvmlEventSetCreate()
+        except nv.NVMLError:
+            return None
+        for device in devices:
+            try:
+                nv.nvmlDeviceRegisterEvents(device.handle, nv.nvmlEventTypeXidCriticalError,
+                                            event_set)
+            except nv.NVMLError as exc:
+                log.info("GPU %d: no XID events (%s)", device.index, exc)
+        return event_set
+
+    def collect(self):
+        if not self.devices:
+            self._init()
+        nv = self.nv
+        gauges = {name: GaugeMetricFamily(name, help_text, labels=GPU_LABELS)
+                  for name, help_text, _, _ in DEVICE_FIELDS + GPM_FIELDS}
+        processes = GaugeMetricFamily("ac_gpu_process_memory_bytes",
+                                      "Device memory used by a process.",
+                                      labels=GPU_LABELS + ("pid",))
+        self._drain_xid()
+        xid = CounterMetricFamily("ac_gpu_xid_errors", "XID errors seen.", labels=GPU_LABELS)
+        for device in self.devices:
+            labels = [str(device.index), device.uuid]
+            for name, _, read, scale in DEVICE_FIELDS:
+                try:
+                    gauges[name].add_metric(labels, read(nv, device.handle) * scale)
+                except nv.NVMLError_NotSupported:
+                    continue
+            try:
+                for proc in nv.nvmlDeviceGetComputeRunningProcesses(device.handle):
+                    if proc.usedGpuMemory is not None:
+                        processes.add_metric(labels + [str(proc.pid)], proc.usedGpuMemory)
+            except nv.NVMLError_NotSupported:
+                pass
+            for name, value in self._gpm(device).items():
+                gauges[name].add_metric(labels, value)
+            xid.add_metric(labels, device.xid_total)
+        return [g for g in gauges.values() if g.samples] + [processes, xid]
+
+    def _gpm(self, device: _Device) -> dict[str, float]:
+        """GPM ratios from the previous sample and a fresh one (>= 100 ms apart)."""
+        if not device.gpm:
+            return {}
+        nv = self.nv
+        if device.gpm_sample is None:
+            device.gpm_sample = nv.nvmlGpmSampleGet(device.handle, nv.nvmlGpmSampleAlloc())
+            device.gpm_time = time.monotonic()
+            time.sleep(MIN_GPM_GAP_SECONDS)  # first cycle only: make a pair right away
+        if time.monotonic() - device.gpm_time < MIN_GPM_GAP_SECONDS:
+            return device.gpm_values
+        sample = nv.nvmlGpmSampleGet(device.handle, nv.nvmlGpmSampleAlloc())
+        request = nv.c_nvmlGpmMetricsGet_t()
+        request.version = nv.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_FIELDS)
+        request.sample1, request.sample2 = device.gpm_sample, sample
+        for i, (_, _, metric_id, _) in enumerate(GPM_FIELDS):
+            request.metrics[i].metricId = getattr(nv, metric_id)
+        nv.nvmlGpmMetricsGet(request)
+        nv.nvmlGpmSampleFree(device.gpm_sample)
+        device.gpm_sample, device.gpm_time = sample, time.monotonic()
+        values = {}
+        for i, (name, _, _, scale) in enumerate(GPM_FIELDS):
+            metric = request.metrics[i]
+            if metric.nvmlReturn == nv.NVML_SUCCESS:
+                values[name] = metric.value * scale
+        device.gpm_values = values
+        return values
+
+    def _drain_xid(self) -> None:
+        if self.event_set is None:
+            return
+        nv = self.nv
+        by_address = {d.handle_address: d for d in self.devices}
+        while True:
+            try:
+                event = nv.nvmlEventSetWait_v2(self.event_set, 0)
+            except nv.NVMLError_Timeout:
+                return
+            except nv.NVMLError as exc:
+                log.debug("XID wait: %s", exc)
+                return
+            if event.eventType & nv.nvmlEventTypeXidCriticalError:
+                address = ctypes.cast(event.device, ctypes.c_void_p).value or 0
+                device = by_address.get(address)
+                if device is not None:
+                    device.xid_total += 1
+                    log.warning("GPU %d: XID %d", device.index, event.eventData)
+
+    def close(self) -> None:
+        if not self.devices:
+            return
+        nv = self.nv
+        try:
+            for device in self.devices:
+                if device.gpm_sample is not None:
+                    nv.nvmlGpmSampleFree(device.gpm_sample)
+            if self.event_set is not None:
+                nv.nvmlEventSetFree(self.event_set)
+            nv.nvmlShutdown()
+        except nv.NVMLError:
+            pass
+        self.devices = []

@@ -1,0 +1,50 @@
+"""Daemon settings (torch-free)."""
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from collectors.base import DEFAULT_ENABLED
+from engine.config import default_telemetry_root
+
+DEFAULT_PORT = 9410  # dcgm-exporter already takes 9400
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("AC_OBSERVE_STATE_DIR")
+    return Path(env) if env else Path.home() / ".local" / "state" / "ac-observe"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(slots=True)
+class DaemonConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    token: str | None = None              # bearer token; required off loopback
+    interval_seconds: float = 1.0
+    window_seconds: float = 3600.0
+    collectors: tuple[str, ...] = DEFAULT_ENABLED
+    collector_timeout_seconds: float = 2.0
+    telemetry_root: Path = field(default_factory=default_telemetry_root)
+    engine_stale_seconds: float = 5.0     # no heartbeat for this long: the engine is gone
+    engine_grace_seconds: float = 30.0    # then its series stay this long before they vanish
+    state_dir: Path = field(default_factory=default_state_dir)
+
+    def __post_init__(self) -> None:
+        self.telemetry_root = Path(self.telemetry_root)
+        self.state_dir = Path(self.state_dir)
+        if self.interval_seconds <= 0 or self.window_seconds < self.interval_seconds:
+            raise ValueError("interval must be > 0 and the window at least one interval")
+        if not is_loopback(self.host) and not self.token:
+            raise ValueError(f"binding {self.host} exposes the daemon beyond this host: "
+                             "set a bearer token (--token or AC_OBSERVE_TOKEN)")

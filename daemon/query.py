@@ -1,0 +1,189 @@
+"""Answers `metric over a window` from the daemon's in-memory windows.
+
+Per series: min / mean / p50 / p95 / max / last, in the friendly name's unit. Histograms
+are answered from bucket increases over the window (Prometheus `histogram_quantile`
+interpolation), counters by `increase()` semantics (a drop is a reset).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from daemon.friendly import FRIENDLY, Friendly
+from daemon.windows import Windows
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    match = _DURATION.match(text or "")
+    if not match:
+        raise ValueError(f"bad duration {text!r}: use e.g. 30s, 5m, 1h")
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds <= 0:
+        raise ValueError("the window must be positive")
+    return seconds
+
+
+def parse_labels(text: str | None) -> dict[str, str]:
+    labels = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise ValueError(f"bad label filter {part!r}: use k=v[,k=v]")
+        key, value = part.split("=", 1)
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = q * (len(sorted_values) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
+
+
+def summarize(values: list[float], mean: float | None = None) -> dict:
+    ordered = sorted(values)
+    return {"min": ordered[0], "mean": sum(values) / len(values) if mean is None else mean,
+            "p50": quantile(ordered, 0.5), "p95": quantile(ordered, 0.95), "max": ordered[-1],
+            "last": values[-1], "samples": len(values)}
+
+
+def increase(points: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for (_, before), (_, after) in zip(points, points[1:]):
+        total += after - before if after >= before else after
+    return total
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """`histogram_quantile` over cumulative (upper bound, count) pairs."""
+    total = buckets[-1][1]
+    rank = q * total
+    previous_bound, previous_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank and count > previous_count:
+            if math.isinf(bound):
+                return previous_bound
+            return previous_bound + (bound - previous_bound) * (rank - previous_count) / (
+                count - previous_count)
+        previous_bound, previous_count = bound, count
+    return previous_bound
+
+
+class QueryEngine:
+    def __init__(self, windows: Windows, interval_seconds: float):
+        self.windows = windows
+        self.interval = interval_seconds
+
+    def query(self, name: str, window_seconds: float, label_filter: dict[str, str],
+              now: float) -> dict:
+        friendly = FRIENDLY.get(name)
+        if friendly is None:
+            raise KeyError(name)
+        since = now - window_seconds
+        handler = {"gauge": self._gauge, "histogram": self._histogram, "rate": self._rate,
+                   "ratio": self._ratio}[friendly.kind]
+        series = [s for s in handler(friendly, since) if _matches(s["labels"], label_filter)]
+        series.sort(key=lambda s: sorted(s["labels"].items()))
+        return {"metric": name, "unit": friendly.unit, "kind": friendly.kind,
+                "source": friendly.source, "window_seconds": window_seconds, "series": series}
+
+    def _points(self, key, since):
+        """Points in the window; a series born inside the window starts from zero."""
+        points = self.windows.points(key, since)
+        if points and self._born_inside(key, since):
+            points.insert(0, (points[0][0] - self.interval, 0.0))
+        return points
+
+    def _born_inside(self, key, since: float) -> bool:
+        """First seen after the window opened, while the daemon was already watching."""
+        first_seen = self.windows.points(key, -math.inf)[0][0]
+        earliest = min((t for t in self.windows.times if not math.isnan(t)), default=first_seen)
+        return first_seen > since and first_seen > earliest + 0.5 * self.interval
+
+    def _gauge(self, friendly: Friendly, since: float):
+        for key in self.windows.keys(friendly.source):
+            values = [v * friendly.scale for _, v in self.windows.points(key, since)]
+            if values:
+                yield {"labels": dict(key[1]), **summarize(values)}
+
+    def _rate(self, friendly: Friendly, since: float):
+        for key in self.windows.keys(friendly.source + "_total"):
+            points = self._points(key, since)
+            rates = [(b - a if b >= a else b) / (tb - ta)
+                     for (ta, a), (tb, b) in zip(points, points[1:]) if tb > ta]
+            if rates:
+                span = points[-1][0] - points[0][0]
+                mean = increase(points) / span if span > 0 else None
+                yield {"labels": dict(key[1]), **summarize([r * friendly.scale for r in rates],
+                                                           mean * friendly.scale)}
+
+    def _ratio(self, friendly: Friendly, since: float):
+        for key in self.windows.keys(friendly.source + "_total"):
+            den_key = (friendly.denominator + "_total", key[1])
+            num = dict(self._points(key, since))
+            den = self._points(den_key, since)
+            pairs = [(t, num[t], d) for t, d in den if t in num]
+            ratios = []
+            for (_, n0, d0), (_, n1, d1) in zip(pairs, pairs[1:]):
+                if d1 > d0 and n1 >= n0:
+                    ratios.append(friendly.scale * (n1 - n0) / (d1 - d0))
+            if ratios:
+                total_den = increase([(t, d) for t, _, d in pairs])
+                total_num = increase([(t, n) for t, n, _ in pairs])
+                yield {"labels": dict(key[1]),
+                       **summarize(ratios, friendly.scale * total_num / total_den)}
+
+    def _histogram(self, friendly: Friendly, since: float):
+        groups: dict[tuple, list] = {}
+        for key in self.windows.keys(friendly.source + "_bucket"):
+            labels = tuple(item for item in key[1] if item[0] != "le")
+            bound = float(dict(key[1])["le"])
+            groups.setdefault(labels, []).append((bound, key))
+        for labels, bucket_keys in groups.items():
+            bucket_keys.sort()
+            buckets = [(bound, increase(self._points(key, since))) for bound, key in bucket_keys]
+            count = buckets[-1][1]
+            if count <= 0:
+                continue
+            sum_points = self._points((friendly.source + "_sum", labels), since)
+            count_points = self._points((friendly.source + "_count", labels), since)
+            scale = friendly.scale
+            finite = [b for b, _ in buckets if not math.isinf(b)]
+            first = next(i for i, (_, c) in enumerate(buckets) if c > 0)
+            last = next(i for i, (_, c) in enumerate(buckets) if c >= count)
+            yield {"labels": dict(labels),
+                   # Bucket resolution: the upper edges of the lowest and highest occupied
+                   # buckets (exact for integer-valued histograms such as skeleton depth).
+                   "min": scale * min(buckets[first][0], finite[-1] if finite else 0.0),
+                   "mean": scale * increase(sum_points) / count,
+                   "p50": scale * bucket_quantile(0.5, buckets),
+                   "p95": scale * bucket_quantile(0.95, buckets),
+                   "max": scale * min(buckets[last][0], finite[-1] if finite else 0.0),
+                   "last": _scaled(_last_interval_mean(sum_points, count_points), scale),
+                   "samples": int(count)}
+
+
+def _last_interval_mean(sum_points, count_points) -> float:
+    """Mean of the observations in the latest interval that had any."""
+    sums, counts = dict(sum_points), dict(count_points)
+    times = [t for t, _ in count_points if t in sums]
+    for later, earlier in zip(reversed(times), list(reversed(times))[1:]):
+        delta = counts[later] - counts[earlier]
+        if delta > 0:
+            return (sums[later] - sums[earlier]) / delta
+    return None
+
+
+def _scaled(value, scale):
+    return None if value is None else value * scale
+
+
+def _matches(labels: dict, wanted: dict) -> bool:
+    return all(labels.get(k) == v for k, v in wanted.items())

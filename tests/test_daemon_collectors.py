@@ -1,0 +1,159 @@
+"""Collector isolation in the daemon, and the NVML collector through the real pynvml."""
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.core import GaugeMetricFamily
+
+from collectors.base import Collector, CollectorUnavailable
+from daemon.config import DaemonConfig
+from daemon.service import Daemon
+from tests.conftest import sample_value
+
+STANDIN = Path(__file__).parent / "standins" / "nvml_standin.c"
+
+
+class Ticker(Collector):
+    name = "ticker"
+
+    def __init__(self):
+        self.count = 0
+
+    def collect(self):
+        self.count += 1
+        gauge = GaugeMetricFamily("ac_test_ticks", "Calls so far.")
+        gauge.add_metric([], self.count)
+        return [gauge]
+
+
+class Raiser(Collector):
+    name = "raiser"
+    broken = True
+
+    def collect(self):
+        if self.broken:
+            raise RuntimeError("source exploded")
+        gauge = GaugeMetricFamily("ac_test_raiser_ok", "Recovered.")
+        gauge.add_metric([], 1)
+        return [gauge]
+
+
+class Hanger(Collector):
+    name = "hanger"
+    timeout_seconds = 0.3
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def collect(self):
+        self.release.wait()
+        return []
+
+
+class Missing(Collector):
+    name = "missing"
+
+    def collect(self):
+        raise CollectorUnavailable("no such device here")
+
+
+def _parse(daemon: Daemon) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(daemon.render_metrics().decode())
+            for s in fam.samples}
+
+
+def test_raising_and_hanging_collectors_are_isolated_and_recover(tmp_path):
+    ticker, raiser, hanger, missing = Ticker(), Raiser(), Hanger(), Missing()
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collector_timeout_seconds=0.3),
+                    collectors=[ticker, raiser, hanger, missing])
+    try:
+        for cycle in range(1, 4):
+            started = time.monotonic()
+            daemon.run_cycle()
+            assert time.monotonic() - started < 1.0  # a hang costs at most its timeout
+            metrics = _parse(daemon)
+            assert sample_value(metrics, "ac_test_ticks") == cycle  # fresh every cycle
+            assert sample_value(metrics, "ac_collector_up", collector="ticker") == 1
+            assert sample_value(metrics, "ac_collector_up", collector="raiser") == 0
+            assert sample_value(metrics, "ac_collector_up", collector="hanger") == 0
+            assert sample_value(metrics, "ac_collector_up", collector="missing") == 0
+        status = {c["name"]: c for c in daemon.status()["collectors"]}
+        assert "source exploded" in status["raiser"]["reason"]
+        assert status["hanger"]["reason"].startswith("hung")
+        assert status["missing"]["reason"] == "no such device here"
+        assert sample_value(metrics, "ac_collector_errors_total", collector="raiser") == 3
+        assert sample_value(metrics, "ac_collector_errors_total", collector="hanger") == 1
+        assert sample_value(metrics, "ac_collector_errors_total", collector="missing") == 0
+        raiser.broken = False
+        hanger.release.set()
+        time.sleep(0.1)
+        daemon.run_cycle()
+        daemon.run_cycle()
+        metrics = _parse(daemon)
+        assert sample_value(metrics, "ac_collector_up", collector="raiser") == 1
+        assert sample_value(metrics, "ac_collector_up", collector="hanger") == 1
+        assert sample_value(metrics, "ac_test_raiser_ok") == 1
+    finally:
+        hanger.release.set()
+        daemon.close()
+
+
+@pytest.fixture(scope="module")
+def nvml_standin(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("nvml")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-o",
+                    str(folder / "libnvidia-ml.so.1"), str(STANDIN)], check=True)
+    return folder
+
+
+def test_nvml_collector_exports_the_libraries_values_exactly(start_daemon, nvml_standin):
+    daemon = start_daemon(None, "--collectors", "nvml",
+                          env={"LD_LIBRARY_PATH": str(nvml_standin)})
+    deadline = time.monotonic() + 20
+    while True:
+        metrics = daemon.metrics()
+        if sample_value(metrics, "ac_gpu_sm_occupancy_ratio", gpu="0") is not None:
+            break
+        assert time.monotonic() < deadline, daemon.log_path.read_text()
+        time.sleep(0.2)
+    uuid0 = "GPU-11111111-2222-3333-4444-000000000000"
+    uuid1 = "GPU-11111111-2222-3333-4444-000000000001"
+    g0, g1 = {"gpu": "0", "uuid": uuid0}, {"gpu": "1", "uuid": uuid1}
+    expected = {
+        ("ac_gpu_utilization_ratio", "0"): 0.37, ("ac_gpu_utilization_ratio", "1"): 0.91,
+        ("ac_gpu_memory_used_bytes", "0"): 1 << 30, ("ac_gpu_memory_used_bytes", "1"): 40 << 30,
+        ("ac_gpu_memory_total_bytes", "0"): 80 << 30, ("ac_gpu_power_watts", "0"): 123.456,
+        ("ac_gpu_temperature_celsius", "0"): 61, ("ac_gpu_temperature_celsius", "1"): 72,
+        ("ac_gpu_sm_clock_hertz", "0"): 1.41e9, ("ac_gpu_sm_clock_hertz", "1"): 1.98e9,
+        ("ac_gpu_sm_occupancy_ratio", "0"): 0.455, ("ac_gpu_sm_active_ratio", "0"): 0.8025,
+        ("ac_gpu_tensor_active_ratio", "0"): 0.125, ("ac_gpu_dram_active_ratio", "0"): 0.33,
+    }
+    for (name, gpu), value in expected.items():
+        labels = g0 if gpu == "0" else g1
+        assert sample_value(metrics, name, **labels) == pytest.approx(value, rel=1e-12), name
+    # Not supported on GPU 1: skipped, not zero, not an error.
+    assert sample_value(metrics, "ac_gpu_power_watts", **g1) is None
+    assert sample_value(metrics, "ac_gpu_sm_occupancy_ratio", **g1) is None
+    assert sample_value(metrics, "ac_gpu_process_memory_bytes", pid="4242", **g0) == 512 << 20
+    assert sample_value(metrics, "ac_gpu_xid_errors_total", **g1) == 2
+    assert sample_value(metrics, "ac_gpu_xid_errors_total", **g0) == 0
+    assert sample_value(metrics, "ac_collector_up", collector="nvml") == 1
+
+
+def test_nvml_without_a_library_is_down_with_a_reason(start_daemon):
+    import httpx
+    daemon = start_daemon(None, "--collectors", "engine,nvml", env={"LD_LIBRARY_PATH": ""})
+    time.sleep(1.5)
+    metrics = daemon.metrics()
+    assert sample_value(metrics, "ac_collector_up", collector="nvml") == 0
+    assert sample_value(metrics, "ac_collector_up", collector="engine") == 1
+    assert not [k for k in metrics if k[0].startswith("ac_gpu_")]
+    status = httpx.get(daemon.url + "/api/v1/status").json()
+    nvml = next(c for c in status["collectors"] if c["name"] == "nvml")
+    assert "libnvidia-ml.so.1 not found" in nvml["reason"]

@@ -1,0 +1,247 @@
+"""The daemon against live engines: restarts, kill -9, promtool, tokens, `ac-observe up`."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import EngineServer, free_port, sample_value
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _engine_series(metrics, engine):
+    return [k for k in metrics if ("engine", engine) in k[1]]
+
+
+def _ask(url, n=3, lane="throughput"):
+    out = []
+    for i in range(n):
+        response = httpx.post(url + "/v1/messages", headers={"x-ac-stream": lane}, timeout=60,
+                              json={"model": "tiny", "max_tokens": 8,
+                                    "messages": [{"role": "user", "content": f"<q>{i}</q>"}]})
+        assert response.status_code == 200, response.text
+        out.append(response)
+    return out
+
+
+def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path):
+    root = tmp_path / "telemetry"
+    daemon = start_daemon(root, "--engine-stale", "2s", "--engine-grace", "3s",
+                          "--collectors", "engine")
+    engine = EngineServer(root / "e1", "--engine-name", "e1").wait_healthy()
+    try:
+        _ask(engine.url)
+        metrics = _wait_for(lambda: (m := daemon.metrics()) and sample_value(
+            m, "ac_requests_total", engine="e1", status="ok", stream="throughput") == 3 and m,
+            10, "the engine's series")
+        assert sample_value(metrics, "ac_inference_latency_seconds_count", engine="e1",
+                            stream="throughput") == 3
+        os.kill(engine.proc.pid, signal.SIGKILL)
+        engine.proc.wait()
+        # The daemon keeps serving, the collector stays up, the series go after the grace.
+        time.sleep(2.5)
+        metrics = daemon.metrics()
+        assert sample_value(metrics, "ac_collector_up", collector="engine") == 1
+        assert _engine_series(metrics, "e1"), "series vanished before the grace period"
+        _wait_for(lambda: not _engine_series(daemon.metrics(), "e1"), 15, "series to vanish")
+        assert sample_value(daemon.metrics(), "ac_collector_up", collector="engine") == 1
+        assert not (root / "e1").exists()  # the dead engine's files were cleaned up
+    finally:
+        engine.stop()
+    engine = EngineServer(root / "e1", "--engine-name", "e1").wait_healthy()
+    try:
+        _ask(engine.url, n=2)
+        _wait_for(lambda: sample_value(daemon.metrics(), "ac_requests_total", engine="e1",
+                                       status="ok", stream="throughput") == 2, 10,
+                  "series of the restarted engine")
+    finally:
+        engine.stop()
+
+
+def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
+    root = tmp_path / "telemetry"
+    daemon = start_daemon(root, "--engine-stale", "2s", "--engine-grace", "60s",
+                          "--collectors", "engine")
+    engine = EngineServer(root / "e2", "--engine-name", "e2").wait_healthy()
+    _ask(engine.url, n=2)
+    engine.proc.send_signal(signal.SIGKILL)
+    engine.proc.wait()
+    engine.log.close()
+    engine = EngineServer(root / "e2", "--engine-name", "e2").wait_healthy()
+    try:
+        _ask(engine.url, n=1)
+        _wait_for(lambda: sample_value(daemon.metrics(), "ac_requests_total", engine="e2",
+                                       status="ok", stream="throughput") == 3, 10,
+                  "counters continued across the restart")
+    finally:
+        engine.stop()
+
+
+def test_metrics_pass_promtool_and_labels_stay_bounded(start_daemon, tmp_path):
+    root = tmp_path / "telemetry"
+    daemon = start_daemon(root, "--collectors", "engine,nvml")
+    engine = EngineServer(root / "e3", "--engine-name", "e3").wait_healthy()
+    try:
+        secret = "my-secret-prompt-text"
+        for i in range(30):  # 30 distinct skeletons, each seen 3 times
+            for _ in range(3):
+                httpx.post(engine.url + "/v1/messages", timeout=60, json={
+                    "model": "tiny", "max_tokens": 2, "messages": [
+                        {"role": "user", "content": f"<t{i}>{secret}</t{i}>"}]})
+        _wait_for(lambda: sample_value(daemon.metrics(), "ac_requests_total", engine="e3",
+                                       status="ok", stream="throughput") == 90, 20, "requests")
+        text = httpx.get(daemon.url + "/metrics").text
+    finally:
+        engine.stop()
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                           text=True)
+    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), \
+        check.stdout + check.stderr
+    assert secret not in text
+    skeletons = {line.split('skeleton="')[1].split('"')[0] for line in text.splitlines()
+                 if line.startswith("ac_skeleton_requests_total")}
+    assert len(skeletons) == 21 and "other" in skeletons  # top 20 + other
+
+
+def test_off_loopback_needs_a_token_and_the_token_guards_the_api(tmp_path):
+    refused = subprocess.run([sys.executable, "-m", "daemon.cli", "daemon", "--host", "0.0.0.0",
+                              "--telemetry-root", str(tmp_path)], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "AC_OBSERVE_TOKEN": ""})
+    assert refused.returncode == 2 and "token" in refused.stderr
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "daemon", "--host", "127.0.0.1",
+                             "--port", str(port), "--telemetry-root", str(tmp_path),
+                             "--token", "s3cret"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for(lambda: _healthy(url), 20, "daemon")
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert httpx.get(url + "/metrics",
+                         headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def _healthy(url):
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _cli_json(daemon_url, metric, window="30s", labels=""):
+    args = [sys.executable, "-m", "daemon.cli", "--daemon", daemon_url, "--metric", metric,
+            "--window", window, "--json"]
+    if labels:
+        args += ["--labels", labels]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+def test_up_with_demo_load_answers_the_cli_within_ten_seconds(tmp_path):
+    engine_port, daemon_port = free_port(), free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    daemon_url = f"http://127.0.0.1:{daemon_port}"
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "daemon.cli", "up", "--engine-port",
+                           str(engine_port), "--daemon-port", str(daemon_port), "--demo-load",
+                           "--telemetry-root", str(tmp_path / "telemetry")],
+                          stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
+        ready = time.monotonic()
+        # Our own requests, alongside the demo traffic, give trace headers to check against.
+        system = "You are a careful SRE assistant. " * 24  # the demo's first system prompt
+        traces = []
+        for i in range(6):
+            response = httpx.post(engine_url + "/v1/messages", timeout=60,
+                                  headers={"x-ac-stream": "low_latency"}, json={
+                                      "model": "tiny", "max_tokens": 6, "system": system,
+                                      "messages": [{"role": "user",
+                                                    "content": f"# Q{i}\n- <b>{i}</b>"}]})
+            traces.append((int(response.headers["x-ac-model-latency-ns"]),
+                           json.loads(response.headers["x-ac-trace-detail"])))
+        time.sleep(max(0.0, 2.5 - (time.monotonic() - ready)))
+        results = {m: _cli_json(daemon_url, m) for m in (
+            "inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",
+            "cuda_stream_utilization")}
+        assert time.monotonic() - ready < 10 + 5  # answered within 10 s (+CLI start-up)
+        for metric, result in results.items():
+            assert result["series"], f"{metric}: no series"
+
+        ttfts = [t for t, _ in traces]
+        low = [s for s in results["inference_latency_ns"]["series"]
+               if s["labels"]["stream"] == "low_latency"][0]
+        assert low["samples"] >= len(traces)
+        assert min(ttfts) / 5 <= low["p50"] <= max(ttfts) * 5
+        assert low["min"] <= max(ttfts) and low["max"] >= min(ttfts)
+
+        hit = results["kv_cache_hit_rate"]["series"][0]
+        assert sum(d["kv_hit_blocks"] for _, d in traces) > 0
+        assert 0 < hit["mean"] <= 100
+
+        depth = results["skeleton_complexity"]["series"][0]
+        depths = [d["skeleton_depth"] for _, d in traces]
+        assert depth["min"] <= min(depths) and depth["max"] >= max(depths)
+
+        lanes = {s["labels"]["stream"]: s for s in results["cuda_stream_utilization"]["series"]}
+        assert set(lanes) == {"low_latency", "throughput"}
+        for series in lanes.values():
+            assert 0 <= series["min"] <= series["mean"] <= series["max"] <= 100
+        assert max(s["max"] for s in lanes.values()) > 0
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=30)
+        log.close()
+    children = subprocess.run(["pgrep", "-f", f"--port {engine_port}|--port {daemon_port}"],
+                              capture_output=True, text=True)
+    assert children.stdout.strip() == "", "orphan processes left behind"
+
+
+def _engine_ok(url):
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", "--daemon",
+                          f"http://127.0.0.1:{port}", "--metric", "gpu_utilization"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "cannot reach the ac-observe daemon" in out.stdout
+    daemon = start_daemon(None, "--collectors", "engine")
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", "--daemon", daemon.url,
+                          "--metric", "gpu_utilisation"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and "unknown metric" in out.stdout and "--list" in out.stdout
+    listed = subprocess.run([sys.executable, "-m", "daemon.cli", "--list", "--json"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    names = {m["name"] for m in json.loads(listed.stdout)}
+    assert {"inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",
+            "cuda_stream_utilization", "gpu_utilization"} <= names
+    status = subprocess.run([sys.executable, "-m", "daemon.cli", "--daemon", daemon.url,
+                             "status", "--json"], capture_output=True, text=True, timeout=60,
+                            check=True)
+    assert json.loads(status.stdout)["collectors"][0]["name"] == "engine"

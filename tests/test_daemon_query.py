@@ -1,0 +1,91 @@
+"""Window statistics: histogram quantiles from bucket deltas, ratios, rates with resets."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from daemon.query import QueryEngine, bucket_quantile, parse_duration, parse_labels
+from daemon.windows import Windows
+
+LABELS = (("engine", "e"), ("model", "m"), ("stream", "throughput"))
+
+
+def _hist_samples(counts_by_le: dict[float, float], total_sum: float, labels=LABELS):
+    samples, cumulative = {}, 0.0
+    for le in sorted(counts_by_le):
+        cumulative += counts_by_le[le]
+        le_text = "+Inf" if math.isinf(le) else repr(le)
+        samples[("ac_inference_latency_seconds_bucket", labels + (("le", le_text),))] = cumulative
+    samples[("ac_inference_latency_seconds_count", labels)] = cumulative
+    samples[("ac_inference_latency_seconds_sum", labels)] = total_sum
+    return samples
+
+
+def test_histogram_answer_uses_only_observations_inside_the_window():
+    windows = Windows(capacity=100)
+    engine = QueryEngine(windows, interval_seconds=1.0)
+    # Before the window: 1000 slow observations. Inside: 10 at ~10 ms, 10 at ~30 ms.
+    windows.append(0.0, _hist_samples({0.01: 0, 0.02: 0, 0.04: 0, 1.0: 1000, math.inf: 0}, 900.0))
+    windows.append(50.0, _hist_samples({0.01: 0, 0.02: 0, 0.04: 0, 1.0: 1000, math.inf: 0}, 900.0))
+    windows.append(51.0, _hist_samples({0.01: 0, 0.02: 10, 0.04: 0, 1.0: 1000, math.inf: 0}, 900.1))
+    windows.append(52.0, _hist_samples({0.01: 0, 0.02: 10, 0.04: 10, 1.0: 1000, math.inf: 0}, 900.4))
+    result = engine.query("inference_latency_ns", 5.0, {}, now=52.5)
+    (series,) = result["series"]
+    assert series["samples"] == 20
+    assert series["mean"] == pytest.approx(0.4 / 20 * 1e9)
+    assert series["p50"] == pytest.approx(0.02e9)           # rank 10 ends the 10-20 ms bucket
+    assert series["p95"] == pytest.approx((0.02 + 0.02 * 9 / 10) * 1e9)
+    assert series["min"] == pytest.approx(0.02e9) and series["max"] == pytest.approx(0.04e9)
+    assert series["last"] == pytest.approx(0.03e9)          # the last interval: 10 obs, 0.3 s
+
+
+def test_bucket_quantile_matches_prometheus_interpolation():
+    buckets = [(0.1, 2.0), (0.2, 6.0), (0.4, 10.0), (math.inf, 10.0)]
+    assert bucket_quantile(0.5, buckets) == pytest.approx(0.1 + 0.1 * (5 - 2) / 4)
+    assert bucket_quantile(0.1, buckets) == pytest.approx(0.05)
+    assert bucket_quantile(1.0, buckets) == pytest.approx(0.4)
+    assert bucket_quantile(0.99, [(1.0, 0.0), (math.inf, 5.0)]) == 1.0  # +Inf: last finite bound
+
+
+def test_ratio_is_delta_over_delta_and_rate_survives_a_counter_reset():
+    windows = Windows(capacity=10)
+    engine = QueryEngine(windows, interval_seconds=1.0)
+    labels = (("engine", "e"), ("model", "m"))
+    hits, queries = [0, 5, 5, 14], [10, 20, 20, 30]
+    tokens = [100, 150, 10, 60]  # reset between t=1 and t=2
+    for t, (h, q, n) in enumerate(zip(hits, queries, tokens)):
+        windows.append(float(t), {("ac_kv_cache_hit_blocks_total", labels): h,
+                                  ("ac_kv_cache_query_blocks_total", labels): q,
+                                  ("ac_generation_tokens_total", labels): n})
+    (hit,) = engine.query("kv_cache_hit_rate", 10, {}, now=3.0)["series"]
+    assert hit["mean"] == pytest.approx(100 * 14 / 20)
+    assert hit["min"] == pytest.approx(50.0) and hit["max"] == pytest.approx(90.0)
+    assert hit["last"] == pytest.approx(90.0)
+    (rate,) = engine.query("generation_tokens_per_second", 10, {}, now=3.0)["series"]
+    assert rate["mean"] == pytest.approx((50 + 10 + 50) / 3)
+    assert rate["min"] == pytest.approx(10.0)
+
+
+def test_label_filter_and_unknown_metric():
+    windows = Windows(capacity=10)
+    engine = QueryEngine(windows, interval_seconds=1.0)
+    for t in range(3):
+        windows.append(float(t), {
+            ("ac_cuda_stream_utilization", LABELS): 0.5,
+            ("ac_cuda_stream_utilization", LABELS[:2] + (("stream", "low_latency"),)): 0.25})
+    result = engine.query("cuda_stream_utilization", 60, {"stream": "low_latency"}, now=2.0)
+    assert [s["mean"] for s in result["series"]] == [25.0]
+    with pytest.raises(KeyError):
+        engine.query("no_such_metric", 60, {}, now=2.0)
+
+
+def test_duration_and_label_parsing():
+    assert parse_duration("60s") == 60 and parse_duration("5m") == 300
+    assert parse_duration("1h") == 3600 and parse_duration("250ms") == 0.25
+    with pytest.raises(ValueError):
+        parse_duration("soon")
+    assert parse_labels("stream=low_latency, engine=e1") == {"stream": "low_latency",
+                                                              "engine": "e1"}
+    with pytest.raises(ValueError):
+        parse_labels("stream")
