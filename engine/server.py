@@ -129,13 +129,9 @@ def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI
         async def events():
             try:
                 yield fmt.anthropic_stream_start(message_id, body.model, first)
-                out = first
-                while True:
+                async for out in _until_finished(first, queue):
                     if out.new_text:
                         yield fmt.anthropic_text_delta(out.new_text)
-                    if out.finished:
-                        break
-                    out = await queue.get()
                 if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
                     yield fmt.anthropic_stream_error(500, _failure_message(out))
                 else:
@@ -175,14 +171,10 @@ def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI
             try:
                 yield fmt.openai_chunk(completion_id, body.model, created,
                                        {"role": "assistant", "content": ""})
-                out = first
-                while True:
+                async for out in _until_finished(first, queue):
                     if out.new_text:
                         yield fmt.openai_chunk(completion_id, body.model, created,
                                                {"content": out.new_text})
-                    if out.finished:
-                        break
-                    out = await queue.get()
                 if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
                     yield "data: " + json.dumps(fmt.openai_error(500, _failure_message(out))) \
                         + "\n\n"
@@ -258,6 +250,15 @@ async def _next_output(queue: asyncio.Queue, request: Request, engine: Engine,
         except asyncio.CancelledError:
             engine.abort(request_id)
             raise
+
+
+async def _until_finished(first: RequestOutput, queue: asyncio.Queue):
+    """A stream's outputs, from the first one to the finished one."""
+    out = first
+    yield out
+    while not out.finished:
+        out = await queue.get()
+        yield out
 
 
 async def _collect(first: RequestOutput, queue, request, engine, request_id) -> RequestOutput:

@@ -284,6 +284,7 @@ def _scan_json(builder: _Builder, parent: Node, text: str, start: int, stop: int
         return None
     limit = min(stop, start + builder.budget)
     opened: list[str] = []
+    brackets: list[str] = []  # the value's bracket sequence, replayed into nodes if it closes
     i, in_string = start, False
     while i < limit:
         char = text[i]
@@ -296,34 +297,26 @@ def _scan_json(builder: _Builder, parent: Node, text: str, start: int, stop: int
             in_string = True
         elif char in "{[":
             opened.append("}" if char == "{" else "]")
+            brackets.append(char)
         elif char in "}]":
             if not opened or opened.pop() != char:
                 break
+            brackets.append(char)
             if not opened:
                 builder.budget -= i + 1 - start
-                _build_json(builder, parent, text, start, i + 1)
+                _build_json(builder, parent, brackets)
                 return i + 1
         i += 1
     builder.budget -= i - start
     return None
 
 
-def _build_json(builder: _Builder, parent: Node, text: str, start: int, end: int) -> None:
-    """Second pass over a value known to be balanced: add its object/array nodes."""
+def _build_json(builder: _Builder, parent: Node, brackets: list[str]) -> None:
+    """Object/array nodes of a balanced bracket sequence."""
     stack = [parent]
-    i, in_string = start, False
-    while i < end:
-        char = text[i]
-        if in_string:
-            if char == "\\":
-                i += 1
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
+    for char in brackets:
+        if char in "{[":
             node = builder.add(stack[-1], "json", "object" if char == "{" else "array")
             stack.append(node if node is not None else stack[-1])
-        elif char in "}]":
+        else:
             stack.pop()
-        i += 1

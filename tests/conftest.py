@@ -24,35 +24,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class EngineServer:
-    """`ac-observe engine` in a subprocess on a free loopback port."""
+class ServerProcess:
+    """An `ac-observe` command serving HTTP, in a subprocess on a free loopback port."""
 
-    def __init__(self, telemetry_dir, *args: str):
+    ready_path = "/health"
+
+    def __init__(self, args: list[str], log_dir, env: dict | None = None):
         import subprocess
         import sys
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.telemetry_dir = telemetry_dir
-        self.log = open(telemetry_dir.parent / f"engine-{self.port}.log", "w")
+        self.log_path = log_dir / f"{args[0]}-{self.port}.log"
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "engine", "--port", str(self.port),
-             "--telemetry-dir", str(telemetry_dir), "--log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "daemon.cli", *args, "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
-    def wait_healthy(self, timeout=120.0):
+    def wait_ready(self, timeout=120.0):
         import time
         import httpx
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.proc.returncode}")
+                raise RuntimeError(f"{self.proc.args[3]} exited with {self.proc.returncode}: "
+                                   f"{self.log_path.read_text()[-2000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError("engine did not become healthy")
+        raise TimeoutError(f"{self.proc.args[3]} did not become ready")
 
     def stop(self):
         self.proc.terminate()
@@ -64,13 +66,22 @@ class EngineServer:
         self.log.close()
 
 
+class EngineServer(ServerProcess):
+    """`ac-observe engine`, writing telemetry into `telemetry_dir`."""
+
+    def __init__(self, telemetry_dir, *args: str):
+        self.telemetry_dir = telemetry_dir
+        super().__init__(["engine", "--telemetry-dir", str(telemetry_dir), "--log-level",
+                          "warning", *args], telemetry_dir.parent)
+
+
 @pytest.fixture
 def start_engine(tmp_path_factory):
     servers = []
 
     def start(*args: str) -> EngineServer:
         root = tmp_path_factory.mktemp("engine")
-        server = EngineServer(root / "telemetry", *args).wait_healthy()
+        server = EngineServer(root / "telemetry", *args).wait_ready()
         servers.append(server)
         return server
 
@@ -83,40 +94,19 @@ def start_engine(tmp_path_factory):
 def engine_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
     server = EngineServer(root / "telemetry", "--max-model-len", "1024", "--kv-blocks", "512",
-                          "--max-body-mb", "1").wait_healthy()
+                          "--max-body-mb", "1").wait_ready()
     yield server
     server.stop()
 
 
-class DaemonProcess:
-    """`ac-observe daemon` in a subprocess on a free loopback port."""
+class DaemonProcess(ServerProcess):
+    """`ac-observe daemon` reading `telemetry_root`."""
+
+    ready_path = "/healthz"
 
     def __init__(self, telemetry_root, *args: str, env: dict | None = None):
-        import subprocess
-        import sys
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = telemetry_root.parent / f"daemon-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "daemon", "--port", str(self.port),
-             "--telemetry-root", str(telemetry_root), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-
-    def wait_ready(self, timeout=30.0):
-        import time
-        import httpx
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("daemon did not start")
+        super().__init__(["daemon", "--telemetry-root", str(telemetry_root), *args],
+                         telemetry_root.parent, env)
 
     def metrics(self, headers=None) -> dict:
         """{(sample name, frozenset(labels)): value} of /metrics."""
@@ -125,16 +115,6 @@ class DaemonProcess:
         text = httpx.get(self.url + "/metrics", timeout=10, headers=headers).text
         return {(s.name, frozenset(s.labels.items())): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
 
 @pytest.fixture
 def start_daemon(tmp_path_factory):

@@ -44,7 +44,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--engine-stale", "2s", "--engine-grace", "3s",
                           "--collectors", "engine")
-    engine = EngineServer(root / "e1", "--engine-name", "e1").wait_healthy()
+    engine = EngineServer(root / "e1", "--engine-name", "e1").wait_ready()
     try:
         _ask(engine.url)
         metrics = _wait_for(lambda: (m := daemon.metrics()) and sample_value(
@@ -64,7 +64,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
         assert not (root / "e1").exists()  # the dead engine's files were cleaned up
     finally:
         engine.stop()
-    engine = EngineServer(root / "e1", "--engine-name", "e1").wait_healthy()
+    engine = EngineServer(root / "e1", "--engine-name", "e1").wait_ready()
     try:
         _ask(engine.url, n=2)
         _wait_for(lambda: sample_value(daemon.metrics(), "ac_requests_total", engine="e1",
@@ -78,12 +78,12 @@ def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--engine-stale", "2s", "--engine-grace", "60s",
                           "--collectors", "engine")
-    engine = EngineServer(root / "e2", "--engine-name", "e2").wait_healthy()
+    engine = EngineServer(root / "e2", "--engine-name", "e2").wait_ready()
     _ask(engine.url, n=2)
     engine.proc.send_signal(signal.SIGKILL)
     engine.proc.wait()
     engine.log.close()
-    engine = EngineServer(root / "e2", "--engine-name", "e2").wait_healthy()
+    engine = EngineServer(root / "e2", "--engine-name", "e2").wait_ready()
     try:
         _ask(engine.url, n=1)
         _wait_for(lambda: sample_value(daemon.metrics(), "ac_requests_total", engine="e2",
@@ -96,7 +96,7 @@ def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
 def test_metrics_pass_promtool_and_labels_stay_bounded(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--collectors", "engine,nvml")
-    engine = EngineServer(root / "e3", "--engine-name", "e3").wait_healthy()
+    engine = EngineServer(root / "e3", "--engine-name", "e3").wait_ready()
     try:
         secret = "my-secret-prompt-text"
         for i in range(30):  # 30 distinct skeletons, each seen 3 times
