@@ -83,21 +83,19 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
                 raise ValueError(body.get("error", response.text))
             return body
 
+        if as_json:  # one JSON document per line, every 2 s with --watch
+            while True:
+                print(json.dumps(fetch()), flush=True)
+                if not watch:
+                    return 0
+                time.sleep(2)
         if not watch:
-            result = fetch()
-            if as_json:
-                print(json.dumps(result))
-            else:
-                console.print(_table(result))
+            console.print(_table(fetch()))
             return 0
         with Live(_table(fetch()), console=console, refresh_per_second=2) as live:
             while True:
                 time.sleep(2)
-                result = fetch()
-                if as_json:
-                    print(json.dumps(result), flush=True)
-                else:
-                    live.update(_table(result))
+                live.update(_table(fetch()))
     except KeyboardInterrupt:
         return 0
     except (DaemonUnreachable, ValueError) as exc:

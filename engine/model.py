@@ -68,10 +68,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype != torch.float64:  # one fused kernel; float32 math as transformers does
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # transformers normalises float64 activations in float32: mirror it exactly.
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -245,3 +245,17 @@ def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
                              "status", "--json"], capture_output=True, text=True, timeout=60,
                             check=True)
     assert json.loads(status.stdout)["collectors"][0]["name"] == "engine"
+
+
+def test_watch_keeps_answering_until_interrupted(start_daemon):
+    daemon = start_daemon(None, "--collectors", "engine")
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--daemon", daemon.url,
+                             "--metric", "requests_running", "--watch", "--json"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(proc.stdout.readline())
+        second = json.loads(proc.stdout.readline())
+        assert first["metric"] == second["metric"] == "requests_running"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0

@@ -322,3 +322,50 @@ def test_health_is_unhealthy_until_the_model_is_ready(tmp_path):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_a_failing_model_step_is_a_500_without_internals_and_the_server_lives_on(tmp_path):
+    import threading
+
+    import uvicorn
+
+    from engine.config import EngineConfig
+    from engine.server import EngineService, create_app
+    from tests.conftest import free_port
+
+    service = EngineService(EngineConfig(telemetry_dir=str(tmp_path)))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(service), port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started or httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        runner = service.engine.runner
+        real_run = runner.run
+
+        def broken(batch):
+            raise RuntimeError("CUDA error: device-side assert triggered at /secret/path.cu:42")
+
+        runner.run = broken
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+        response = httpx.post(url + "/v1/messages", json=body, timeout=30)
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["type"] == "api_error"
+        assert "secret" not in response.text and "Traceback" not in response.text
+        with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True},
+                          timeout=30) as stream:
+            text = "".join(stream.iter_text())
+        assert "event: error" in text and "api_error" in text and "secret" not in text
+        runner.run = real_run
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/v1/messages", json=body, timeout=30).status_code == 200
+        assert service.engine.load_summary()["kv_blocks_free"] == \
+            service.engine.load_summary()["kv_blocks"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
