@@ -183,6 +183,7 @@ def engine(
     from engine.server import EngineService, create_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the demo client's per-request lines
     name = engine_name or f"engine-{port}"
     telemetry = telemetry_dir or str(default_telemetry_root() / name)
     try:

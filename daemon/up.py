@@ -32,10 +32,13 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
     from engine.config import default_telemetry_root
     root = telemetry_root or str(default_telemetry_root())
     env = {**os.environ, "AC_OBSERVE_TELEMETRY_DIR": root}
-    engine_cmd = ["engine", "--port", str(engine_port), "--model", model, *engine_args]
+    # Quiet children by default: the terminal shows where to look, not access logs.
+    engine_cmd = ["engine", "--port", str(engine_port), "--model", model, "--log-level",
+                  "warning", *engine_args]
     if demo_load:
         engine_cmd.append("--demo-load")
-    daemon_cmd = ["daemon", "--port", str(daemon_port), "--telemetry-root", root, *daemon_args]
+    daemon_cmd = ["daemon", "--port", str(daemon_port), "--telemetry-root", root, "--log-level",
+                  "warning", *daemon_args]
     children = [_spawn(daemon_cmd, env), _spawn(engine_cmd, env)]
     stopping = False
 
