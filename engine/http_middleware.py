@@ -8,6 +8,9 @@ from typing import Callable
 
 from engine.api_format import new_request_id
 
+GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions"})
+TRACE_DEFAULTS = ((b"x-ac-model-latency-ns", b"0"), (b"x-ac-queue-time-ns", b"0"),
+                  (b"x-ac-trace-detail", b"{}"))
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
@@ -31,10 +34,15 @@ class BodyLimitAndIdsMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"], state["trace_id"] = request_id, trace_id
         ids = [(b"request-id", request_id.encode()), (b"x-ac-trace-id", trace_id.encode())]
+        generation = scope["path"] in GENERATION_PATHS
 
         async def send_with_ids(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": list(message.get("headers", [])) + ids}
+                headers = list(message.get("headers", [])) + ids
+                if generation:  # the trace headers too, zero when nothing ran (errors)
+                    present = {k.lower() for k, _ in headers}
+                    headers += [h for h in TRACE_DEFAULTS if h[0] not in present]
+                message = {**message, "headers": headers}
             await send(message)
 
         length = headers.get(b"content-length")

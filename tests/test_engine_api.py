@@ -39,8 +39,11 @@ def test_anthropic_sdk_create_stream_and_count_tokens_agree(engine_server):
     # This SDK release no longer types sampling settings; the API still takes them.
     kwargs = dict(model="tiny", max_tokens=40, extra_body={"temperature": 0}, system="Be terse.",
                   messages=[{"role": "user", "content": PROMPT}])
-    raw = client.messages.with_raw_response.create(**kwargs)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    raw = client.messages.with_raw_response.create(**kwargs,
+                                                   extra_headers={"traceparent": traceparent})
     message = raw.parse()
+    assert raw.headers["x-ac-trace-id"] == "0af7651916cd43dd8448eb211c80319c"
     assert raw.headers["request-id"].startswith("req_")
     assert int(raw.headers["x-ac-model-latency-ns"]) > 0
     detail = json.loads(raw.headers["x-ac-trace-detail"])
@@ -147,6 +150,9 @@ def test_bad_messages_requests_get_status_and_named_problem(engine_server, body,
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert words in error["error"]["message"]
     assert response.headers["request-id"].startswith("req_")
+    assert len(response.headers["x-ac-trace-id"]) == 32
+    assert response.headers["x-ac-model-latency-ns"] == "0"
+    assert response.headers["x-ac-trace-detail"] == "{}"
 
 
 def test_bad_lane_header_and_openai_errors_use_their_shapes(engine_server):
