@@ -84,47 +84,52 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        # Views into the engine's pool, bound by `bind_kv_cache`: [num_blocks, block size, G, E].
+        # Views into the engine's pool, bound by `bind_kv_cache`: [G, num_blocks, block size, E].
+        # Head-major, so gathering a batch's blocks yields [G, B, L, E] with no transpose copy.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         B, N, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(q.view(B, N, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(B, N, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(B, N, self.num_kv_heads, self.head_dim)
         G, E = self.num_kv_heads, self.head_dim
-        self.k_cache.view(-1, G, E).index_copy_(0, meta.write_slots,
-                                                k.reshape(B * N, G, E)[meta.write_index])
-        self.v_cache.view(-1, G, E).index_copy_(0, meta.write_slots,
-                                                v.reshape(B * N, G, E)[meta.write_index])
-        # Gather whole blocks (contiguous copies), then view them as one context per sequence.
-        blocks = meta.block_tables.view(-1)
-        num_blocks = self.k_cache.shape[0]
-        keys = self.k_cache.view(num_blocks, -1).index_select(0, blocks) \
-            .view(B, -1, G, E).transpose(1, 2)    # [B, G, L, E]
-        values = self.v_cache.view(num_blocks, -1).index_select(0, blocks) \
-            .view(B, -1, G, E).transpose(1, 2)  # [B, G, L, E]
+        H = self.num_heads
+        qkv = self.qkv_proj(x)
+        # Rotate queries and keys together: one RoPE pass over H + G heads.
+        qk = apply_rope(qkv[..., :(H + G) * E].view(B, N, H + G, E), cos, sin)
+        q, k = qk[:, :, :H], qk[:, :, H:]
+        v = qkv[..., (H + G) * E:].view(B, N, G, E)
+        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
+            cache.view(G, -1, E).index_copy_(
+                1, meta.write_slots, new.reshape(B * N, G, E)[meta.write_index].transpose(0, 1))
+        keys = self._gather(self.k_cache, meta.block_tables)    # [G, B, L, E]
+        values = self._gather(self.v_cache, meta.block_tables)  # [G, B, L, E]
         if N == 1:  # decode: two batched matmuls beat the fused kernel's setup at this size
             out = self._decode_attention(q, keys, values, meta.attn_mask)
         else:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
-                                                 attn_mask=meta.attn_mask,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=meta.attn_mask, enable_gqa=self.num_heads != G).transpose(1, 2)
+        return self.o_proj(out.reshape(B, N, -1))
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        # cache: [G, num_blocks, bs, E]; block_tables: [B, M] -> [G, B, M * bs, E]
+        G, num_blocks, bs, E = cache.shape
+        B = block_tables.shape[0]
+        return cache.view(G, num_blocks, bs * E).index_select(1, block_tables.view(-1)) \
+            .view(G, B, -1, E)
 
     def _decode_attention(self, q, keys, values, mask):
-        # q: [B, 1, H, E] -> grouped [B, G, H/G, E]; keys/values: [B, G, L, E]; mask: [B, 1, 1, L]
-        B, G = q.shape[0], self.num_kv_heads
-        grouped = q.view(B, G, -1, self.head_dim)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.head_dim ** -0.5
-        probs = torch.softmax(scores + mask, dim=-1)
-        return torch.matmul(probs, values).view(B, self.num_heads, 1, self.head_dim)
+        # q: [B, 1, H, E] -> [G, B, H/G, E]; keys/values: [G, B, L, E]; mask: [B, 1, 1, L]
+        B, G, E = q.shape[0], self.num_kv_heads, self.head_dim
+        grouped = q.view(B, G, -1, E).transpose(0, 1)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * E ** -0.5
+        probs = torch.softmax(scores + mask.view(1, B, 1, -1), dim=-1)
+        out = torch.matmul(probs, values)  # [G, B, H/G, E]
+        return out.transpose(0, 1).reshape(B, 1, self.num_heads, E)
 
 
 class MLP(nn.Module):
@@ -190,7 +195,7 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def bind_kv_cache(self, kv_pool: torch.Tensor) -> None:
-        """kv_pool: [layers, 2, num_blocks, block size, G, E], allocated once by the runner."""
+        """kv_pool: [layers, 2, G, num_blocks, block size, E], allocated once by the runner."""
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache = kv_pool[i, 0]
             layer.self_attn.v_cache = kv_pool[i, 1]

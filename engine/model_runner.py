@@ -38,9 +38,9 @@ class ModelRunner:
             torch.empty(0, dtype=self.dtype).element_size()
         self.num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_bytes // (slot_bytes * config.block_size))
-        # One pre-allocated pool for every layer: [layers, K/V, slots, kv heads, head dim].
-        self.kv_pool = torch.zeros(mc.num_hidden_layers, 2, self.num_blocks, self.block_size,
-                                   mc.num_key_value_heads, mc.head_dim,
+        # One pre-allocated pool for every layer: [layers, K/V, kv heads, blocks, block size, head dim].
+        self.kv_pool = torch.zeros(mc.num_hidden_layers, 2, mc.num_key_value_heads,
+                                   self.num_blocks, self.block_size, mc.head_dim,
                                    dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_pool)
         self.streams = ({lane.name: torch.cuda.Stream(self.device) for lane in config.lanes}
