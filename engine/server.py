@@ -121,10 +121,8 @@ def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI
         first = await _next_output(queue, request, engine, request_id)
         message_id = "msg_" + request_id.removeprefix("req_")
         if not body.stream:
-            out = await _collect(first, queue, request, engine, request_id)
-            _raise_if_failed(out)
-            return JSONResponse(fmt.anthropic_message(message_id, body.model, out),
-                                headers=fmt.trace_headers(out.trace))
+            return await _complete(first, queue, request, engine, request_id,
+                                   lambda out: fmt.anthropic_message(message_id, body.model, out))
 
         async def events():
             try:
@@ -160,10 +158,9 @@ def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI
         first = await _next_output(queue, request, engine, request_id)
         completion_id = "chatcmpl-" + request_id.removeprefix("req_")
         if not body.stream:
-            out = await _collect(first, queue, request, engine, request_id)
-            _raise_if_failed(out)
-            return JSONResponse(fmt.openai_completion(completion_id, body.model, out),
-                                headers=fmt.trace_headers(out.trace))
+            return await _complete(first, queue, request, engine, request_id,
+                                   lambda out: fmt.openai_completion(completion_id, body.model,
+                                                                     out))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
 
@@ -269,6 +266,13 @@ async def _collect(first: RequestOutput, queue, request, engine, request_id) -> 
     last.new_text = "".join(out.new_text for out in outputs)
     last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
     return last
+
+
+async def _complete(first, queue, request, engine, request_id, render) -> JSONResponse:
+    """A non-streaming answer: wait for the finish, then one body with the trace headers."""
+    out = await _collect(first, queue, request, engine, request_id)
+    _raise_if_failed(out)
+    return JSONResponse(render(out), headers=fmt.trace_headers(out.trace))
 
 
 def _failure_message(out: RequestOutput) -> str:
