@@ -29,6 +29,9 @@ class AttentionMetadata:
     write_slots: torch.Tensor    # [T] cache slot of each real new token
     block_tables: torch.Tensor   # [B, M] KV blocks of each sequence (padded); L = M * block size
     attn_mask: torch.Tensor      # [B, 1, N, L] additive: 0 where a query may attend a key, -inf elsewhere
+    workspace: object = None     # decode only: engine.workspace.DecodeWorkspace of the lane
+    rows: torch.Tensor | None = None       # [B] 0..B-1, with workspace
+    positions: torch.Tensor | None = None  # [B] position of each new token, with workspace
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -77,8 +80,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_index: int = 0):
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -104,8 +108,16 @@ class Attention(nn.Module):
         for cache, new in ((self.k_cache, k), (self.v_cache, v)):
             cache.view(G, -1, E).index_copy_(
                 1, meta.write_slots, new.reshape(B * N, G, E)[meta.write_index].transpose(0, 1))
-        keys = self._gather(self.k_cache, meta.block_tables)    # [G, B, L, E]
-        values = self._gather(self.v_cache, meta.block_tables)  # [G, B, L, E]
+        if meta.workspace is not None:  # decode: append to the contiguous copy, no gather
+            L = meta.attn_mask.shape[-1]
+            keys = meta.workspace.keys[self.layer_index]
+            values = meta.workspace.values[self.layer_index]
+            keys[:, meta.rows, meta.positions] = k[:, 0].transpose(0, 1)
+            values[:, meta.rows, meta.positions] = v[:, 0].transpose(0, 1)
+            keys, values = keys[:, :, :L], values[:, :, :L]  # [G, B, L, E]
+        else:
+            keys = self._gather(self.k_cache, meta.block_tables)    # [G, B, L, E]
+            values = self._gather(self.v_cache, meta.block_tables)  # [G, B, L, E]
         if N == 1:  # decode: two batched matmuls beat the fused kernel's setup at this size
             out = self._decode_attention(q, keys, values, meta.attn_mask)
         else:
@@ -144,9 +156,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_index: int = 0):
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_index)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -160,7 +172,8 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.loader import build_model, resolve_dtype
 from engine.model import AttentionMetadata
 from engine.sampler import sample
+from engine.workspace import DecodeWorkspace
 from engine.scheduler import ScheduledBatch
 
 
@@ -45,6 +46,11 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_pool)
         self.streams = ({lane.name: torch.cuda.Stream(self.device) for lane in config.lanes}
                         if self.device.type == "cuda" else {})
+        # CPU decode keeps each lane's batch KV contiguous (see engine/workspace.py); on a
+        # GPU the gather is cheap next to its memory bandwidth, and memory is precious.
+        budget = self.kv_pool.numel() * self.kv_pool.element_size() // 2
+        self.workspaces = ({lane.name: DecodeWorkspace(budget) for lane in config.lanes}
+                           if self.device.type == "cpu" else {})
 
     def _prepare(self, batch: ScheduledBatch):
         seqs, bs = batch.seqs, self.block_size
@@ -64,7 +70,11 @@ class ModelRunner:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=dev)
         positions_t = as_tensor(positions).view(len(seqs), N)
         ctx_t = as_tensor([len(s) for s in seqs])
-        key_pos = torch.arange(M * bs, device=dev)
+        workspace = self.workspaces.get(batch.lane) if N == 1 and not batch.is_prefill else None
+        if workspace is not None and not workspace.prepare(seqs, self.kv_pool):
+            workspace = None
+        key_len = max(len(s) for s in seqs) if workspace is not None else M * bs
+        key_pos = torch.arange(key_len, device=dev)
         # A query at position p sees keys 0..p of its own sequence; padded queries see key 0.
         mask = (key_pos[None, None, :] <= positions_t[:, :, None]) & \
                (key_pos[None, None, :] < ctx_t[:, None, None])
@@ -72,7 +82,10 @@ class ModelRunner:
                                  write_slots=as_tensor(write_slots),
                                  block_tables=as_tensor(tables).view(len(seqs), M),
                                  attn_mask=torch.zeros(mask.shape, dtype=self.dtype, device=dev)
-                                 .masked_fill_(~mask, float("-inf"))[:, None, :, :])
+                                 .masked_fill_(~mask, float("-inf"))[:, None, :, :],
+                                 workspace=workspace,
+                                 rows=torch.arange(len(seqs), device=dev) if workspace else None,
+                                 positions=positions_t[:, 0] if workspace else None)
         last_index = as_tensor([n - 1 for n in new_lens])
         return as_tensor(input_ids).view(len(seqs), N), positions_t, meta, last_index
 
@@ -93,6 +106,8 @@ class ModelRunner:
             rows = torch.arange(len(batch.seqs), device=self.device)
             logits = self.model.compute_logits(hidden[rows, last_index]).float()
             token_ids = sample(logits, batch.seqs)
+            if meta.workspace is not None:
+                meta.workspace.advance()
             if stream is not None:
                 end_evt.record(stream)
         next_tokens = token_ids.tolist()  # the step's synchronisation point

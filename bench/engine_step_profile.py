@@ -1,0 +1,50 @@
+"""Where a decode step's time goes: torch profiler over steady-state decode steps.
+
+Usage: python bench/engine_step_profile.py [--batch 16] [--context 64] [--steps 20]
+Prints the step time (min and median of repeated timings) and the top operators.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+from engine.config import EngineConfig
+from engine.llm_engine import Engine, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--warmup", type=int, default=60, help="decode steps before timing")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    engine = Engine(EngineConfig(), start=False)  # driven on this thread, step by step
+    rng = random.Random(0)
+    budget = args.warmup + 9 * args.steps + 8
+    for _ in range(args.batch):
+        engine.add_request([rng.randrange(256) for _ in range(args.context)],
+                           params=SamplingParams(max_tokens=budget, ignore_eos=True))
+    for _ in range(args.warmup):
+        engine.step()
+    timings = []
+    for _ in range(8):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        timings.append((time.perf_counter() - start) / args.steps * 1e3)
+    print(f"batch {args.batch}, context ~{args.context + args.warmup + 4 * args.steps}: "
+          f"step ms min {min(timings):.2f} median {statistics.median(timings):.2f}")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

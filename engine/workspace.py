@@ -1,0 +1,64 @@
+"""A lane's decode workspace: its running batch's KV kept contiguous between steps.
+
+Decode attention reads every context position of every sequence at every step. Gathering
+those positions out of the paged pool each step copies the whole context per layer; the
+workspace copies it once, when the batch's membership changes, and afterwards each step
+only appends the new token's keys and values (also written to the pool, which stays the
+source of truth for prefix caching and preemption).
+
+NOTE: valid only while the batch holds the same sequences in the same order and each
+sequence's workspace covers exactly its computed tokens; anything else rebuilds it.
+"""
+from __future__ import annotations
+
+import torch
+
+HEADROOM_TOKENS = 128  # steps a workspace absorbs before it must grow
+
+
+class DecodeWorkspace:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.request_ids: tuple[str, ...] = ()
+        self.lengths: list[int] = []
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []    # per layer [G, B, capacity, E]
+        self.values: list[torch.Tensor] = []
+
+    def prepare(self, seqs, kv_pool: torch.Tensor) -> bool:
+        """Make the workspace hold the batch's computed KV; False when it would not fit."""
+        request_ids = tuple(seq.request_id for seq in seqs)
+        computed = [len(seq) - 1 for seq in seqs]
+        longest = max(computed) + 1
+        if request_ids == self.request_ids and computed == self.lengths \
+                and longest <= self.capacity:
+            return True
+        layers, _, G, _, bs, E = kv_pool.shape
+        capacity = -(-(longest + HEADROOM_TOKENS) // HEADROOM_TOKENS) * HEADROOM_TOKENS
+        needed = layers * 2 * G * len(seqs) * capacity * E * kv_pool.element_size()
+        if needed > self.max_bytes:
+            self.request_ids = ()
+            return False
+        M = max(len(seq.block_table) for seq in seqs)
+        tables = torch.tensor([seq.block_table + [0] * (M - len(seq.block_table))
+                               for seq in seqs], dtype=torch.long, device=kv_pool.device)
+        span = min(M * bs, capacity)
+        self.keys, self.values = [], []
+        for layer in range(layers):
+            for cache, out in ((kv_pool[layer, 0], self.keys), (kv_pool[layer, 1], self.values)):
+                buffer = torch.empty(G, len(seqs), capacity, E, dtype=kv_pool.dtype,
+                                     device=kv_pool.device)
+                gathered = cache.reshape(G, -1, bs * E).index_select(1, tables.view(-1))
+                buffer[:, :, :span] = gathered.view(G, len(seqs), M * bs, E)[:, :, :span]
+                # Masked positions must still be finite: -inf + NaN would poison softmax.
+                buffer[:, :, span:].zero_()
+                out.append(buffer)
+        self.request_ids, self.lengths, self.capacity = request_ids, computed, capacity
+        return True
+
+    def advance(self) -> None:
+        """After the step: each sequence's new token is in the workspace too."""
+        self.lengths = [n + 1 for n in self.lengths]
+
+    def clear(self) -> None:
+        self.__init__(self.max_bytes)
