@@ -1,7 +1,8 @@
 """Where a decode step's time goes: torch profiler over steady-state decode steps.
 
 Usage: python bench/engine_step_profile.py [--batch 16] [--context 64] [--steps 20]
-Prints the step time (min and median of repeated timings) and the top operators.
+Prints the step time (min and median of repeated timings, alternating the CPU decode
+workspace on and off in one run) and the top operators with it on.
 """
 from __future__ import annotations
 
@@ -25,20 +26,29 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(EngineConfig(), start=False)  # driven on this thread, step by step
     rng = random.Random(0)
-    budget = args.warmup + 9 * args.steps + 8
+    budget = args.warmup + 18 * (args.steps + 1) + 8
     for _ in range(args.batch):
         engine.add_request([rng.randrange(256) for _ in range(args.context)],
                            params=SamplingParams(max_tokens=budget, ignore_eos=True))
     for _ in range(args.warmup):
         engine.step()
-    timings = []
+    workspaces = engine.runner.workspaces
+    timings: dict[str, list[float]] = {"workspace on": [], "workspace off": []}
     for _ in range(8):
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        timings.append((time.perf_counter() - start) / args.steps * 1e3)
-    print(f"batch {args.batch}, context ~{args.context + args.warmup + 4 * args.steps}: "
-          f"step ms min {min(timings):.2f} median {statistics.median(timings):.2f}")
+        for mode in timings:
+            engine.runner.workspaces = workspaces if mode == "workspace on" else {}
+            for workspace in workspaces.values():
+                workspace.clear()
+            engine.step()  # a rebuild (or not), outside the timing
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            timings[mode].append((time.perf_counter() - start) / args.steps * 1e3)
+    engine.runner.workspaces = workspaces
+    context = args.context + args.warmup + 8 * (args.steps + 1)
+    for mode, values in timings.items():
+        print(f"batch {args.batch}, context {args.context}..{context}, {mode}: step ms "
+              f"min {min(values):.2f} median {statistics.median(values):.2f}")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
