@@ -85,10 +85,3 @@ def watched_families() -> set[str]:
             names.add(f.denominator)
     return names
 
-
-def sample_names(friendly: Friendly) -> tuple[str, ...]:
-    if friendly.kind == "histogram":
-        return (friendly.source + "_bucket", friendly.source + "_sum", friendly.source + "_count")
-    if friendly.kind in ("rate", "ratio"):
-        return tuple(n + "_total" for n in (friendly.source, friendly.denominator) if n)
-    return (friendly.source,)

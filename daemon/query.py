@@ -104,8 +104,7 @@ class QueryEngine:
     def _born_inside(self, key, since: float) -> bool:
         """First seen after the window opened, while the daemon was already watching."""
         first_seen = self.windows.points(key, -math.inf)[0][0]
-        earliest = min((t for t in self.windows.times if not math.isnan(t)), default=first_seen)
-        return first_seen > since and first_seen > earliest + 0.5 * self.interval
+        return first_seen > since and first_seen > self.windows.earliest_time + 0.5 * self.interval
 
     def _gauge(self, friendly: Friendly, since: float):
         for key in self.windows.keys(friendly.source):

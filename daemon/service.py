@@ -60,12 +60,10 @@ class Daemon:
         self._busy_previous: dict[tuple, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.last_cycle_seconds = 0.0
 
     # ----- the cycle ----------------------------------------------------------------------
 
     def run_cycle(self) -> None:
-        started = time.monotonic()
         now = time.time()
         for runner in self.runners:
             runner.start()
@@ -80,7 +78,6 @@ class Daemon:
             self._generation += 1
         if time.monotonic() - self._last_scrape < RENDER_AHEAD_SECONDS:
             self.render_metrics(scrape=False)  # a scrape then only copies bytes
-        self.last_cycle_seconds = time.monotonic() - started
 
     def _utilization(self, families: list[Metric], now: float) -> list[Metric]:
         """Busy fraction of each lane's stream over the last interval, from busy-time deltas."""

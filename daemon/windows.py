@@ -41,6 +41,11 @@ class Windows:
             for key in [k for k, seen in self._last_seen.items() if seen < horizon]:
                 del self.series[key], self._last_seen[key]
 
+    @property
+    def earliest_time(self) -> float:
+        """Timestamp of the oldest cycle still held (NaN before the first)."""
+        return self.times[self.cycle % self.capacity if self.cycle > self.capacity else 0]
+
     def keys(self, sample_name: str) -> list[SeriesKey]:
         return [key for key in self.series if key[0] == sample_name]
 

@@ -67,10 +67,9 @@ class RequestHandle:
     A consumer that only wants the result is woken once, at the finish, not per token.
     """
 
-    def __init__(self, engine: "Engine", request_id: str, num_prompt_tokens: int):
+    def __init__(self, engine: "Engine", request_id: str):
         self.engine = engine
         self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
         self._outputs: deque[RequestOutput] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._finished = False
@@ -208,7 +207,7 @@ class Engine:
         request_id = request_id or f"req_{os.getpid():x}_{next(self._ids):08x}"
         seq = Sequence(request_id, token_ids, params, lane)
         seq.skeleton = skeleton
-        handle = RequestHandle(self, request_id, len(token_ids))
+        handle = RequestHandle(self, request_id)
         deliver = on_output or handle._deliver
         with self._lock:
             if request_id in self._requests:

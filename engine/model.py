@@ -27,7 +27,8 @@ class AttentionMetadata:
     """
     write_index: torch.Tensor    # [T] flat positions (into B*N) of the real new tokens
     write_slots: torch.Tensor    # [T] cache slot of each real new token
-    block_tables: torch.Tensor   # [B, M] KV blocks of each sequence (padded); L = M * block size
+    block_tables: torch.Tensor | None  # [B, M] blocks per sequence (padded), L = M * block size;
+                                       # None when the decode workspace holds the context
     attn_mask: torch.Tensor      # [B, 1, N, L] additive: 0 where a query may attend a key, -inf elsewhere
     workspace: object = None     # decode only: engine.workspace.DecodeWorkspace of the lane
     rows: torch.Tensor | None = None       # [B] 0..B-1, with workspace
@@ -55,6 +56,24 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """The KV of whole blocks, one contiguous context per sequence.
+
+    cache: [G, num_blocks, bs, E]; block_tables: [B, M] (padded) -> [G, B, M * bs, E]
+    """
+    G, num_blocks, bs, E = cache.shape
+    B = block_tables.shape[0]
+    return cache.reshape(G, num_blocks, bs * E).index_select(1, block_tables.view(-1)) \
+        .view(G, B, -1, E)
+
+
+def padded_block_tables(seqs, device) -> torch.Tensor:
+    """[B, M] block ids of each sequence, padded with block 0 (masked out by position)."""
+    M = max(len(seq.block_table) for seq in seqs)
+    return torch.tensor([seq.block_table + [0] * (M - len(seq.block_table)) for seq in seqs],
+                        dtype=torch.long, device=device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,8 +135,8 @@ class Attention(nn.Module):
             values[:, meta.rows, meta.positions] = v[:, 0].transpose(0, 1)
             keys, values = keys[:, :, :L], values[:, :, :L]  # [G, B, L, E]
         else:
-            keys = self._gather(self.k_cache, meta.block_tables)    # [G, B, L, E]
-            values = self._gather(self.v_cache, meta.block_tables)  # [G, B, L, E]
+            keys = gather_blocks(self.k_cache, meta.block_tables)    # [G, B, L, E]
+            values = gather_blocks(self.v_cache, meta.block_tables)  # [G, B, L, E]
         if N == 1:  # decode: two batched matmuls beat the fused kernel's setup at this size
             out = self._decode_attention(q, keys, values, meta.attn_mask)
         else:
@@ -125,14 +144,6 @@ class Attention(nn.Module):
                 q.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1),
                 attn_mask=meta.attn_mask, enable_gqa=self.num_heads != G).transpose(1, 2)
         return self.o_proj(out.reshape(B, N, -1))
-
-    @staticmethod
-    def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        # cache: [G, num_blocks, bs, E]; block_tables: [B, M] -> [G, B, M * bs, E]
-        G, num_blocks, bs, E = cache.shape
-        B = block_tables.shape[0]
-        return cache.view(G, num_blocks, bs * E).index_select(1, block_tables.view(-1)) \
-            .view(G, B, -1, E)
 
     def _decode_attention(self, q, keys, values, mask):
         # q: [B, 1, H, E] -> [G, B, H/G, E]; keys/values: [G, B, L, E]; mask: [B, 1, 1, L]

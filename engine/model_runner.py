@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import build_model, resolve_dtype
-from engine.model import AttentionMetadata
+from engine.model import AttentionMetadata, padded_block_tables
 from engine.sampler import sample
 from engine.workspace import DecodeWorkspace
 from engine.scheduler import ScheduledBatch
@@ -56,8 +56,10 @@ class ModelRunner:
         seqs, bs = batch.seqs, self.block_size
         new_lens = [len(s) - s.num_computed_tokens for s in seqs]
         N = max(new_lens)
-        M = max(len(s.block_table) for s in seqs)
-        input_ids, positions, write_index, write_slots, tables = [], [], [], [], []
+        workspace = self.workspaces.get(batch.lane) if N == 1 and not batch.is_prefill else None
+        if workspace is not None and not workspace.prepare(seqs, self.kv_pool):
+            workspace = None
+        input_ids, positions, write_index, write_slots = [], [], [], []
         for row, (seq, n) in enumerate(zip(seqs, new_lens)):
             start, table = seq.num_computed_tokens, seq.block_table
             input_ids += seq.token_ids[start:] + [0] * (N - n)
@@ -65,22 +67,19 @@ class ModelRunner:
             positions += [0] * (N - n)
             write_index += range(row * N, row * N + n)
             write_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            tables += table + [0] * (M - len(table))
         dev = self.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=dev)
         positions_t = as_tensor(positions).view(len(seqs), N)
         ctx_t = as_tensor([len(s) for s in seqs])
-        workspace = self.workspaces.get(batch.lane) if N == 1 and not batch.is_prefill else None
-        if workspace is not None and not workspace.prepare(seqs, self.kv_pool):
-            workspace = None
-        key_len = max(len(s) for s in seqs) if workspace is not None else M * bs
+        tables = None if workspace is not None else padded_block_tables(seqs, dev)
+        key_len = max(len(s) for s in seqs) if tables is None else tables.shape[1] * bs
         key_pos = torch.arange(key_len, device=dev)
         # A query at position p sees keys 0..p of its own sequence; padded queries see key 0.
         mask = (key_pos[None, None, :] <= positions_t[:, :, None]) & \
                (key_pos[None, None, :] < ctx_t[:, None, None])
         meta = AttentionMetadata(write_index=as_tensor(write_index),
                                  write_slots=as_tensor(write_slots),
-                                 block_tables=as_tensor(tables).view(len(seqs), M),
+                                 block_tables=tables,
                                  attn_mask=torch.zeros(mask.shape, dtype=self.dtype, device=dev)
                                  .masked_fill_(~mask, float("-inf"))[:, None, :, :],
                                  workspace=workspace,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.model import gather_blocks, padded_block_tables
+
 HEADROOM_TOKENS = 128  # steps a workspace absorbs before it must grow
 
 
@@ -39,17 +41,14 @@ class DecodeWorkspace:
         if needed > self.max_bytes:
             self.request_ids = ()
             return False
-        M = max(len(seq.block_table) for seq in seqs)
-        tables = torch.tensor([seq.block_table + [0] * (M - len(seq.block_table))
-                               for seq in seqs], dtype=torch.long, device=kv_pool.device)
-        span = min(M * bs, capacity)
+        tables = padded_block_tables(seqs, kv_pool.device)
+        span = min(tables.shape[1] * bs, capacity)
         self.keys, self.values = [], []
         for layer in range(layers):
             for cache, out in ((kv_pool[layer, 0], self.keys), (kv_pool[layer, 1], self.values)):
                 buffer = torch.empty(G, len(seqs), capacity, E, dtype=kv_pool.dtype,
                                      device=kv_pool.device)
-                gathered = cache.reshape(G, -1, bs * E).index_select(1, tables.view(-1))
-                buffer[:, :, :span] = gathered.view(G, len(seqs), M * bs, E)[:, :, :span]
+                buffer[:, :, :span] = gather_blocks(cache, tables)[:, :, :span]
                 # Masked positions must still be finite: -inf + NaN would poison softmax.
                 buffer[:, :, span:].zero_()
                 out.append(buffer)

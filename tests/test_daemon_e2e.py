@@ -9,7 +9,6 @@ import sys
 import time
 
 import httpx
-import pytest
 
 from tests.conftest import EngineServer, free_port, sample_value
 
@@ -27,6 +26,13 @@ def _wait_for(predicate, timeout, what):
 
 def _engine_series(metrics, engine):
     return [k for k in metrics if ("engine", engine) in k[1]]
+
+
+def _wait_ok_requests(daemon, engine: str, count: int, what: str, timeout=10):
+    """Until the daemon shows `count` ok throughput requests for `engine`; its metrics."""
+    return _wait_for(lambda: (m := daemon.metrics()) and sample_value(
+        m, "ac_requests_total", engine=engine, status="ok", stream="throughput") == count
+        and m, timeout, what)
 
 
 def _ask(url, n=3, lane="throughput"):
@@ -47,9 +53,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
     engine = EngineServer(root / "e1", "--engine-name", "e1").wait_ready()
     try:
         _ask(engine.url)
-        metrics = _wait_for(lambda: (m := daemon.metrics()) and sample_value(
-            m, "ac_requests_total", engine="e1", status="ok", stream="throughput") == 3 and m,
-            10, "the engine's series")
+        metrics = _wait_ok_requests(daemon, "e1", 3, "the engine's series")
         assert sample_value(metrics, "ac_inference_latency_seconds_count", engine="e1",
                             stream="throughput") == 3
         os.kill(engine.proc.pid, signal.SIGKILL)
@@ -67,9 +71,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
     engine = EngineServer(root / "e1", "--engine-name", "e1").wait_ready()
     try:
         _ask(engine.url, n=2)
-        _wait_for(lambda: sample_value(daemon.metrics(), "ac_requests_total", engine="e1",
-                                       status="ok", stream="throughput") == 2, 10,
-                  "series of the restarted engine")
+        _wait_ok_requests(daemon, "e1", 2, "series of the restarted engine")
     finally:
         engine.stop()
 
@@ -86,9 +88,7 @@ def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
     engine = EngineServer(root / "e2", "--engine-name", "e2").wait_ready()
     try:
         _ask(engine.url, n=1)
-        _wait_for(lambda: sample_value(daemon.metrics(), "ac_requests_total", engine="e2",
-                                       status="ok", stream="throughput") == 3, 10,
-                  "counters continued across the restart")
+        _wait_ok_requests(daemon, "e2", 3, "counters continued across the restart")
     finally:
         engine.stop()
 
@@ -104,8 +104,7 @@ def test_metrics_pass_promtool_and_labels_stay_bounded(start_daemon, tmp_path):
                 httpx.post(engine.url + "/v1/messages", timeout=60, json={
                     "model": "tiny", "max_tokens": 2, "messages": [
                         {"role": "user", "content": f"<t{i}>{secret}</t{i}>"}]})
-        _wait_for(lambda: sample_value(daemon.metrics(), "ac_requests_total", engine="e3",
-                                       status="ok", stream="throughput") == 90, 20, "requests")
+        _wait_ok_requests(daemon, "e3", 90, "requests", timeout=20)
         text = httpx.get(daemon.url + "/metrics").text
     finally:
         engine.stop()

@@ -6,7 +6,7 @@ import random
 import subprocess
 import sys
 
-from daemon.catalog import COUNTER, ENGINE_METRICS, HISTOGRAM
+from daemon.catalog import COUNTER, ENGINE_METRICS
 from engine.config import EngineConfig
 from engine.llm_engine import Engine, QueueFullError, SamplingParams
 
