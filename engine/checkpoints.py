@@ -9,8 +9,13 @@ import json
 
 
 def write_hf_checkpoint(folder, architecture="LlamaForCausalLM", vocab_size=384, seed=0,
-                        eos_token_id=None, **overrides):
-    """A randomly initialised checkpoint saved with `save_pretrained`, plus a BPE tokenizer."""
+                        eos_token_id=None, query_key_std=0.3, **overrides):
+    """A randomly initialised checkpoint saved with `save_pretrained`, plus a BPE tokenizer.
+
+    Query and key projections get a larger scale (`query_key_std`) than the rest, so
+    attention is sharp and logits depend on positions: a wrong RoPE, mask or cache slot
+    changes them well beyond float tolerance.
+    """
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -29,7 +34,8 @@ def write_hf_checkpoint(folder, architecture="LlamaForCausalLM", vocab_size=384,
     with torch.no_grad():  # larger than the default init, so logits are far from uniform
         for name, param in model.named_parameters():
             if "norm" not in name:
-                param.normal_(0.0, 0.08)
+                qk = ".q_proj." in name or ".k_proj." in name
+                param.normal_(0.0, query_key_std if qk else 0.08)
     model.save_pretrained(folder, safe_serialization=True)
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))

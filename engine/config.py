@@ -111,6 +111,7 @@ class EngineConfig:
     max_model_len: int = 0            # 0: the model's max_position_embeddings
     max_num_batched_tokens: int = 4096
     max_waiting: int = 256
+    decode_workspace: str = "auto"    # auto (on for CPU) | on | off: see engine/workspace.py
     lanes: tuple[LaneConfig, ...] = field(default_factory=lambda: (
         LaneConfig("low_latency", 4), LaneConfig("throughput", 64)))
     throughput_share: int = 4         # every Nth step goes to throughput when both have work
@@ -125,6 +126,8 @@ class EngineConfig:
             raise ValueError("max_waiting must be positive")
         if {lane.name for lane in self.lanes} != {"low_latency", "throughput"}:
             raise ValueError("lanes must be low_latency and throughput")
+        if self.decode_workspace not in ("auto", "on", "off"):
+            raise ValueError("decode_workspace must be auto, on or off")
         if self.throughput_share < 1:
             raise ValueError("throughput_share must be >= 1")
 

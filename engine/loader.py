@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import TINY_PRESET, ModelConfig
-from engine.model import CausalLM
+from engine.model import CausalLM, rope_row_order
 
 # Hugging Face parameter -> (our fused parameter, index of the shard inside it)
 _FUSED = {
@@ -98,11 +98,20 @@ def load_hf_weights(net: CausalLM, folder: Path) -> None:
                 if shard is None:
                     target.copy_(tensor)
                 else:
+                    if "qkv_proj" in name and shard < 2:  # queries and keys: RoPE row order
+                        tensor = _interleave_heads(tensor, net.config.head_dim)
                     _shard_view(net, name, target, shard).copy_(tensor)
                 loaded.add(f"{name}#{shard}")
     missing = [n for n in _expected_keys(net) if n not in loaded]
     if missing:
         raise KeyError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _interleave_heads(tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of each head in the order `engine.model.rotate_` expects."""
+    heads = tensor.shape[0] // head_dim
+    order = rope_row_order(head_dim)
+    return tensor.reshape(heads, head_dim, -1)[:, order].reshape(tensor.shape)
 
 
 def _map_name(hf_name: str) -> tuple[str, int | None]:

@@ -3,8 +3,14 @@
 Covers Llama, Qwen2 (q/k/v biases, tied embeddings) and Mistral-shaped checkpoints. Numerics
 follow Hugging Face `transformers` (RoPE tables and RMSNorm in float32) so logits agree.
 
-Shapes: B sequences in the step, N new tokens per sequence (padded), L context positions per
-sequence (cached + new, padded), D hidden, H query heads, G key/value heads, E head dim.
+Shapes: B sequences in the step, N new tokens per sequence (padded), T = B * N token rows,
+L context positions per sequence (cached + new, padded), D hidden, H query heads,
+G key/value heads, E head dim.
+
+NOTE: the loader stores the rows of each query and key head in interleaved RoPE order
+(dims i and i + E/2 side by side, see `rope_row_order`), so rotating a head is one
+complex multiply in place. Scores are unchanged (q and k share the order); keys in the
+KV cache are in that order too.
 """
 from __future__ import annotations
 
@@ -17,22 +23,25 @@ from torch import nn
 
 from engine.config import ModelConfig
 
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where this step's tokens go in the paged cache and what each one may attend to.
 
-    NOTE: every layer writes the step's new keys/values before it gathers the context, so
-    a sequence always reads its own new tokens, and a padded slot is never read.
+    NOTE: every layer writes the step's new keys/values before attention reads the
+    context, so a sequence always reads its own new tokens, and a padded slot is never read.
     """
-    write_index: torch.Tensor    # [T] flat positions (into B*N) of the real new tokens
-    write_slots: torch.Tensor    # [T] cache slot of each real new token
-    block_tables: torch.Tensor | None  # [B, M] blocks per sequence (padded), L = M * block size;
-                                       # None when the decode workspace holds the context
-    attn_mask: torch.Tensor      # [B, 1, N, L] additive: 0 where a query may attend a key, -inf elsewhere
-    workspace: object = None     # decode only: engine.workspace.DecodeWorkspace of the lane
-    rows: torch.Tensor | None = None       # [B] 0..B-1, with workspace
-    positions: torch.Tensor | None = None  # [B] position of each new token, with workspace
+    batch_shape: tuple[int, int]        # (B, N)
+    write_index: torch.Tensor | None    # [T'] rows (into T) of the real new tokens; None: all
+    write_slots: torch.Tensor           # [T'] cache slot of each real new token
+    block_tables: torch.Tensor | None   # [B, M] blocks per sequence (padded), L = M * block
+                                        # size; None when the decode workspace holds the context
+    attn_mask: torch.Tensor             # additive, 0 where a query may attend a key, -inf
+                                        # elsewhere: [B, 1, N, L]; [1, B, 1, L] with workspace
+    workspace: object = None            # decode only: engine.workspace.DecodeWorkspace
+    workspace_index: torch.Tensor | None = None  # [B] flat workspace slot of each new token
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -58,15 +67,44 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """The KV of whole blocks, one contiguous context per sequence.
+def rope_row_order(head_dim: int) -> torch.Tensor:
+    """Hugging Face head rows (pairs i, i + E/2) -> interleaved (pair i at rows 2i, 2i+1)."""
+    half = head_dim // 2
+    return torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
 
-    cache: [G, num_blocks, bs, E]; block_tables: [B, M] (padded) -> [G, B, M * bs, E]
+
+def rotate_(x: torch.Tensor, rotation: torch.Tensor, num_heads: int) -> None:
+    """RoPE in place. x: [T, heads * E] (interleaved rows); rotation: [T, 1, E/2] complex,
+    or [T, 1, E/2, 2] (cos, sin) for dtypes without complex kernels."""
+    pairs = x.view(x.shape[0], num_heads, -1, 2)
+    if rotation.is_complex():
+        torch.view_as_complex(pairs).mul_(rotation)
+        return
+    # (re + i im)(cos + i sin), in x's dtype and in the order transformers rounds it.
+    re, im = pairs[..., 0], pairs[..., 1]
+    cos, sin = rotation[..., 0], rotation[..., 1]
+    rotated = torch.stack((re * cos - im * sin, im * cos + re * sin), dim=-1)
+    pairs.copy_(rotated)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype != torch.float64:  # float32 math as transformers does
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # transformers normalises float64 activations in float32: mirror it exactly.
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Keys and values of whole blocks, one contiguous context per sequence.
+
+    cache: [2, G, num_blocks, bs, E]; block_tables: [B, M] (padded) -> [2, G, B, M * bs, E]
     """
-    G, num_blocks, bs, E = cache.shape
+    _, G, num_blocks, bs, E = cache.shape
     B = block_tables.shape[0]
-    return cache.reshape(G, num_blocks, bs * E).index_select(1, block_tables.view(-1)) \
-        .view(G, B, -1, E)
+    return cache.reshape(2, G, num_blocks, bs * E).index_select(2, block_tables.view(-1)) \
+        .view(2, G, B, -1, E)
 
 
 def padded_block_tables(seqs, device) -> torch.Tensor:
@@ -76,13 +114,6 @@ def padded_block_tables(seqs, device) -> torch.Tensor:
                         dtype=torch.long, device=device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, N, heads, E]; cos/sin: [B, N, 1, E]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -90,12 +121,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float64:  # one fused kernel; float32 math as transformers does
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # transformers normalises float64 activations in float32: mirror it exactly.
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -105,65 +131,61 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        # Views into the engine's pool, bound by `bind_kv_cache`: [G, num_blocks, block size, E].
-        # Head-major, so gathering a batch's blocks yields [G, B, L, E] with no transpose copy.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        # This layer's view of the engine's pool, bound by `bind_kv_cache`:
+        # [K/V, G, num_blocks, block size, E]. Head-major, so gathering a batch's blocks
+        # yields [2, G, B, L, E] with no transpose copy.
+        self.kv_cache = torch.empty(0)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
-        B, N, _ = x.shape
-        G, E = self.num_kv_heads, self.head_dim
-        H = self.num_heads
-        qkv = self.qkv_proj(x)
-        # Rotate queries and keys together: one RoPE pass over H + G heads.
-        qk = apply_rope(qkv[..., :(H + G) * E].view(B, N, H + G, E), cos, sin)
-        q, k = qk[:, :, :H], qk[:, :, H:]
-        v = qkv[..., (H + G) * E:].view(B, N, G, E)
-        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
-            cache.view(G, -1, E).index_copy_(
-                1, meta.write_slots, new.reshape(B * N, G, E)[meta.write_index].transpose(0, 1))
+    def forward(self, h: torch.Tensor, rotation: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """h: [T, D] normalised hidden states -> attention output [T, H * E] (before o_proj)."""
+        G, E, H = self.num_kv_heads, self.head_dim, self.num_heads
+        T = h.shape[0]
+        qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2G) E]
+        rotate_(qkv[:, :(H + G) * E], rotation, H + G)  # queries and keys in one pass
+        new_kv = qkv[:, H * E:].view(T, 2, G, E)
+        if meta.write_index is not None:
+            new_kv = new_kv[meta.write_index]
+        new_kv = new_kv.permute(1, 2, 0, 3)  # [2, G, T', E]
+        cache = self.kv_cache
+        cache.view(2, G, -1, E).index_copy_(2, meta.write_slots, new_kv)
         if meta.workspace is not None:  # decode: append to the contiguous copy, no gather
+            context = meta.workspace.kv[self.layer_index]  # [2, G, B, capacity, E]
+            context.view(2, G, -1, E).index_copy_(2, meta.workspace_index, new_kv)
             L = meta.attn_mask.shape[-1]
-            keys = meta.workspace.keys[self.layer_index]
-            values = meta.workspace.values[self.layer_index]
-            keys[:, meta.rows, meta.positions] = k[:, 0].transpose(0, 1)
-            values[:, meta.rows, meta.positions] = v[:, 0].transpose(0, 1)
-            keys, values = keys[:, :, :L], values[:, :, :L]  # [G, B, L, E]
-        else:
-            keys = gather_blocks(self.k_cache, meta.block_tables)    # [G, B, L, E]
-            values = gather_blocks(self.v_cache, meta.block_tables)  # [G, B, L, E]
-        if N == 1:  # decode: two batched matmuls beat the fused kernel's setup at this size
-            out = self._decode_attention(q, keys, values, meta.attn_mask)
-        else:
+            # The H/G query heads of a group are the "query rows" of its key/value head.
+            q = qkv[:, :H * E].view(T, G, H // G, E).transpose(0, 1)  # [G, B, H/G, E]
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=meta.attn_mask, enable_gqa=self.num_heads != G).transpose(1, 2)
-        return self.o_proj(out.reshape(B, N, -1))
-
-    def _decode_attention(self, q, keys, values, mask):
-        # q: [B, 1, H, E] -> [G, B, H/G, E]; keys/values: [G, B, L, E]; mask: [B, 1, 1, L]
-        B, G, E = q.shape[0], self.num_kv_heads, self.head_dim
-        grouped = q.view(B, G, -1, E).transpose(0, 1)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * E ** -0.5
-        probs = torch.softmax(scores + mask.view(1, B, 1, -1), dim=-1)
-        out = torch.matmul(probs, values)  # [G, B, H/G, E]
-        return out.transpose(0, 1).reshape(B, 1, self.num_heads, E)
+                q, context[0, :, :, :L], context[1, :, :, :L], attn_mask=meta.attn_mask,
+                scale=self.scale)
+            return out.transpose(0, 1).reshape(T, H * E)
+        B, N = meta.batch_shape
+        context = gather_blocks(cache, meta.block_tables)  # [2, G, B, L, E]
+        q = qkv[:, :H * E].view(B, N, H, E).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, context[0].transpose(0, 1), context[1].transpose(0, 1),
+            attn_mask=meta.attn_mask, enable_gqa=H != G, scale=self.scale)
+        return out.transpose(1, 2).reshape(T, H * E)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up for h: [T, D] -> [T, I] (before down_proj)."""
+        gate_up = F.linear(h, self.gate_up_proj.weight)
+        return F.silu(gate_up[:, :self.intermediate_size]) \
+            .mul_(gate_up[:, self.intermediate_size:])
 
 
 class DecoderLayer(nn.Module):
@@ -174,9 +196,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rotation, meta):
+        # x: [T, D]. Each residual add rides in the output projection's GEMM (addmm).
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        x = torch.addmm(x, attn(rms_norm(x, norm1.weight, norm1.eps), rotation, meta),
+                        attn.o_proj.weight.t())
+        return torch.addmm(x, mlp.act(rms_norm(x, norm2.weight, norm2.eps)),
+                           mlp.down_proj.weight.t())
 
 
 class DecoderModel(nn.Module):
@@ -199,27 +226,36 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rotations = torch.empty(0)  # [positions, 1, E/2] cache of `rotations`
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        # positions: [B, N] -> cos, sin: [B, N, 1, E]; computed in float32 as transformers does.
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(torch.float32)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def rotations(self, positions: torch.Tensor, needed: int, dtype: torch.dtype) -> torch.Tensor:
+        """positions: [T], all below `needed` -> RoPE rotation per token, [T, 1, E/2]
+        (see `rotate_`). The table grows on the host's word, never by a device sync."""
+        table = self._rotations
+        if table.shape[0] < needed or table.dtype not in (dtype, _COMPLEX.get(dtype)):
+            # cos and sin computed in float32, then cast, as transformers does.
+            size = max(needed, 2 * table.shape[0], 256)
+            freqs = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)[:, None] \
+                * self.inv_freq.to(torch.float32)
+            cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            table = torch.complex(cos, sin) if dtype in _COMPLEX else torch.stack((cos, sin), -1)
+            self._rotations = table = table[:, None]
+        return table.index_select(0, positions)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_positions: int,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids, positions: [B, N] -> hidden states [B, N, D] after the final norm
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_tables(positions, x.dtype)
+        """input_ids, positions: [T] (positions < num_positions) -> hidden states [T, D]
+        after the final norm."""
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        rotation = self.rotations(positions, num_positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, rotation, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return F.linear(hidden, self.lm_head.weight)
 
     def bind_kv_cache(self, kv_pool: torch.Tensor) -> None:
         """kv_pool: [layers, 2, G, num_blocks, block size, E], allocated once by the runner."""
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache = kv_pool[i, 0]
-            layer.self_attn.v_cache = kv_pool[i, 1]
+            layer.self_attn.kv_cache = kv_pool[i]

@@ -46,19 +46,37 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_pool)
         self.streams = ({lane.name: torch.cuda.Stream(self.device) for lane in config.lanes}
                         if self.device.type == "cuda" else {})
-        # CPU decode keeps each lane's batch KV contiguous (see engine/workspace.py); on a
-        # GPU the gather is cheap next to its memory bandwidth, and memory is precious.
+        # CPU decode keeps each lane's batch KV contiguous (see engine/workspace.py) by
+        # default; on a GPU the gather is cheap next to its memory bandwidth, and memory
+        # is precious.
+        use_workspace = config.decode_workspace == "on" or (
+            config.decode_workspace == "auto" and self.device.type == "cpu")
         budget = self.kv_pool.numel() * self.kv_pool.element_size() // 2
         self.workspaces = ({lane.name: DecodeWorkspace(budget) for lane in config.lanes}
-                           if self.device.type == "cpu" else {})
+                           if use_workspace else {})
 
     def _prepare(self, batch: ScheduledBatch):
-        seqs, bs = batch.seqs, self.block_size
+        """Inputs of a step: token ids, positions and attention metadata, and the rows of
+        the last token of each sequence (None when every row is one)."""
+        seqs, bs, dev = batch.seqs, self.block_size, self.device
+        workspace = None
+        if not batch.is_prefill and all(len(s) - s.num_computed_tokens == 1 for s in seqs):
+            workspace = self.workspaces.get(batch.lane)
+            if workspace is not None and not workspace.prepare(seqs, self.kv_pool):
+                workspace = None
+        if workspace is not None:  # decode over the workspace: one row per sequence
+            positions = [len(s) - 1 for s in seqs]
+            columns = torch.tensor(
+                [[s.token_ids[-1] for s in seqs], positions,
+                 [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+                 workspace.append_index()], dtype=torch.long, device=dev)
+            meta = AttentionMetadata(
+                batch_shape=(len(seqs), 1), write_index=None, write_slots=columns[2],
+                block_tables=None, attn_mask=workspace.attend(columns[3]),
+                workspace=workspace, workspace_index=columns[3])
+            return columns[0], columns[1], max(positions) + 1, meta, None
         new_lens = [len(s) - s.num_computed_tokens for s in seqs]
         N = max(new_lens)
-        workspace = self.workspaces.get(batch.lane) if N == 1 and not batch.is_prefill else None
-        if workspace is not None and not workspace.prepare(seqs, self.kv_pool):
-            workspace = None
         input_ids, positions, write_index, write_slots = [], [], [], []
         for row, (seq, n) in enumerate(zip(seqs, new_lens)):
             start, table = seq.num_computed_tokens, seq.block_table
@@ -67,26 +85,24 @@ class ModelRunner:
             positions += [0] * (N - n)
             write_index += range(row * N, row * N + n)
             write_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        dev = self.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=dev)
-        positions_t = as_tensor(positions).view(len(seqs), N)
+        positions_t = as_tensor(positions)
         ctx_t = as_tensor([len(s) for s in seqs])
-        tables = None if workspace is not None else padded_block_tables(seqs, dev)
-        key_len = max(len(s) for s in seqs) if tables is None else tables.shape[1] * bs
-        key_pos = torch.arange(key_len, device=dev)
+        tables = padded_block_tables(seqs, dev)
+        key_pos = torch.arange(tables.shape[1] * bs, device=dev)
         # A query at position p sees keys 0..p of its own sequence; padded queries see key 0.
-        mask = (key_pos[None, None, :] <= positions_t[:, :, None]) & \
+        query_pos = positions_t.view(len(seqs), N)
+        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & \
                (key_pos[None, None, :] < ctx_t[:, None, None])
-        meta = AttentionMetadata(write_index=as_tensor(write_index),
-                                 write_slots=as_tensor(write_slots),
-                                 block_tables=tables,
-                                 attn_mask=torch.zeros(mask.shape, dtype=self.dtype, device=dev)
-                                 .masked_fill_(~mask, float("-inf"))[:, None, :, :],
-                                 workspace=workspace,
-                                 rows=torch.arange(len(seqs), device=dev) if workspace else None,
-                                 positions=positions_t[:, 0] if workspace else None)
-        last_index = as_tensor([n - 1 for n in new_lens])
-        return as_tensor(input_ids).view(len(seqs), N), positions_t, meta, last_index
+        meta = AttentionMetadata(
+            batch_shape=(len(seqs), N),
+            write_index=None if N == 1 else as_tensor(write_index),
+            write_slots=as_tensor(write_slots), block_tables=tables,
+            attn_mask=torch.zeros(mask.shape, dtype=self.dtype, device=dev)
+            .masked_fill_(~mask, float("-inf"))[:, None, :, :])
+        last_rows = None if N == 1 else as_tensor([row * N + n - 1
+                                                   for row, n in enumerate(new_lens)])
+        return as_tensor(input_ids), positions_t, max(len(s) for s in seqs), meta, last_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], float]:
@@ -97,19 +113,26 @@ class ModelRunner:
             start_evt = torch.cuda.Event(enable_timing=True)
             end_evt = torch.cuda.Event(enable_timing=True)
         host_start = time.perf_counter_ns()
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            if stream is not None:
-                start_evt.record(stream)
-            input_ids, positions, meta, last_index = self._prepare(batch)
-            hidden = self.model(input_ids, positions, meta)
-            rows = torch.arange(len(batch.seqs), device=self.device)
-            logits = self.model.compute_logits(hidden[rows, last_index]).float()
-            token_ids = sample(logits, batch.seqs)
-            if meta.workspace is not None:
-                meta.workspace.advance()
-            if stream is not None:
-                end_evt.record(stream)
-        next_tokens = token_ids.tolist()  # the step's synchronisation point
+        meta = None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                if stream is not None:
+                    start_evt.record(stream)
+                input_ids, positions, num_positions, meta, last_rows = self._prepare(batch)
+                hidden = self.model(input_ids, positions, num_positions, meta)
+                if last_rows is not None:
+                    hidden = hidden.index_select(0, last_rows)
+                logits = self.model.compute_logits(hidden).float()
+                token_ids = sample(logits, batch.seqs)
+                if stream is not None:
+                    end_evt.record(stream)
+            next_tokens = token_ids.tolist()  # the step's synchronisation point
+        except BaseException:
+            if meta is not None and meta.workspace is not None:
+                meta.workspace.clear()  # it may hold half a step
+            raise
+        if meta.workspace is not None:
+            meta.workspace.advance()
         if stream is not None:
             return next_tokens, start_evt.elapsed_time(end_evt) / 1e3
         return next_tokens, (time.perf_counter_ns() - host_start) / 1e9
@@ -117,5 +140,6 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, seq) -> torch.Tensor:
         """Logits at every position of a sequence holding blocks and no computed KV."""
-        input_ids, positions, meta, _ = self._prepare(ScheduledBatch("throughput", True, [seq]))
-        return self.model.compute_logits(self.model(input_ids, positions, meta))[0]
+        input_ids, positions, num_positions, meta, _ = self._prepare(
+            ScheduledBatch("throughput", True, [seq]))
+        return self.model.compute_logits(self.model(input_ids, positions, num_positions, meta))

@@ -7,8 +7,9 @@ import pytest
 import torch
 import transformers
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import Engine, SamplingParams
+from engine.model import CausalLM, rope_row_order, rotate_
 from engine.checkpoints import write_hf_checkpoint
 
 MAX_NEW = 24
@@ -38,13 +39,40 @@ def test_logits_match_transformers_float32(tmp_path, architecture):
     folder = write_hf_checkpoint(tmp_path, architecture, seed=3, **extra)
     reference = _hf(folder, torch.float32, architecture)
     with Engine(EngineConfig(model=str(folder), dtype="float32"), start=False) as engine:
-        prompt = [random.Random(1).randrange(3, 384) for _ in range(200)]
+        rng = random.Random(1)  # distinct tokens: attention, RoPE and masks all matter
+        prompt = [rng.randrange(3, 384) for _ in range(200)]
         ours = engine.prompt_logits(prompt)
     with torch.no_grad():
         ref = reference(torch.tensor([prompt])).logits[0]
     assert ours.shape == ref.shape
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rope_in_interleaved_rows_equals_transformers(dtype):
+    """The engine rotates q/k rows stored in interleaved order (one complex multiply, or
+    real arithmetic for dtypes without complex kernels); undoing the order must give
+    transformers' rotate-half RoPE, in the same dtype."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    config = ModelConfig.tiny()
+    model = CausalLM(config)
+    T, heads, E = 7, 3, config.head_dim
+    positions = torch.tensor([0, 1, 5, 17, 300, 301, 4000])
+    hf_rows = torch.randn(T, heads, E, dtype=torch.float64).to(dtype)
+    freqs = positions.to(torch.float32)[:, None] * model.inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype)[None], emb.sin().to(dtype)[None]  # [1, T, E]
+    q = hf_rows.transpose(0, 1)[None]  # transformers' [batch, heads, T, E]
+    expected = apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=1)[0][0].transpose(0, 1)
+    ours = hf_rows[:, :, rope_row_order(E)].reshape(T, heads * E).clone()
+    rotation = model.rotations(positions, int(positions.max()) + 1, dtype)
+    assert rotation.is_complex() == (dtype != torch.bfloat16)
+    rotate_(ours, rotation, heads)
+    back = torch.empty_like(expected)
+    back[:, :, rope_row_order(E)] = ours.view(T, heads, E)
+    tol = {torch.float32: 1e-6, torch.float64: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert torch.allclose(back.float(), expected.float(), atol=tol, rtol=tol)
 
 
 def test_logits_through_cached_prefix_match(llama_checkpoint):
@@ -79,14 +107,18 @@ def test_greedy_single_request_matches(float64_pair):
     assert got == _hf_greedy(reference, prompt, MAX_NEW)
 
 
-def test_greedy_16_concurrent_requests_match(float64_pair):
+@pytest.mark.parametrize("decode_workspace", ["auto", "off"])
+def test_greedy_16_concurrent_requests_match(float64_pair, decode_workspace):
+    """On CPU "auto" decodes over the contiguous workspace; "off" gathers the paged
+    blocks every step, the path a GPU takes."""
     folder, reference = float64_pair
     prompts = _prompts(random.Random(11), 16, 384)
     assert len({len(p) for p in prompts}) > 8
     # Different lengths finish at different steps, so the decode batch shrinks as it runs
     # (and the CPU decode workspace is rebuilt for each new membership).
     budgets = [8 + (i * 5) % 17 for i in range(len(prompts))]
-    with _engine64(folder) as engine:
+    with _engine64(folder, decode_workspace=decode_workspace) as engine:
+        assert bool(engine.runner.workspaces) == (decode_workspace == "auto")
         handles = [engine.add_request(p, params=SamplingParams(max_tokens=n))
                    for p, n in zip(prompts, budgets)]
         outs = [h.result() for h in handles]
