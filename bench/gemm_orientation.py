@@ -1,0 +1,59 @@
+"""Why the engine runs its big projections as W @ h^T: both GEMM orientations, timed.
+
+For each projection shape of a model (the tiny preset by default) and token counts T
+from decode batches to prefill chunks, times `h @ W^T` (torch.nn.functional.linear) and
+`W @ h^T` (the weight as the left operand, what engine.model.DecoderLayer does), in one
+run, alternating, median of --rounds. Cold: the weights of every layer are cycled, as
+in a forward pass, so they come from memory rather than the core's own cache.
+Usage: python bench/gemm_orientation.py [--tokens 1,16,64,1024] [--rounds 15]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+
+
+def _time(fn, repeats: int) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", default="1,16,64,1024")
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    cfg = ModelConfig.tiny()
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    shapes = {"qkv": (qkv, cfg.hidden_size), "o": (cfg.hidden_size, cfg.hidden_size),
+              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+              "down": (cfg.hidden_size, cfg.intermediate_size)}
+    layers = cfg.num_hidden_layers
+    weights = {name: [torch.randn(shape) for _ in range(layers)] for name, shape in shapes.items()}
+    print(f"threads={torch.get_num_threads()} model=tiny layers={layers}; microseconds per "
+          f"GEMM (median of {args.rounds}), cold = cycling all layers' weights")
+    print(f"{'T':>5} {'proj':>8} {'h @ W^T':>9} {'W @ h^T':>9} {'ratio':>6}")
+    for T in (int(t) for t in args.tokens.split(",")):
+        repeats = max(1, 256 // T)
+        for name, (_, k) in shapes.items():
+            h = torch.randn(T, k)
+            forms = {"h @ W^T": lambda: [F.linear(h, w) for w in weights[name]],
+                     "W @ h^T": lambda: [torch.mm(w, h.t()) for w in weights[name]]}
+            results: dict[str, list[float]] = {form: [] for form in forms}
+            for _ in range(args.rounds):
+                for form, fn in forms.items():
+                    results[form].append(_time(fn, repeats) / layers * 1e6)
+            a, b = (statistics.median(results[form]) for form in forms)
+            print(f"{T:>5} {name:>8} {a:>9.1f} {b:>9.1f} {a / b:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
