@@ -171,10 +171,8 @@ class Attention(nn.Module):
         """h: [T, D] normalised hidden states -> attention output [T, H * E] (before o_proj)."""
         G, E, H = self.num_kv_heads, self.head_dim, self.num_heads
         T = h.shape[0]
-        # Row-major h (the stream may be a transposed view, see `weight_left_gemms`): RoPE
-        # and the cache writes want qkv's rows contiguous, and MKL runs h @ W^T slower
-        # from a transposed h than the copy costs.
-        qkv = F.linear(h.contiguous(), self.qkv_proj.weight, self.qkv_proj.bias)
+        # qkv row-major whatever h's layout: RoPE and the cache writes view its rows.
+        qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2G) E]
         rotate_(qkv[:, :(H + G) * E], rotation, H + G)  # queries and keys in one pass
         new_kv = qkv[:, H * E:].view(T, 2, G, E)
         if meta.write_index is not None:
@@ -281,7 +279,7 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.contiguous(), self.lm_head.weight)  # see Attention.forward
+        return F.linear(hidden, self.lm_head.weight)
 
     def bind_kv_cache(self, kv_pool: torch.Tensor) -> None:
         """kv_pool: [layers, 2, G, num_blocks, block size, E], allocated once by the runner."""
