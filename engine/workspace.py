@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model import gather_blocks, padded_block_tables
+from engine.model import gather_blocks, long_tensor, padded_block_tables
 
 HEADROOM_TOKENS = 128  # steps a workspace absorbs before it must grow
 
@@ -53,7 +53,7 @@ class DecodeWorkspace:
             buffer[..., span:, :].zero_()
             self.kv.append(buffer)
         held = torch.arange(capacity, device=kv_pool.device)[None, :] < \
-            torch.tensor(computed, device=kv_pool.device)[:, None]
+            long_tensor(computed, kv_pool.device)[:, None]
         self.mask = torch.zeros(len(seqs), capacity, dtype=kv_pool.dtype,
                                 device=kv_pool.device).masked_fill_(~held, float("-inf"))
         self.request_ids, self.lengths, self.capacity = request_ids, computed, capacity
