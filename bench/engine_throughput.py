@@ -2,8 +2,10 @@
 
 Both run on the same randomly initialised checkpoint (the tiny preset's shape, written
 here with `save_pretrained`), greedy, 128 new tokens, batch 1 and 16. Each measurement runs
-in a fresh worker process (alternating, best of --rounds), so neither side inherits the
-other's thread pools; compare the figures as a ratio from one run of this script.
+in a fresh worker process (alternating, --rounds pairs), so neither side inherits the
+other's thread pools. Prints the best of each side and their ratio, then the ratio of each
+pair of neighbouring runs (sorted, median in brackets): on a noisy machine the pairs show
+the spread; compare figures only within one run of this script.
 Usage: python bench/engine_throughput.py [--device cpu] [--rounds 2]
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,14 +103,17 @@ def main() -> None:
         print(f"device={args.device} threads={torch.get_num_threads()} "
               f"new_tokens={args.new_tokens} prompt_len={args.prompt_len} model=tiny-shape "
               f"rounds={args.rounds}")
-        print(f"{'batch':>5} {'ac-observe tok/s':>17} {'transformers tok/s':>19} {'ratio':>6}")
+        print(f"{'batch':>5} {'ac-observe tok/s':>17} {'transformers tok/s':>19} {'ratio':>6} "
+              f"{'paired ratios (median)':>24}")
         for batch in (int(b) for b in args.batches.split(",")):
             args.batch = batch
-            ours = ref = 0.0
-            for _ in range(args.rounds):
-                ours = max(ours, _worker("ours", str(folder), args))
-                ref = max(ref, _worker("transformers", str(folder), args))
-            print(f"{batch:>5} {ours:>17.1f} {ref:>19.1f} {ours / ref:>6.2f}", flush=True)
+            pairs = [(_worker("ours", str(folder), args), _worker("transformers", str(folder), args))
+                     for _ in range(args.rounds)]
+            ours, ref = max(p[0] for p in pairs), max(p[1] for p in pairs)
+            ratios = sorted(o / r for o, r in pairs)
+            spread = ", ".join(f"{r:.2f}" for r in ratios)
+            print(f"{batch:>5} {ours:>17.1f} {ref:>19.1f} {ours / ref:>6.2f}   "
+                  f"{spread} ({statistics.median(ratios):.2f})", flush=True)
 
 
 if __name__ == "__main__":
