@@ -259,7 +259,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # float32 whatever the model's dtype (a plain attribute, so `.to(dtype)` leaves it):
+        # transformers keeps it so, and bf16-rounded frequencies would skew every angle.
+        self.inv_freq = rope_inv_freq(config)
         self._rotations = torch.empty(0)  # [positions, 1, E/2] cache of `rotations`
 
     def rotations(self, positions: torch.Tensor, needed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -269,8 +271,9 @@ class CausalLM(nn.Module):
         if table.shape[0] < needed or table.dtype not in (dtype, _COMPLEX.get(dtype)):
             # cos and sin computed in float32, then cast, as transformers does.
             size = max(needed, 2 * table.shape[0], 256)
-            freqs = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)[:, None] \
-                * self.inv_freq.to(torch.float32)
+            inv_freq = self.inv_freq.to(positions.device)
+            freqs = torch.arange(size, device=inv_freq.device, dtype=torch.float32)[:, None] \
+                * inv_freq
             cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
             table = torch.complex(cos, sin) if dtype in _COMPLEX else torch.stack((cos, sin), -1)
             self._rotations = table = table[:, None]

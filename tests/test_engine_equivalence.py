@@ -75,6 +75,27 @@ def test_rope_in_interleaved_rows_equals_transformers(dtype):
     assert torch.allclose(back.float(), expected.float(), atol=tol, rtol=tol)
 
 
+def test_bfloat16_logits_as_close_to_float32_as_transformers_bfloat16(llama_checkpoint):
+    """bfloat16 (the CUDA default) takes the real-arithmetic RoPE path. Its rounding differs
+    from transformers' own bfloat16 run, so both are judged against the float32 logits:
+    ours may not stray further (RMS) than 1.1x theirs. A bf16-rounded RoPE frequency
+    table, for one, strays 1.2-1.3x."""
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, 384) for _ in range(200)]
+    with torch.no_grad():
+        exact = _hf(llama_checkpoint, torch.float32)(torch.tensor([prompt])).logits[0]
+        theirs = _hf(llama_checkpoint, torch.bfloat16)(torch.tensor([prompt])).logits[0]
+    with Engine(EngineConfig(model=str(llama_checkpoint), dtype="bfloat16"),
+                start=False) as engine:
+        ours = engine.prompt_logits(prompt)
+    assert ours.dtype == torch.bfloat16
+
+    def rms_error(logits):
+        return ((logits.float() - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
+
+    assert rms_error(ours) <= 1.1 * rms_error(theirs), (rms_error(ours), rms_error(theirs))
+
+
 def test_logits_through_cached_prefix_match(llama_checkpoint):
     """Logits of a suffix computed on top of cached prefix blocks equal a full recompute."""
     reference = _hf(llama_checkpoint, torch.float32)
