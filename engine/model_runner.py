@@ -128,8 +128,8 @@ class ModelRunner:
                     end_evt.record(stream)
             next_tokens = token_ids.tolist()  # the step's synchronisation point
         except BaseException:
-            if meta is not None and meta.workspace is not None:
-                meta.workspace.clear()  # it may hold half a step
+            if batch.lane in self.workspaces:
+                self.workspaces[batch.lane].clear()  # it may hold half a step
             raise
         if meta.workspace is not None:
             meta.workspace.advance()

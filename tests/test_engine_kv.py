@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.llm_engine import Engine, QueueFullError, SamplingParams
+from engine.llm_engine import Engine, FinishReason, QueueFullError, SamplingParams
 from engine.scheduler import NeverFitsError
 
 BLOCK = 16
@@ -195,3 +195,35 @@ def test_seeded_sampling_is_reproducible():
             engine.run_until_idle()
             runs.append(handle.result().new_token_ids)
     assert runs[0] == runs[1]
+
+
+def test_step_failing_mid_forward_fails_only_its_batch():
+    """A decode step that dies halfway through the layers (the CPU decode workspace then
+    holds half a step) fails its requests, frees their blocks, and leaves nothing behind:
+    the same prompts afterwards generate exactly what a fresh engine generates."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(20, 60))] for _ in range(4)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def generate(engine):
+        handles = [engine.add_request(p, params=params) for p in prompts]
+        engine.run_until_idle()
+        return [h.result() for h in handles]
+
+    with Engine(EngineConfig(), start=False) as fresh:
+        expected = [out.new_token_ids for out in generate(fresh)]
+    with Engine(EngineConfig(), start=False) as engine:
+        layer = engine.runner.model.model.layers[2]
+        real_forward, calls = layer.forward, []
+
+        def dies_on_the_fourth_decode_step(*args):
+            calls.append(1)
+            if len(calls) == 5:  # call 1 is the prefill
+                raise RuntimeError("injected failure")
+            return real_forward(*args)
+
+        layer.forward = dies_on_the_fourth_decode_step
+        failed = generate(engine)
+        assert all(out.finish_reason is FinishReason.ERROR for out in failed)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert [out.new_token_ids for out in generate(engine)] == expected
