@@ -42,24 +42,24 @@ def logits_and_greedy(folder: Path) -> None:
     torch.backends.cudnn.allow_tf32 = False
     rng = random.Random(0)
     prompt = [rng.randrange(3, 384) for _ in range(200)]
-    ref = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda()
-    with Engine(EngineConfig(model=str(folder), device="cuda", dtype="float32"),
-                start=False) as engine:
-        ours = engine.prompt_logits(prompt).float()
-    with torch.no_grad():
-        theirs = ref(torch.tensor([prompt], device="cuda")).logits[0].float()
+
+    def logits(dtype):
+        """(ours, transformers') logits of `prompt` on CUDA in `dtype`, as float32."""
+        ref = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype).cuda()
+        with Engine(EngineConfig(model=str(folder), device="cuda", dtype=str(dtype)[6:]),
+                    start=False) as engine:
+            ours = engine.prompt_logits(prompt).float()
+        with torch.no_grad():
+            return ours, ref(torch.tensor([prompt], device="cuda")).logits[0].float()
+
+    ours, theirs = logits(torch.float32)
     rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     check(rel < 1e-3, f"float32 logits on CUDA match transformers (max rel err {rel:.2e})")
 
     # bfloat16 (the CUDA default) rotates q/k with real arithmetic, not complex kernels.
     # Its rounding differs from transformers' own bfloat16 run; both are judged against
     # the float32 logits (RMS error), and ours may not stray further than 1.1x theirs.
-    ref16 = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
-    with Engine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16"),
-                start=False) as engine:
-        ours16 = engine.prompt_logits(prompt).float()
-    with torch.no_grad():
-        theirs16 = ref16(torch.tensor([prompt], device="cuda")).logits[0].float()
+    ours16, theirs16 = logits(torch.bfloat16)
     ours_err, their_err = (((t - theirs).pow(2).mean().sqrt()
                             / theirs.pow(2).mean().sqrt()).item() for t in (ours16, theirs16))
     check(ours_err <= 1.1 * their_err, f"bfloat16 logits on CUDA: RMS error vs float32 "
