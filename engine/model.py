@@ -97,15 +97,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def weight_left_gemms(num_tokens: int) -> bool:
-    """Run the big projections of a T-token step as W @ h^T (the weight as the left
+def weight_left_gemms(x: torch.Tensor) -> bool:
+    """Run the big projections of a step over x: [T, D] as W @ h^T (the weight as the left
     operand, results as transposed views) rather than h @ W^T.
 
     NOTE: measured, not derived (bench/gemm_orientation.py, MKL on x86): weight-left runs
     1.1-2x faster from 2 tokens to a few hundred (decode batches, small prefills), and
-    about 7-10% slower for a single token or 1024 (a large prefill).
+    about 7-10% slower for a single token or 1024 (a large prefill). CPU only: on a GPU
+    the orientation buys nothing and transposed activations would slow elementwise kernels.
     """
-    return 2 <= num_tokens <= 512
+    return x.device.type == "cpu" and 2 <= x.shape[0] <= 512
 
 
 def linear(h: torch.Tensor, weight: torch.Tensor, weight_left: bool) -> torch.Tensor:
@@ -233,7 +234,7 @@ class DecoderLayer(nn.Module):
         """x: [T, D] -> [T, D]. Each residual add rides in its projection's GEMM."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        weight_left = weight_left_gemms(x.shape[0])
+        weight_left = weight_left_gemms(x)
         out = attn(rms_norm(x, norm1.weight, norm1.eps), rotation, meta)  # [T, H * E]
         x = linear_add(x, out, attn.o_proj.weight, weight_left)
         act = mlp.act(rms_norm(x, norm2.weight, norm2.eps), weight_left)
