@@ -137,7 +137,7 @@ def long_tensor(values, device) -> torch.Tensor:
     """int64 tensor from a flat sequence of ints: 3-5x cheaper than torch.tensor(list)."""
     host = torch.frombuffer(array.array("q", values), dtype=torch.long) if values else \
         torch.empty(0, dtype=torch.long)
-    return host.to(device) if torch.device(device).type != "cpu" else host
+    return host.to(device)  # no copy when device is the CPU
 
 
 def padded_block_tables(seqs, device) -> torch.Tensor:

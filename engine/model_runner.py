@@ -113,7 +113,6 @@ class ModelRunner:
             start_evt = torch.cuda.Event(enable_timing=True)
             end_evt = torch.cuda.Event(enable_timing=True)
         host_start = time.perf_counter_ns()
-        meta = None
         try:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 if stream is not None:

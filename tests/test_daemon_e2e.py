@@ -35,6 +35,17 @@ def _wait_ok_requests(daemon, engine: str, count: int, what: str, timeout=10):
         and m, timeout, what)
 
 
+def _restart_and_count(daemon, root, name, asks, expected_ok, what):
+    """A fresh engine in `name`'s telemetry directory answers `asks` requests; waits until
+    the daemon shows `expected_ok` ok requests for it."""
+    engine = EngineServer(root / name, "--engine-name", name).wait_ready()
+    try:
+        _ask(engine.url, n=asks)
+        _wait_ok_requests(daemon, name, expected_ok, what)
+    finally:
+        engine.stop()
+
+
 def _ask(url, n=3, lane="throughput"):
     out = []
     for i in range(n):
@@ -68,12 +79,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
         assert not (root / "e1").exists()  # the dead engine's files were cleaned up
     finally:
         engine.stop()
-    engine = EngineServer(root / "e1", "--engine-name", "e1").wait_ready()
-    try:
-        _ask(engine.url, n=2)
-        _wait_ok_requests(daemon, "e1", 2, "series of the restarted engine")
-    finally:
-        engine.stop()
+    _restart_and_count(daemon, root, "e1", 2, 2, "series of the restarted engine")
 
 
 def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
@@ -85,12 +91,7 @@ def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
     engine.proc.send_signal(signal.SIGKILL)
     engine.proc.wait()
     engine.log.close()
-    engine = EngineServer(root / "e2", "--engine-name", "e2").wait_ready()
-    try:
-        _ask(engine.url, n=1)
-        _wait_ok_requests(daemon, "e2", 3, "counters continued across the restart")
-    finally:
-        engine.stop()
+    _restart_and_count(daemon, root, "e2", 1, 3, "counters continued across the restart")
 
 
 def test_metrics_pass_promtool_and_labels_stay_bounded(start_daemon, tmp_path):
