@@ -17,11 +17,12 @@ from pathlib import Path
 
 import httpx
 
-from daemon.catalog import LANES
-from daemon.config import DaemonConfig
-from daemon.http_api import DaemonServer
-from daemon.service import Daemon, tune_interpreter
-from engine.telemetry import TelemetryWriter
+from ac_observe import metrics as m
+from ac_observe.metrics import LANES
+from ac_observe.daemon.config import DaemonConfig
+from ac_observe.daemon.http_api import DaemonServer
+from ac_observe.daemon.service import Daemon, tune_interpreter
+from ac_observe.engine.telemetry import TelemetryWriter
 
 
 def write_engine(directory: Path, name: str, rng: random.Random) -> TelemetryWriter:
@@ -29,15 +30,14 @@ def write_engine(directory: Path, name: str, rng: random.Random) -> TelemetryWri
                              engine=name, model="tiny", heartbeat_seconds=0.5)
     for _ in range(200):
         lane = rng.choice(LANES)
-        for metric in ("ac_inference_latency_seconds", "ac_queue_time_seconds",
-                       "ac_e2e_latency_seconds", "ac_inter_token_latency_seconds"):
-            writer.observe(metric, rng.expovariate(20), stream=lane)
-        writer.observe("ac_prefill_gpu_seconds", rng.expovariate(100), stream=lane)
-        writer.observe("ac_decode_step_gpu_seconds", rng.expovariate(500), stream=lane)
-        writer.inc("ac_cuda_stream_busy_seconds_total", 0.01, stream=lane)
-        writer.inc("ac_requests_total", stream=lane, status="ok")
-        writer.observe("ac_skeleton_complexity", float(rng.randint(1, 9)))
-        writer.inc("ac_skeleton_requests_total", skeleton=f"{rng.randrange(20):012x}")
+        for spec in (m.INFERENCE_LATENCY, m.QUEUE_TIME, m.E2E_LATENCY, m.INTER_TOKEN_LATENCY):
+            writer.observe(spec, rng.expovariate(20), stream=lane)
+        writer.observe(m.PREFILL_GPU, rng.expovariate(100), stream=lane)
+        writer.observe(m.DECODE_STEP_GPU, rng.expovariate(500), stream=lane)
+        writer.inc(m.STREAM_BUSY, 0.01, stream=lane)
+        writer.inc(m.REQUESTS, stream=lane, status="ok")
+        writer.observe(m.SKELETON_COMPLEXITY, float(rng.randint(1, 9)))
+        writer.inc(m.SKELETON_REQUESTS, skeleton=f"{rng.randrange(20):012x}")
     return writer
 
 

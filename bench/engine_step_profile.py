@@ -13,8 +13,8 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from engine.config import EngineConfig
-from engine.llm_engine import Engine, SamplingParams
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.llm_engine import Engine, SamplingParams
 
 
 def main() -> None:

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.checkpoints import write_hf_checkpoint
-from engine.config import EngineConfig, ModelConfig
-from engine.llm_engine import Engine, SamplingParams
+from ac_observe.engine.config import EngineConfig, ModelConfig
+from ac_observe.engine.llm_engine import Engine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.checkpoints import write_hf_checkpoint  # noqa: E402  (test helper, not shipped)
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:

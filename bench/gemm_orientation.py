@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from ac_observe.engine.config import ModelConfig
 
 
 def _time(fn, repeats: int) -> float:

@@ -3,15 +3,22 @@
 A collector yields freshly built metric families on every `collect()` call, so a source
 that vanished takes its series with it. It signals "cannot run here" by raising
 `CollectorUnavailable` with a reason a user can act on; any other exception is an error.
+Families are built from the metric contract (`new_family`), never declared by hand.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Iterable
 
-from prometheus_client.core import Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
+
+from ac_observe.metrics import COUNTER, GAUGE, HISTOGRAM, MetricSpec
 
 REGISTRY: dict[str, Callable[..., "Collector"]] = {}
-DEFAULT_ENABLED = ("engine", "nvml")
+BUILTIN = ("engine", "nvml")
+_FAMILY_CLASSES = {COUNTER: CounterMetricFamily, GAUGE: GaugeMetricFamily,
+                   HISTOGRAM: HistogramMetricFamily}
 
 
 class CollectorUnavailable(RuntimeError):
@@ -29,6 +36,11 @@ class Collector:
         pass
 
 
+def new_family(spec: MetricSpec) -> Metric:
+    """An empty family of the contract, to fill with `add_metric`."""
+    return _FAMILY_CLASSES[spec.type](spec.family, spec.help, labels=spec.labels)
+
+
 def register(name: str):
     """Class decorator: make a collector constructible by name (`--collectors`)."""
     def wrap(factory):
@@ -39,8 +51,8 @@ def register(name: str):
 
 
 def build(names: Iterable[str], **options) -> list[Collector]:
-    import collectors.engine  # noqa: F401  (registration side effects)
-    import collectors.nvml  # noqa: F401
+    for module in BUILTIN:  # registration side effects
+        importlib.import_module(f"ac_observe.collectors.{module}")
     collectors_ = []
     for name in names:
         if name not in REGISTRY:

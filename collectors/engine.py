@@ -1,76 +1,115 @@
 """Engine collector: every engine under the telemetry root, read from its files.
 
 Each engine directory holds `engine.json` (refreshed every second as a heartbeat) and
-prometheus_client multiprocess `.db` files. An engine whose heartbeat stopped keeps its
-series for a grace period (a restart within it continues its counters), then they vanish
-and, once its process is gone, its directory is removed.
+prometheus_client multiprocess `.db` files (`ac_observe.telemetry_format`). An engine
+whose heartbeat stopped keeps its series for a grace period (a restart within it
+continues its counters), then they vanish and, once its process is gone, its telemetry
+files are removed (and its directory, if nothing else is in it).
+
+NOTE: the directory is hostile input. Each engine is read on its own; a directory that
+is not safe or not well formed is that engine's problem (reported in `status` with the
+reason), never another's. Only families and labels of the metric contract are exported,
+so a bad file cannot inject series, and reads never block, follow symlinks or grow
+without bound.
 """
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
-import shutil
-import struct
+import stat
 import time
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
-from collectors.base import Collector, register
-from engine.telemetry import ENGINE_INFO_FILE, pid_alive, read_engine_info
+from ac_observe.collectors.base import Collector, register
+from ac_observe.metrics import COUNTER, ENGINE_METRICS, HISTOGRAM, LANES, REQUEST_STATUSES
+from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_DB_BYTES, MAX_INFO_BYTES,
+                                         open_dir_nofollow, parse_db_file_name,
+                                         parse_engine_info, parse_sample_key, pid_alive,
+                                         read_regular_file, remove_engine_dir, scan_entries,
+                                         used_size, value_at)
 
 log = logging.getLogger("ac_observe.collectors.engine")
 
+MAX_SERIES_PER_ENGINE = 50_000
+MAX_LABEL_VALUE_CHARS = 256
+MAX_ENGINE_DIRS = 1024
+_SPECS = {spec.family: spec for spec in ENGINE_METRICS}
+_ALLOWED_VALUES = {"stream": frozenset(LANES), "status": frozenset(REQUEST_STATUSES)}
 
-_INT = struct.Struct("i").unpack_from
-_DOUBLE = struct.Struct("d").unpack_from
+
+class BadEngine(ValueError):
+    """An engine directory that cannot be read; the reason names what to fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One checked key: where its value goes in the exposition."""
+    family: str
+    sample: str
+    labels: tuple              # in the contract's label order, without le
+    le: float | None
 
 
 class _FileIndex:
-    """Where the entries of one multiprocess `.db` file sit, parsed once.
+    """Where the entries of one `.db` file sit, parsed once (the format only appends).
 
-    The format (prometheus_client's MmapedDict) only appends: a header with the used
-    size, then entries [int32 key length][key, padded to 8][double value][double time].
-    Each read parses only entries added since the last one and unpacks known values in
-    place, so a cycle costs one unpack per series rather than one JSON parse.
+    A cycle reads the used part of the file in one bounded `pread` and unpacks each known
+    value in place: one unpack per series, not a JSON parse.
     """
-    __slots__ = ("used", "entries")
+    __slots__ = ("identity", "used", "entries")
 
     def __init__(self):
+        self.identity: tuple = ()
         self.used = 8
         self.entries: list[tuple[int, str]] = []  # (value offset, key)
 
-    def read(self, path: Path) -> list[tuple[str, float]]:
-        fd = os.open(path, os.O_RDONLY)
+    def read(self, dir_fd: int, name: str) -> list[tuple[str, float]]:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
         try:
-            used = _INT(os.pread(fd, 4, 0), 0)[0]
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise BadEngine(f"{name} is not a regular file")
+            used = used_size(os.pread(fd, 4, 0))
+            if used > min(info.st_size, MAX_DB_BYTES):
+                raise BadEngine(f"{name} claims {used} bytes; it holds {info.st_size} "
+                                f"(limit {MAX_DB_BYTES})")
             data = os.pread(fd, used, 0)
         finally:
             os.close(fd)
-        if used < self.used:  # a new file under the same name: start over
-            self.used, self.entries = 8, []
-        pos = self.used
-        while pos + 4 <= used:
-            length = _INT(data, pos)[0]
-            value_at = pos + 4 + length + (8 - (length + 4) % 8)
-            if length <= 0 or value_at + 16 > used:
-                break  # a partly written entry: read it next cycle
-            self.entries.append((value_at, data[pos + 4:pos + 4 + length].decode("utf-8")))
-            pos = value_at + 16
-        self.used = pos
-        return [(key, _DOUBLE(data, at)[0]) for at, key in self.entries]
+        identity = (info.st_dev, info.st_ino)
+        if identity != self.identity or used < self.used:  # a new file under that name
+            self.identity, self.used, self.entries = identity, 8, []
+        try:
+            entries, self.used = scan_entries(data, self.used, len(data))
+        except ValueError as exc:
+            raise BadEngine(f"{name}: {exc}") from None
+        self.entries.extend(entries)
+        return [(key, value_at(data, at)) for at, key in self.entries]
 
 
 @dataclass(slots=True)
 class EngineState:
-    directory: Path
+    name: str                  # the directory's name under the root
     info: dict
     alive: bool
     last_heartbeat: float
+    error: str = ""
+    restarts: int = 0
+
+
+@dataclass(slots=True)
+class _EngineReader:
+    """Everything remembered about one engine directory between cycles."""
+    files: dict[str, _FileIndex] = field(default_factory=dict)
+    keys: dict[str, _Entry | None] = field(default_factory=dict)
+    engine_id: str = ""
+    restarts: int = 0
 
 
 @register("engine")
@@ -80,97 +119,216 @@ class EngineCollector(Collector):
         self.stale_seconds = config.engine_stale_seconds
         self.grace_seconds = config.engine_grace_seconds
         self.engines: dict[str, EngineState] = {}
-        self._keys: dict[str, tuple] = {}  # parsed mmap keys, kept across cycles
-        self._files: dict[Path, _FileIndex] = {}
+        self._readers: dict[str, _EngineReader] = {}
 
     def collect(self):
         now = time.time()
-        families: dict[str, Metric] = {}
-        seen: dict[str, EngineState] = {}
-        for directory in self._engine_dirs():
-            try:
-                heartbeat = (directory / ENGINE_INFO_FILE).stat().st_mtime
-            except FileNotFoundError:
-                continue
-            info = read_engine_info(directory) or {}
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self.engines, self._readers = {}, {}
+            return []
+        try:
+            root_owner = os.fstat(root_fd).st_uid
+            names = sorted(os.listdir(root_fd))[:MAX_ENGINE_DIRS]
+            families: dict[str, Metric] = {}
+            seen: dict[str, EngineState] = {}
+            served: dict[str, str] = {}  # engine label -> directory serving it
+            for name in names:
+                reader = self._readers.setdefault(name, _EngineReader())
+                try:
+                    state, samples = self._read_engine(root_fd, root_owner, name, reader, now)
+                except BadEngine as exc:
+                    seen[name] = EngineState(name, {}, False, 0.0, str(exc), reader.restarts)
+                    continue
+                if state is None:
+                    continue
+                engine = state.info["engine"]
+                if engine in served:
+                    state.error = (f"engine name {engine!r} is already served by directory "
+                                   f"{served[engine]!r}; its series are not exported")
+                    seen[name] = state
+                    continue
+                served[engine] = name
+                seen[name] = state
+                _merge(families, samples)
+            self.engines = seen
+            self._readers = {n: r for n, r in self._readers.items() if n in seen}
+            return list(families.values())
+        finally:
+            os.close(root_fd)
+
+    def _read_engine(self, root_fd: int, root_owner: int, name: str, reader: _EngineReader,
+                     now: float):
+        """(state, samples) of one engine directory; (None, None) when it is not one."""
+        try:
+            dir_fd = open_dir_nofollow(name, root_fd)
+        except (NotADirectoryError, FileNotFoundError):
+            return None, None
+        except OSError as exc:
+            if os.path.islink(os.path.join(self.root, name)):
+                raise BadEngine("is a symlink; engine directories must be real directories") \
+                    from None
+            raise BadEngine(f"cannot open: {exc.strerror}") from None
+        try:
+            info_stat = self._check_dir(dir_fd, root_owner)
+            if info_stat is None:
+                return None, None  # not an engine directory (no engine.json)
+            heartbeat = info_stat.st_mtime
             alive = now - heartbeat <= self.stale_seconds
             if not alive and now - heartbeat > self.stale_seconds + self.grace_seconds:
-                self._forget(directory, info)
-                continue
-            seen[str(directory)] = EngineState(directory, info, alive, heartbeat)
-            self._read_into(directory, families)
-        self.engines = seen
-        self._files = {p: i for p, i in self._files.items() if str(p.parent) in seen}
-        return list(families.values())
+                info = _read_info_or_none(dir_fd)
+                self._forget(root_fd, name, info)
+                return None, None
+            try:
+                info = parse_engine_info(read_regular_file(dir_fd, ENGINE_INFO_FILE,
+                                                           MAX_INFO_BYTES))
+            except (OSError, ValueError) as exc:
+                raise BadEngine(str(exc)) from None
+            engine_id = info.get("engine_id", str(info["pid"]))
+            if reader.engine_id and engine_id != reader.engine_id:
+                reader.restarts += 1  # a new engine in the same directory
+            reader.engine_id = engine_id
+            samples = self._read_samples(dir_fd, info, reader)
+        finally:
+            os.close(dir_fd)
+        return EngineState(name, info, alive, heartbeat, "", reader.restarts), samples
 
-    def _engine_dirs(self) -> list[Path]:
+    @staticmethod
+    def _check_dir(dir_fd: int, root_owner: int) -> os.stat_result | None:
+        info = os.fstat(dir_fd)
+        if info.st_uid not in (root_owner, os.geteuid()):
+            raise BadEngine(f"is owned by uid {info.st_uid}; the telemetry root belongs to "
+                            f"uid {root_owner}")
+        if info.st_mode & 0o022:
+            raise BadEngine(f"is writable by other users (mode "
+                            f"{stat.S_IMODE(info.st_mode):04o}): chmod go-w it")
         try:
-            return sorted(p for p in self.root.iterdir() if (p / ENGINE_INFO_FILE).exists())
+            info_stat = os.stat(ENGINE_INFO_FILE, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
-            return []
+            return None
+        if not stat.S_ISREG(info_stat.st_mode):
+            raise BadEngine(f"{ENGINE_INFO_FILE} is not a regular file")
+        return info_stat
 
-    def _forget(self, directory: Path, info: dict) -> None:
+    def _read_samples(self, dir_fd: int, info: dict, reader: _EngineReader) -> list:
+        totals: dict[str, float] = {}  # summed over the files of all pids
+        names = set()
+        for name in os.listdir(dir_fd):
+            if parse_db_file_name(name) is None:
+                continue
+            names.add(name)
+            index = reader.files.get(name)
+            if index is None:
+                index = reader.files[name] = _FileIndex()
+            try:
+                entries = index.read(dir_fd, name)
+            except FileNotFoundError:
+                continue  # removed under us (a dead pid's gauges)
+            except OSError as exc:
+                raise BadEngine(f"{name}: {exc.strerror}") from None
+            for key, value in entries:
+                totals[key] = totals.get(key, 0.0) + value
+            if len(totals) > MAX_SERIES_PER_ENGINE:
+                raise BadEngine(f"more than {MAX_SERIES_PER_ENGINE} series")
+        reader.files = {n: i for n, i in reader.files.items() if n in names}
+        expected = {"engine": info["engine"], "model": info["model"]}
+        if len(reader.keys) > 2 * MAX_SERIES_PER_ENGINE:
+            reader.keys.clear()  # churned by rewritten files: parse afresh
+        samples = []
+        for key, value in totals.items():
+            entry = reader.keys.get(key, _MISSING)
+            if entry is _MISSING:
+                entry = reader.keys[key] = _check_key(key, expected)
+            if entry is not None:
+                samples.append((entry, value))
+        return samples
+
+    def _forget(self, root_fd: int, name: str, info: dict | None) -> None:
         """Past the grace period: drop its series; remove its files once its process is gone."""
-        pid = info.get("pid")
-        if isinstance(pid, int) and pid_alive(pid):
+        pid = info["pid"] if info else None
+        if pid is not None and pid_alive(pid):
             return  # alive but silent (stopped, or another pid namespace): hide, keep files
         try:
-            shutil.rmtree(directory)
-            log.info("removed telemetry of vanished engine %s (pid %s)", info.get("engine"), pid)
+            left = remove_engine_dir(root_fd, name)
         except OSError as exc:
-            log.warning("cannot remove %s: %s", directory, exc)
-
-    def _parse(self, key: str) -> tuple:
-        """(family, sample, labels tuple, help, le or None, labels dict for the sample)."""
-        parsed = self._keys.get(key)
-        if parsed is None:
-            family, sample, labels, help_text = json.loads(key)
-            le = labels.pop("le", None)
-            ordered = tuple(sorted(labels.items()))
-            out = dict(ordered)
-            if le is not None:
-                le = float(le)
-                out["le"] = floatToGoString(le)
-            parsed = self._keys[key] = (family, sample, ordered, help_text, le, out)
-        return parsed
-
-    def _read_into(self, directory: Path, families: dict[str, Metric]) -> None:
-        totals: dict[str, float] = defaultdict(float)  # summed over the files of all pids
-        types: dict[str, str] = {}
-        for path in directory.glob("*.db"):
-            index = self._files.get(path)
-            if index is None:
-                index = self._files[path] = _FileIndex()
-            try:
-                entries = index.read(path)
-            except (FileNotFoundError, OSError, UnicodeDecodeError, ValueError):
-                self._files.pop(path, None)
-                continue  # removed or being rewritten under us; next cycle reads it
-            typ = path.name.split("_", 1)[0]
-            for key, value in entries:
-                totals[key] += value
-                types[key] = typ
-        buckets: dict[tuple, list] = defaultdict(list)
-        for key, value in totals.items():
-            family, sample, labels, help_text, le, out = self._parse(key)
-            metric = families.get(family)
-            if metric is None:
-                metric = families[family] = Metric(family, help_text, types[key])
-            if le is None:
-                metric.add_sample(sample, out, value)
-            else:
-                buckets[(family, labels)].append((le, value, out))
-        for (family, labels), counts in buckets.items():
-            metric = families[family]
-            counts.sort(key=lambda item: item[0])
-            total = 0.0
-            for _, value, out in counts:
-                total += value  # stored per bucket; exposed cumulative
-                metric.add_sample(f"{family}_bucket", out, total)
-            metric.add_sample(f"{family}_count", dict(labels), total)
+            log.warning("cannot remove telemetry of %s: %s", name, exc)
+            return
+        log.info("removed telemetry of vanished engine %s (pid %s)%s", name, pid,
+                 f"; left {len(left)} other file(s) in place" if left else "")
 
     def status(self) -> list[dict]:
+        now = time.time()
         return [{"engine": s.info.get("engine"), "model": s.info.get("model"),
                  "pid": s.info.get("pid"), "api_address": s.info.get("api_address"),
-                 "alive": s.alive, "heartbeat_age_seconds": round(time.time() - s.last_heartbeat, 1),
-                 "directory": str(s.directory)} for s in self.engines.values()]
+                 "alive": s.alive and not s.error, "restarts": s.restarts,
+                 "heartbeat_age_seconds": round(now - s.last_heartbeat, 1)
+                 if s.last_heartbeat else None,
+                 "directory": str(self.root / s.name), "error": s.error}
+                for s in self.engines.values()]
+
+
+_MISSING = object()
+
+
+def _read_info_or_none(dir_fd: int) -> dict | None:
+    try:
+        return parse_engine_info(read_regular_file(dir_fd, ENGINE_INFO_FILE, MAX_INFO_BYTES))
+    except (OSError, ValueError):
+        return None
+
+
+def _check_key(key: str, expected: dict[str, str]) -> _Entry | None:
+    """The entry a key stands for, if it is a series of the contract; else None (skipped)."""
+    try:
+        family, sample, labels, _ = parse_sample_key(key)
+    except ValueError:
+        return None
+    spec = _SPECS.get(family)
+    if spec is None:
+        return None
+    le = labels.pop("le", None)
+    if spec.type == HISTOGRAM:
+        if sample == f"{family}_bucket" and le is not None:
+            try:
+                le = float(le)
+            except ValueError:
+                return None
+            if le not in spec.buckets and not math.isinf(le):
+                return None
+        elif sample != f"{family}_sum" or le is not None:
+            return None
+    elif le is not None or sample != (spec.name if spec.type == COUNTER else family):
+        return None
+    if set(labels) != set(spec.labels):
+        return None
+    for label, value in labels.items():
+        allowed = _ALLOWED_VALUES.get(label)
+        if (label in expected and value != expected[label]) or \
+                (allowed is not None and value not in allowed) or \
+                not 0 < len(value) <= MAX_LABEL_VALUE_CHARS:
+            return None
+    return _Entry(family, sample, tuple((label, labels[label]) for label in spec.labels), le)
+
+
+def _merge(families: dict[str, Metric], samples: list) -> None:
+    """Add one engine's checked samples to the exposition's families."""
+    buckets: dict[tuple, list] = {}
+    for entry, value in samples:
+        metric = families.get(entry.family)
+        if metric is None:
+            spec = _SPECS[entry.family]
+            metric = families[entry.family] = Metric(spec.family, spec.help, spec.type)
+        if entry.le is None:
+            metric.add_sample(entry.sample, dict(entry.labels), value)
+        else:
+            buckets.setdefault((entry.family, entry.labels), []).append((entry.le, value))
+    for (family, labels), counts in buckets.items():
+        metric = families[family]
+        counts.sort()
+        total = 0.0
+        for le, value in counts:
+            total += value  # stored per bucket; exposed cumulative
+            metric.add_sample(f"{family}_bucket", {**dict(labels), "le": floatToGoString(le)},
+                              total)
+        metric.add_sample(f"{family}_count", dict(labels), total)

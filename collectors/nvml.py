@@ -12,12 +12,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from collectors.base import Collector, CollectorUnavailable, register
+from ac_observe import metrics as m
+from ac_observe.collectors.base import Collector, CollectorUnavailable, new_family, register
 
 log = logging.getLogger("ac_observe.collectors.nvml")
-GPU_LABELS = ("gpu", "uuid")
 MIN_GPM_GAP_SECONDS = 0.1
 
 
@@ -40,25 +38,22 @@ def _temperature(nv, handle):
         return nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)
 
 
-# metric, help, reader(pynvml, handle), scale to the metric's unit
+# family, reader(pynvml, handle), scale to the family's unit
 DEVICE_FIELDS = (
-    ("ac_gpu_utilization_ratio", "GPU busy fraction (NVML).", _utilization, 0.01),
-    ("ac_gpu_memory_used_bytes", "Device memory in use.", _memory_used, 1.0),
-    ("ac_gpu_memory_total_bytes", "Device memory installed.", _memory_total, 1.0),
-    ("ac_gpu_power_watts", "Board power draw.",
-     lambda nv, h: nv.nvmlDeviceGetPowerUsage(h), 1e-3),
-    ("ac_gpu_temperature_celsius", "GPU die temperature.", _temperature, 1.0),
-    ("ac_gpu_sm_clock_hertz", "SM clock.",
-     lambda nv, h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), 1e6),
+    (m.GPU_UTILIZATION, _utilization, 0.01),
+    (m.GPU_MEMORY_USED, _memory_used, 1.0),
+    (m.GPU_MEMORY_TOTAL, _memory_total, 1.0),
+    (m.GPU_POWER, lambda nv, h: nv.nvmlDeviceGetPowerUsage(h), 1e-3),
+    (m.GPU_TEMPERATURE, _temperature, 1.0),
+    (m.GPU_SM_CLOCK, lambda nv, h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), 1e6),
 )
 
-# metric, help, GPM metric id name in pynvml, scale (NVML reports percent)
+# family, GPM metric id name in pynvml, scale (NVML reports percent)
 GPM_FIELDS = (
-    ("ac_gpu_sm_occupancy_ratio", "SM occupancy (GPM).", "NVML_GPM_METRIC_SM_OCCUPANCY", 0.01),
-    ("ac_gpu_sm_active_ratio", "SM active (GPM).", "NVML_GPM_METRIC_SM_UTIL", 0.01),
-    ("ac_gpu_tensor_active_ratio", "Tensor core active (GPM).",
-     "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 0.01),
-    ("ac_gpu_dram_active_ratio", "DRAM active (GPM).", "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
+    (m.GPU_SM_OCCUPANCY, "NVML_GPM_METRIC_SM_OCCUPANCY", 0.01),
+    (m.GPU_SM_ACTIVE, "NVML_GPM_METRIC_SM_UTIL", 0.01),
+    (m.GPU_TENSOR_ACTIVE, "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 0.01),
+    (m.GPU_DRAM_ACTIVE, "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
 )
 
 
@@ -127,18 +122,15 @@ class NvmlCollector(Collector):
         if not self.devices:
             self._init()
         nv = self.nv
-        gauges = {name: GaugeMetricFamily(name, help_text, labels=GPU_LABELS)
-                  for name, help_text, _, _ in DEVICE_FIELDS + GPM_FIELDS}
-        processes = GaugeMetricFamily("ac_gpu_process_memory_bytes",
-                                      "Device memory used by a process.",
-                                      labels=GPU_LABELS + ("pid",))
+        gauges = {spec.name: new_family(spec) for spec, *_ in DEVICE_FIELDS + GPM_FIELDS}
+        processes = new_family(m.GPU_PROCESS_MEMORY)
         self._drain_xid()
-        xid = CounterMetricFamily("ac_gpu_xid_errors", "XID errors seen.", labels=GPU_LABELS)
+        xid = new_family(m.GPU_XID_ERRORS)
         for device in self.devices:
             labels = [str(device.index), device.uuid]
-            for name, _, read, scale in DEVICE_FIELDS:
+            for spec, read, scale in DEVICE_FIELDS:
                 try:
-                    gauges[name].add_metric(labels, read(nv, device.handle) * scale)
+                    gauges[spec.name].add_metric(labels, read(nv, device.handle) * scale)
                 except nv.NVMLError_NotSupported:
                     continue
             try:
@@ -168,16 +160,16 @@ class NvmlCollector(Collector):
         request.version = nv.NVML_GPM_METRICS_GET_VERSION
         request.numMetrics = len(GPM_FIELDS)
         request.sample1, request.sample2 = device.gpm_sample, sample
-        for i, (_, _, metric_id, _) in enumerate(GPM_FIELDS):
+        for i, (_, metric_id, _) in enumerate(GPM_FIELDS):
             request.metrics[i].metricId = getattr(nv, metric_id)
         nv.nvmlGpmMetricsGet(request)
         nv.nvmlGpmSampleFree(device.gpm_sample)
         device.gpm_sample, device.gpm_time = sample, time.monotonic()
         values = {}
-        for i, (name, _, _, scale) in enumerate(GPM_FIELDS):
+        for i, (spec, _, scale) in enumerate(GPM_FIELDS):
             metric = request.metrics[i]
             if metric.nvmlReturn == nv.NVML_SUCCESS:
-                values[name] = metric.value * scale
+                values[spec.name] = metric.value * scale
         device.gpm_values = values
         return values
 

@@ -1,3 +1,1 @@
-"""The ac-observe daemon and CLI."""
-
-__version__ = "0.1.0"
+"""The ac-observe daemon and CLI (torch-free)."""

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import typer
 
-from daemon import __version__
+from ac_observe import __version__
+from ac_observe.metrics import DEFAULT_DAEMON_PORT, DEFAULT_ENGINE_PORT
 
 app = typer.Typer(add_completion=False, no_args_is_help=False,
                   help="Kernel-level observability for self-hosted LLM inference.")
 
 
-DEFAULT_DAEMON_URL = "http://127.0.0.1:9410"
+DEFAULT_DAEMON_URL = f"http://127.0.0.1:{DEFAULT_DAEMON_PORT}"
 
 
 @app.callback(invoke_without_command=True)
@@ -36,7 +37,7 @@ def root(ctx: typer.Context,
         raise typer.Exit()
     if ctx.invoked_subcommand is not None:
         return
-    from daemon import cli_query
+    from ac_observe.daemon import cli_query
     if list_metrics:
         raise typer.Exit(cli_query.list_metrics(ctx.obj, as_json))
     if metric:
@@ -48,14 +49,14 @@ def root(ctx: typer.Context,
 def status(ctx: typer.Context,
            as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Collectors and engines the daemon sees: up or down, and why."""
-    from daemon import cli_query
+    from ac_observe.daemon import cli_query
     raise typer.Exit(cli_query.show_status(ctx.obj, as_json))
 
 
 @app.command()
 def daemon(
     host: str = typer.Option("127.0.0.1", help="Interface to bind; off loopback needs --token."),
-    port: int = typer.Option(9410, help="HTTP port (dcgm-exporter has 9400)."),
+    port: int = typer.Option(DEFAULT_DAEMON_PORT, help="HTTP port (dcgm-exporter has 9400)."),
     token: str = typer.Option(None, envvar="AC_OBSERVE_TOKEN", help="Bearer token."),
     interval: str = typer.Option("1s", help="Collection interval."),
     window: str = typer.Option("1h", help="In-memory history for queries."),
@@ -71,11 +72,11 @@ def daemon(
     import logging
     import signal
 
-    from daemon.config import DaemonConfig
-    from daemon.http_api import DaemonServer
-    from daemon.query import parse_duration
-    from daemon.service import Daemon, tune_interpreter
-    from engine.config import default_telemetry_root
+    from ac_observe.daemon.config import DaemonConfig
+    from ac_observe.daemon.http_api import DaemonServer
+    from ac_observe.daemon.query import parse_duration
+    from ac_observe.daemon.service import Daemon, tune_interpreter
+    from ac_observe.telemetry_format import default_telemetry_root
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -109,8 +110,8 @@ def daemon(
 
 @app.command()
 def up(
-    engine_port: int = typer.Option(8000, help="Engine HTTP port."),
-    daemon_port: int = typer.Option(9410, help="Daemon HTTP port."),
+    engine_port: int = typer.Option(DEFAULT_ENGINE_PORT, help="Engine HTTP port."),
+    daemon_port: int = typer.Option(DEFAULT_DAEMON_PORT, help="Daemon HTTP port."),
     model: str = typer.Option("tiny", help="'tiny' or a local Hugging Face folder."),
     demo_load: bool = typer.Option(False, "--demo-load", help="Send demo traffic."),
     telemetry_root: str = typer.Option("", help="Telemetry root shared by engine and daemon."),
@@ -118,7 +119,7 @@ def up(
     daemon_arg: list[str] = typer.Option([], "--daemon-arg", help="Extra `daemon` option."),
 ) -> None:
     """Start an engine and a daemon on the embedded defaults; Ctrl-C stops both."""
-    from daemon.up import run_up
+    from ac_observe.daemon.up import run_up
     raise typer.Exit(run_up(engine_port, daemon_port, model, demo_load, telemetry_root,
                             engine_arg, daemon_arg))
 
@@ -128,7 +129,7 @@ def skeleton(source: str = typer.Argument(..., metavar="FILE|-",
                                           help="A prompt file, a JSON request body, or - for stdin."),
              as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Print a prompt's structural skeleton and its depth (the skeleton_complexity)."""
-    from engine.skeleton import skeleton_of_request, skeleton_of_text
+    from ac_observe.engine.skeleton import skeleton_of_request, skeleton_of_text
 
     try:
         raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
@@ -152,7 +153,7 @@ def skeleton(source: str = typer.Argument(..., metavar="FILE|-",
 @app.command()
 def engine(
     host: str = typer.Option("127.0.0.1", help="Interface to bind (loopback by default)."),
-    port: int = typer.Option(8000, help="HTTP port."),
+    port: int = typer.Option(DEFAULT_ENGINE_PORT, help="HTTP port."),
     model: str = typer.Option("tiny", help="'tiny' (built-in random preset) or a local "
                                            "Hugging Face folder. Nothing is downloaded."),
     engine_name: str = typer.Option("", help="The `engine` label (default engine-PORT)."),
@@ -178,9 +179,10 @@ def engine(
 
     import uvicorn
 
-    from daemon.demo_load import run_demo_load, wait_healthy
-    from engine.config import EngineConfig, LaneConfig, default_telemetry_root
-    from engine.server import EngineService, create_app
+    from ac_observe.daemon.demo_load import run_demo_load, wait_healthy
+    from ac_observe.engine.config import EngineConfig, LaneConfig
+    from ac_observe.engine.server import EngineService, create_app
+    from ac_observe.telemetry_format import default_telemetry_root
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the demo client's per-request lines

@@ -110,9 +110,8 @@ def list_metrics(obj: dict, as_json: bool) -> int:
     try:
         metrics = _get(obj, "/api/v1/metrics").json()["metrics"]
     except DaemonUnreachable:
-        from daemon.friendly import FRIENDLY  # the list is known without a daemon
-        metrics = [{"name": f.name, "unit": f.unit, "kind": f.kind, "source": f.source,
-                    "help": f.help} for f in FRIENDLY.values()]
+        from ac_observe.daemon.query import describe_friendly  # known without a daemon
+        metrics = describe_friendly()
     if as_json:
         print(json.dumps(metrics))
         return 0

@@ -6,10 +6,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from collectors.base import DEFAULT_ENABLED
-from engine.config import default_telemetry_root
+from ac_observe.metrics import DEFAULT_DAEMON_PORT
+from ac_observe.telemetry_format import default_telemetry_root
 
-DEFAULT_PORT = 9410  # dcgm-exporter already takes 9400
+DEFAULT_COLLECTORS = ("engine", "nvml")
 
 
 def default_state_dir() -> Path:
@@ -29,11 +29,11 @@ def is_loopback(host: str) -> bool:
 @dataclass(slots=True)
 class DaemonConfig:
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
+    port: int = DEFAULT_DAEMON_PORT
     token: str | None = None              # bearer token; required off loopback
     interval_seconds: float = 1.0
     window_seconds: float = 3600.0
-    collectors: tuple[str, ...] = DEFAULT_ENABLED
+    collectors: tuple[str, ...] = DEFAULT_COLLECTORS
     collector_timeout_seconds: float = 2.0
     telemetry_root: Path = field(default_factory=default_telemetry_root)
     engine_stale_seconds: float = 5.0     # no heartbeat for this long: the engine is gone

@@ -16,9 +16,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from daemon.friendly import FRIENDLY
-from daemon.query import parse_duration, parse_labels
-from daemon.service import Daemon
+from ac_observe.daemon.query import describe_friendly, parse_duration, parse_labels
+from ac_observe.metrics import FRIENDLY
+from ac_observe.daemon.service import Daemon
 
 log = logging.getLogger("ac_observe.daemon.http")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -46,9 +46,7 @@ def make_handler(daemon: Daemon, token: str | None):
                 if url.path == "/api/v1/query":
                     return self._query(parse_qs(url.query))
                 if url.path == "/api/v1/metrics":
-                    return self._json(200, {"metrics": [
-                        {"name": f.name, "unit": f.unit, "kind": f.kind, "source": f.source,
-                         "help": f.help} for f in FRIENDLY.values()]})
+                    return self._json(200, {"metrics": describe_friendly()})
                 if url.path == "/api/v1/status":
                     return self._json(200, daemon.status())
             except Exception:

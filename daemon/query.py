@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import re
 
-from daemon.friendly import FRIENDLY, Friendly
-from daemon.windows import Windows
+from ac_observe.metrics import FRIENDLY, Friendly
+from ac_observe.daemon.windows import Windows
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -92,7 +92,8 @@ class QueryEngine:
         series = [s for s in handler(friendly, since) if _matches(s["labels"], label_filter)]
         series.sort(key=lambda s: sorted(s["labels"].items()))
         return {"metric": name, "unit": friendly.unit, "kind": friendly.kind,
-                "source": friendly.source, "window_seconds": window_seconds, "series": series}
+                "source": friendly.source.name, "window_seconds": window_seconds,
+                "series": series}
 
     def _points(self, key, since):
         """Points in the window; a series born inside the window starts from zero."""
@@ -107,13 +108,13 @@ class QueryEngine:
         return first_seen > since and first_seen > self.windows.earliest_time + 0.5 * self.interval
 
     def _gauge(self, friendly: Friendly, since: float):
-        for key in self.windows.keys(friendly.source):
+        for key in self.windows.keys(friendly.source.name):
             values = [v * friendly.scale for _, v in self.windows.points(key, since)]
             if values:
                 yield {"labels": dict(key[1]), **summarize(values)}
 
     def _rate(self, friendly: Friendly, since: float):
-        for key in self.windows.keys(friendly.source + "_total"):
+        for key in self.windows.keys(friendly.source.name):
             points = self._points(key, since)
             rates = [(b - a if b >= a else b) / (tb - ta)
                      for (ta, a), (tb, b) in zip(points, points[1:]) if tb > ta]
@@ -124,8 +125,8 @@ class QueryEngine:
                                                            mean * friendly.scale)}
 
     def _ratio(self, friendly: Friendly, since: float):
-        for key in self.windows.keys(friendly.source + "_total"):
-            den_key = (friendly.denominator + "_total", key[1])
+        for key in self.windows.keys(friendly.source.name):
+            den_key = (friendly.denominator.name, key[1])
             num = dict(self._points(key, since))
             den = self._points(den_key, since)
             pairs = [(t, num[t], d) for t, d in den if t in num]
@@ -141,7 +142,8 @@ class QueryEngine:
 
     def _histogram(self, friendly: Friendly, since: float):
         groups: dict[tuple, list] = {}
-        for key in self.windows.keys(friendly.source + "_bucket"):
+        family = friendly.source.family
+        for key in self.windows.keys(family + "_bucket"):
             labels = tuple(item for item in key[1] if item[0] != "le")
             bound = float(dict(key[1])["le"])
             groups.setdefault(labels, []).append((bound, key))
@@ -151,8 +153,8 @@ class QueryEngine:
             count = buckets[-1][1]
             if count <= 0:
                 continue
-            sum_points = self._points((friendly.source + "_sum", labels), since)
-            count_points = self._points((friendly.source + "_count", labels), since)
+            sum_points = self._points((family + "_sum", labels), since)
+            count_points = self._points((family + "_count", labels), since)
             scale = friendly.scale
             finite = [b for b, _ in buckets if not math.isinf(b)]
             first = next(i for i, (_, c) in enumerate(buckets) if c > 0)
@@ -182,6 +184,12 @@ def _last_interval_mean(sum_points, count_points) -> float:
 
 def _scaled(value, scale):
     return None if value is None else value * scale
+
+
+def describe_friendly() -> list[dict]:
+    """The friendly names as the API and `--list` show them."""
+    return [{"name": f.name, "unit": f.unit, "kind": f.kind, "source": f.source.name,
+             "help": f.help} for f in FRIENDLY.values()]
 
 
 def _matches(labels: dict, wanted: dict) -> bool:

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from collectors.base import Collector, CollectorUnavailable
+from ac_observe.collectors.base import Collector, CollectorUnavailable
 
 log = logging.getLogger("ac_observe.daemon")
 

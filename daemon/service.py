@@ -11,19 +11,18 @@ import sys
 import threading
 import time
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
-from collectors.base import Collector, build
-from daemon import __version__
-from daemon.config import DaemonConfig
-from daemon.exposition import Renderer
-from daemon.friendly import watched_families
-from daemon.query import QueryEngine
-from daemon.runner import CollectorRunner
-from daemon.windows import Windows
+from ac_observe import __version__
+from ac_observe import metrics as m
+from ac_observe.collectors.base import Collector, build, new_family
+from ac_observe.daemon.config import DaemonConfig
+from ac_observe.daemon.exposition import Renderer
+from ac_observe.daemon.query import QueryEngine
+from ac_observe.daemon.runner import CollectorRunner
+from ac_observe.daemon.windows import Windows
 
 log = logging.getLogger("ac_observe.daemon")
-BUSY_FAMILY = "ac_cuda_stream_busy_seconds"
 
 
 # The collection cycle is pure Python; a short GIL switch interval lets scrape threads in
@@ -49,7 +48,7 @@ class Daemon:
                         for c in self.collectors]
         self.windows = Windows(max(2, round(config.window_seconds / config.interval_seconds)))
         self.queries = QueryEngine(self.windows, config.interval_seconds)
-        self._watched = watched_families()
+        self._watched = m.watched_families()
         self._lock = threading.Lock()
         self._snapshot: list[Metric] = []
         self._generation = 0
@@ -81,12 +80,10 @@ class Daemon:
 
     def _utilization(self, families: list[Metric], now: float) -> list[Metric]:
         """Busy fraction of each lane's stream over the last interval, from busy-time deltas."""
-        gauge = GaugeMetricFamily("ac_cuda_stream_utilization",
-                                  "Busy fraction of the lane's stream over the last collection "
-                                  "interval.", labels=("engine", "model", "stream"))
+        gauge = new_family(m.STREAM_UTILIZATION)
         current = {}
         for family in families:
-            if family.name != BUSY_FAMILY:
+            if family.name != m.STREAM_BUSY.family:
                 continue
             for sample in family.samples:
                 labels = (sample.labels.get("engine", ""), sample.labels.get("model", ""),
@@ -100,18 +97,14 @@ class Daemon:
         return [gauge] if gauge.samples else []
 
     def _self_metrics(self) -> list[Metric]:
-        up = GaugeMetricFamily("ac_collector_up", "1 when the collector's last run succeeded.",
-                               labels=("collector",))
-        duration = GaugeMetricFamily("ac_collector_duration_seconds",
-                                     "Duration of the collector's last run.",
-                                     labels=("collector",))
-        errors = CounterMetricFamily("ac_collector_errors", "Failed collector runs.",
-                                     labels=("collector",))
+        up = new_family(m.COLLECTOR_UP)
+        duration = new_family(m.COLLECTOR_DURATION)
+        errors = new_family(m.COLLECTOR_ERRORS)
         for runner in self.runners:
             up.add_metric([runner.name], 1.0 if runner.up else 0.0)
             duration.add_metric([runner.name], runner.duration_seconds)
             errors.add_metric([runner.name], runner.errors_total)
-        info = GaugeMetricFamily("ac_build_info", "ac-observe build.", labels=("version",))
+        info = new_family(m.BUILD_INFO)
         info.add_metric([__version__], 1.0)
         return [up, duration, errors, info]
 

@@ -23,13 +23,13 @@ def _die_with_parent() -> None:
 
 
 def _spawn(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "daemon.cli", *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "ac_observe.daemon.cli", *args], env=env,
                             preexec_fn=_die_with_parent)
 
 
 def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
            telemetry_root: str, engine_args: list[str], daemon_args: list[str]) -> int:
-    from engine.config import default_telemetry_root
+    from ac_observe.telemetry_format import default_telemetry_root
     root = telemetry_root or str(default_telemetry_root())
     env = {**os.environ, "AC_OBSERVE_TELEMETRY_DIR": root}
     # Quiet children by default: the terminal shows where to look, not access logs.

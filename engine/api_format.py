@@ -6,8 +6,8 @@ import json
 import time
 import uuid
 
-from engine.llm_engine import RequestOutput, TraceDetail
-from engine.sequence import FinishReason
+from ac_observe.engine.llm_engine import RequestOutput, TraceDetail
+from ac_observe.engine.sequence import FinishReason
 
 ANTHROPIC_STOP = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
                   FinishReason.STOP_SEQUENCE: "stop_sequence"}

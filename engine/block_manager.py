@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from ac_observe.engine.sequence import Sequence
 
 
 class Block:

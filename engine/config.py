@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ac_observe.metrics import LANES
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 TINY_PRESET = "tiny"
 
@@ -113,7 +115,7 @@ class EngineConfig:
     max_waiting: int = 256
     decode_workspace: str = "auto"    # auto (on for CPU) | on | off: see engine/workspace.py
     lanes: tuple[LaneConfig, ...] = field(default_factory=lambda: (
-        LaneConfig("low_latency", 4), LaneConfig("throughput", 64)))
+        LaneConfig(LANES[0], 4), LaneConfig(LANES[1], 64)))
     throughput_share: int = 4         # every Nth step goes to throughput when both have work
     skeleton_top_k: int = 20
     telemetry_dir: str | None = None  # None: no telemetry files
@@ -124,19 +126,10 @@ class EngineConfig:
             raise ValueError("block_size must be a positive power of two")
         if self.max_waiting <= 0:
             raise ValueError("max_waiting must be positive")
-        if {lane.name for lane in self.lanes} != {"low_latency", "throughput"}:
-            raise ValueError("lanes must be low_latency and throughput")
+        if sorted(lane.name for lane in self.lanes) != sorted(LANES):
+            raise ValueError(f"lanes must be {' and '.join(LANES)}")
         if self.decode_workspace not in ("auto", "on", "off"):
             raise ValueError("decode_workspace must be auto, on or off")
         if self.throughput_share < 1:
             raise ValueError("throughput_share must be >= 1")
 
-
-def default_telemetry_root() -> Path:
-    """`AC_OBSERVE_TELEMETRY_DIR`, else under `$XDG_RUNTIME_DIR`, else /tmp."""
-    env = os.environ.get("AC_OBSERVE_TELEMETRY_DIR")
-    if env:
-        return Path(env)
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "ac-observe" if runtime else Path(f"/tmp/ac-observe-{os.getuid()}")
-    return base / "telemetry"

@@ -6,7 +6,7 @@ import re
 import uuid
 from typing import Callable
 
-from engine.api_format import new_request_id
+from ac_observe.engine.api_format import new_request_id
 
 GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions"})
 TRACE_DEFAULTS = ((b"x-ac-model-latency-ns", b"0"), (b"x-ac-queue-time-ns", b"0"),

@@ -16,15 +16,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.scheduler import NeverFitsError, QueueFullError, ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, SamplingParams, Sequence
-from engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
-from engine.stats import EngineStats
-from engine.telemetry import SkeletonLabeler, TelemetryWriter
-from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from ac_observe.engine.block_manager import BlockManager
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.model_runner import ModelRunner
+from ac_observe.engine.scheduler import NeverFitsError, QueueFullError, ScheduledBatch, Scheduler
+from ac_observe.engine.sequence import FinishReason, SamplingParams, Sequence
+from ac_observe.engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
+from ac_observe.engine.stats import EngineStats
+from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
+from ac_observe.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger("ac_observe.engine")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import TINY_PRESET, ModelConfig
-from engine.model import CausalLM, rope_row_order
+from ac_observe.engine.config import TINY_PRESET, ModelConfig
+from ac_observe.engine.model import CausalLM, rope_row_order
 
 # Hugging Face parameter -> (our fused parameter, index of the shard inside it)
 _FUSED = {

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from ac_observe.engine.config import ModelConfig
 
 _COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 

@@ -11,12 +11,12 @@ from contextlib import nullcontext
 
 import torch
 
-from engine.config import EngineConfig
-from engine.loader import build_model, resolve_dtype
-from engine.model import AttentionMetadata, long_tensor, padded_block_tables
-from engine.sampler import sample
-from engine.workspace import DecodeWorkspace
-from engine.scheduler import ScheduledBatch
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.loader import build_model, resolve_dtype
+from ac_observe.engine.model import AttentionMetadata, long_tensor, padded_block_tables
+from ac_observe.engine.sampler import sample
+from ac_observe.engine.workspace import DecodeWorkspace
+from ac_observe.engine.scheduler import ScheduledBatch
 
 
 def pick_device(name: str) -> torch.device:

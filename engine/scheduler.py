@@ -11,9 +11,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from ac_observe.engine.block_manager import BlockManager
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class QueueFullError(RuntimeError):

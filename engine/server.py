@@ -16,16 +16,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import api_format as fmt
-from engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest
-from engine.config import EngineConfig
-from engine.http_middleware import BodyLimitAndIdsMiddleware
-from engine.llm_engine import (Engine, FinishReason, NeverFitsError, QueueFullError,
+from ac_observe.engine import api_format as fmt
+from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
+from ac_observe.engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.http_middleware import BodyLimitAndIdsMiddleware
+from ac_observe.engine.llm_engine import (Engine, FinishReason, NeverFitsError, QueueFullError,
                                RequestOutput, SamplingParams)
 
 log = logging.getLogger("ac_observe.engine.api")
-LANE_HEADER = "x-ac-stream"
-LANES = ("low_latency", "throughput")
 DISCONNECT_POLL_SECONDS = 0.5
 
 
@@ -200,7 +199,7 @@ def _system(system):
 
 
 def _lane(request: Request) -> str:
-    lane = request.headers.get(LANE_HEADER, "throughput").strip().lower()
+    lane = request.headers.get(LANE_HEADER, DEFAULT_LANE).strip().lower()
     if lane not in LANES:
         raise APIError(400, f"header {LANE_HEADER}: must be low_latency or throughput, "
                             f"got {lane[:40]!r}", param=LANE_HEADER)

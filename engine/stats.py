@@ -7,19 +7,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, PrefixCacheStats
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence
-from engine.telemetry import SkeletonLabeler, TelemetryWriter
+from ac_observe import metrics as m
+
+from ac_observe.engine.block_manager import BlockManager, PrefixCacheStats
+from ac_observe.engine.scheduler import Scheduler
+from ac_observe.engine.sequence import FinishReason, Sequence
+from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
 
 NS = 1e-9
 
 _KV_COUNTERS = (
-    ("query_blocks", "ac_kv_cache_query_blocks_total"),
-    ("hit_blocks", "ac_kv_cache_hit_blocks_total"),
-    ("query_tokens", "ac_kv_cache_query_tokens_total"),
-    ("hit_tokens", "ac_kv_cache_hit_tokens_total"),
-    ("evictions", "ac_kv_cache_evictions_total"),
+    ("query_blocks", m.KV_QUERY_BLOCKS),
+    ("hit_blocks", m.KV_HIT_BLOCKS),
+    ("query_tokens", m.KV_QUERY_TOKENS),
+    ("hit_tokens", m.KV_HIT_TOKENS),
+    ("evictions", m.KV_EVICTIONS),
 )
 
 
@@ -48,12 +50,12 @@ class EngineStats:
 
     def on_rejected(self, lane: str) -> None:
         if self.writer:
-            self.writer.inc("ac_requests_total", stream=lane, status="rejected")
+            self.writer.inc(m.REQUESTS, stream=lane, status="rejected")
 
     def on_accepted(self, seq: Sequence) -> None:
         if self.writer and seq.skeleton is not None:
-            self.writer.observe("ac_skeleton_complexity", float(seq.skeleton.depth))
-            self.writer.inc("ac_skeleton_requests_total",
+            self.writer.observe(m.SKELETON_COMPLEXITY, float(seq.skeleton.depth))
+            self.writer.inc(m.SKELETON_REQUESTS,
                             skeleton=self.skeleton_labels.label(seq.skeleton.skeleton_id))
 
     def on_step(self, lane: str, is_prefill: bool, device_seconds: float, start_ns: int,
@@ -64,26 +66,26 @@ class EngineStats:
         totals.first_step_start_ns = totals.first_step_start_ns or start_ns
         totals.last_step_end_ns = end_ns
         if self.writer:
-            name = "ac_prefill_gpu_seconds" if is_prefill else "ac_decode_step_gpu_seconds"
-            self.writer.observe(name, device_seconds, stream=lane)
-            self.writer.inc("ac_cuda_stream_busy_seconds_total", device_seconds, stream=lane)
+            spec = m.PREFILL_GPU if is_prefill else m.DECODE_STEP_GPU
+            self.writer.observe(spec, device_seconds, stream=lane)
+            self.writer.inc(m.STREAM_BUSY, device_seconds, stream=lane)
 
     def on_first_scheduled(self, seq: Sequence) -> None:
         if self.writer:
-            self.writer.observe("ac_queue_time_seconds", seq.timeline.queue_ns * NS,
+            self.writer.observe(m.QUEUE_TIME, seq.timeline.queue_ns * NS,
                                 stream=seq.lane)
-            self.writer.inc("ac_prompt_tokens_total", seq.num_prompt_tokens)
+            self.writer.inc(m.PROMPT_TOKENS, seq.num_prompt_tokens)
 
     def on_token(self, seq: Sequence, previous_token_ns: int) -> None:
         if not self.writer:
             return
-        self.writer.inc("ac_generation_tokens_total")
+        self.writer.inc(m.GENERATION_TOKENS)
         timeline = seq.timeline
         if previous_token_ns == 0:
-            self.writer.observe("ac_inference_latency_seconds", timeline.ttft_ns * NS,
+            self.writer.observe(m.INFERENCE_LATENCY, timeline.ttft_ns * NS,
                                 stream=seq.lane)
         else:
-            self.writer.observe("ac_inter_token_latency_seconds",
+            self.writer.observe(m.INTER_TOKEN_LATENCY,
                                 (timeline.last_token_ns - previous_token_ns) * NS,
                                 stream=seq.lane)
 
@@ -92,9 +94,9 @@ class EngineStats:
             return
         reason = seq.finish_reason
         status = {FinishReason.ABORTED: "aborted", FinishReason.ERROR: "error"}.get(reason, "ok")
-        self.writer.inc("ac_requests_total", stream=seq.lane, status=status)
+        self.writer.inc(m.REQUESTS, stream=seq.lane, status=status)
         if status == "ok":
-            self.writer.observe("ac_e2e_latency_seconds", seq.timeline.e2e_ns * NS,
+            self.writer.observe(m.E2E_LATENCY, seq.timeline.e2e_ns * NS,
                                 stream=seq.lane)
 
     def on_state(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
@@ -109,11 +111,11 @@ class EngineStats:
                 setattr(exported, attr, getattr(stats, attr))
         delta = scheduler.num_preemptions - self._preemptions_exported
         if delta:
-            self.writer.inc("ac_preemptions_total", delta)
+            self.writer.inc(m.PREEMPTIONS, delta)
             self._preemptions_exported = scheduler.num_preemptions
-        self.writer.set("ac_kv_cache_usage_ratio", block_manager.usage)
-        self.writer.set("ac_kv_cache_blocks", block_manager.num_blocks)
+        self.writer.set(m.KV_USAGE, block_manager.usage)
+        self.writer.set(m.KV_BLOCKS, block_manager.num_blocks)
         for lane in scheduler.lanes.values():
-            self.writer.set("ac_requests_running", len(lane.running), stream=lane.name)
-            self.writer.set("ac_requests_waiting", len(lane.waiting), stream=lane.name)
+            self.writer.set(m.REQUESTS_RUNNING, len(lane.running), stream=lane.name)
+            self.writer.set(m.REQUESTS_WAITING, len(lane.waiting), stream=lane.name)
 

@@ -4,7 +4,8 @@ The engine writes cumulative counters, histograms (raw per-bucket counts, as
 prometheus_client's multiprocess mode stores them) and live-sum gauges into mmap `.db`
 files in its own directory; any process reads them with `MultiProcessCollector`. Files
 are named by pid, so a restarted engine's counters add onto its predecessor's and stay
-monotonic; a dead pid's live gauges are removed with `mark_process_dead`.
+monotonic; a dead pid's live gauges are removed when the next engine starts in the directory
+(prometheus_client's `mark_process_dead`). The format itself is `ac_observe.telemetry_format`.
 
 NOTE: torch-free; the writer is thread-safe (one lock), the engine is single-process.
 """
@@ -13,56 +14,46 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import secrets
 import threading
 import time
-from pathlib import Path
 
-from prometheus_client.mmap_dict import MmapedDict, mmap_key
-from prometheus_client.multiprocess import mark_process_dead
-from prometheus_client.utils import floatToGoString
+from ac_observe.metrics import (COUNTER, ENGINE_METRICS, GAUGE, HISTOGRAM, LANES,
+                                OTHER_SKELETON, REQUEST_STATUSES, MetricSpec)
+from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_INFO_BYTES, TELEMETRY_FORMAT,
+                                         ValueFile, db_file_name, open_engine_dir,
+                                         parse_engine_info, pid_alive, read_regular_file,
+                                         remove_dead_gauges, sample_key)
 
-from daemon.catalog import (COUNTER, ENGINE_METRICS, GAUGE, HISTOGRAM, LANES,
-                            REQUEST_STATUSES, MetricSpec)
-
-ENGINE_INFO_FILE = "engine.json"
-TELEMETRY_FORMAT = "prometheus-multiprocess-v1"
-OTHER_SKELETON = "other"
+_FILE_KINDS = {COUNTER: "counter", HISTOGRAM: "histogram", GAUGE: "gauge_livesum"}
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _family_name(spec: MetricSpec) -> str:
-    # prometheus_client names a counter family without `_total`; samples carry it.
-    return spec.name[:-len("_total")] if spec.type == COUNTER else spec.name
+def _float_text(value: float) -> str:
+    """A bucket bound as prometheus_client writes it into the `le` label."""
+    if value == float("inf"):
+        return "+Inf"
+    return repr(float(value))
 
 
 class TelemetryWriter:
+    """NOTE: every file is opened relative to the engine directory's descriptor, which
+    `open_engine_dir` checked (ours, private, holding only telemetry): nothing another user
+    plants there is followed."""
+
     def __init__(self, directory: str | os.PathLike, info: dict, engine: str, model: str,
                  specs: tuple[MetricSpec, ...] = ENGINE_METRICS, heartbeat_seconds: float = 1.0):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self._dir_fd = open_engine_dir(directory)
         self._reap_dead_predecessor()
         pid = os.getpid()
-        self._files = {
-            COUNTER: MmapedDict(str(self.directory / f"counter_{pid}.db")),
-            HISTOGRAM: MmapedDict(str(self.directory / f"histogram_{pid}.db")),
-            GAUGE: MmapedDict(str(self.directory / f"gauge_livesum_{pid}.db")),
-        }
+        self._files = {typ: ValueFile(self._dir_fd, db_file_name(kind, pid))
+                       for typ, kind in _FILE_KINDS.items()}
         self._base = {"engine": engine, "model": model}
-        self._specs = {spec.name: spec for spec in specs}
+        self._specs = frozenset(specs)
         # A file of this pid may exist already (an engine re-created in one process):
         # continue its counters rather than overwrite them.
-        self._values: dict[str, float] = {
-            key: value for typ in (COUNTER, HISTOGRAM)
-            for key, value, _ in self._files[typ].read_all_values()}
+        self._values: dict[str, float] = {**self._files[COUNTER].read_all(),
+                                          **self._files[HISTOGRAM].read_all()}
         self._keys: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self._declare_series()
@@ -76,26 +67,39 @@ class TelemetryWriter:
         self._heartbeat.start()
 
     def _beat(self, period: float) -> None:
-        info_path = self.directory / ENGINE_INFO_FILE
         while not self._closed.wait(period):
             try:
-                os.utime(info_path)
+                os.utime(ENGINE_INFO_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
             except OSError:
                 pass  # removed by a daemon that judged us gone; nothing to refresh
 
     def _reap_dead_predecessor(self) -> None:
-        info = read_engine_info(self.directory)
-        if info and info.get("pid") != os.getpid() and not pid_alive(int(info["pid"])):
-            mark_process_dead(int(info["pid"]), str(self.directory))
+        try:
+            info = parse_engine_info(read_regular_file(self._dir_fd, ENGINE_INFO_FILE,
+                                                       MAX_INFO_BYTES))
+        except (OSError, ValueError):
+            return
+        if info["pid"] != os.getpid() and not pid_alive(info["pid"]):
+            remove_dead_gauges(self._dir_fd, info["pid"])
 
     def _write_info(self, info: dict) -> None:
-        tmp = self.directory / f".{ENGINE_INFO_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
-        os.replace(tmp, self.directory / ENGINE_INFO_FILE)
+        tmp = f".{ENGINE_INFO_FILE}.{os.getpid()}.{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=self._dir_fd)
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps(info, indent=2, sort_keys=True))
+            os.replace(tmp, ENGINE_INFO_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=self._dir_fd)
+            except OSError:
+                pass
+            raise
 
     def _declare_series(self) -> None:
         """Write every series a user expects at zero, so types and labels show before traffic."""
-        for spec in self._specs.values():
+        for spec in self._specs:
             extra = set(spec.labels) - {"engine", "model"}
             if extra == {"stream"}:
                 for lane in LANES:
@@ -111,79 +115,75 @@ class TelemetryWriter:
 
     def _touch(self, spec: MetricSpec, **labels) -> None:
         if spec.type == HISTOGRAM:
-            self.observe(spec.name, None, **labels)
+            self.observe(spec, None, **labels)
         elif spec.type == COUNTER:
-            self.inc(spec.name, 0, **labels)
+            self.inc(spec, 0, **labels)
         else:
-            self.set(spec.name, 0, **labels)
+            self.set(spec, 0, **labels)
 
-    def _sample_keys(self, name: str, labels: dict) -> tuple:
-        cache_key = (name, tuple(sorted(labels.items())))
+    def _sample_keys(self, spec: MetricSpec, labels: dict) -> tuple:
+        cache_key = (spec.name, tuple(sorted(labels.items())))
         keys = self._keys.get(cache_key)
         if keys is None:
-            spec = self._specs[name]
+            if spec not in self._specs:
+                raise ValueError(f"{spec.name} is not an engine family of this writer")
             values = {**self._base, **labels}
             if set(values) != set(spec.labels):
-                raise ValueError(f"{name} takes labels {spec.labels}, got {sorted(values)}")
-            names = list(spec.labels)
-            vals = [str(values[label]) for label in names]
-            family = _family_name(spec)
+                raise ValueError(f"{spec.name} takes labels {spec.labels}, "
+                                 f"got {sorted(values)}")
+            labels = {label: str(values[label]) for label in spec.labels}
+            family = spec.family
             if spec.type == HISTOGRAM:
                 bounds = list(spec.buckets) + [float("inf")]
                 keys = (
-                    mmap_key(family, f"{family}_sum", names, vals, spec.help),
-                    [mmap_key(family, f"{family}_bucket", names + ["le"],
-                              vals + [floatToGoString(b)], spec.help) for b in bounds],
+                    sample_key(family, f"{family}_sum", labels, spec.help),
+                    [sample_key(family, f"{family}_bucket", {**labels, "le": _float_text(b)},
+                                spec.help) for b in bounds],
                 )
             else:
-                sample = spec.name if spec.type == COUNTER else family
-                keys = (mmap_key(family, sample, names, vals, spec.help),)
+                keys = (sample_key(family, spec.name, labels, spec.help),)
             self._keys[cache_key] = keys
         return keys
 
     def _add(self, typ: str, key: str, amount: float) -> None:
         value = self._values.get(key, 0.0) + amount
         self._values[key] = value
-        self._files[typ].write_value(key, value, time.time())
+        self._files[typ].write(key, value, time.time())
 
-    def inc(self, name: str, amount: float = 1.0, **labels) -> None:
+    def inc(self, spec: MetricSpec, amount: float = 1.0, **labels) -> None:
         if amount < 0:
             raise ValueError("counters only go up")
         with self._lock:
-            (key,) = self._sample_keys(name, labels)
+            (key,) = self._sample_keys(spec, labels)
             self._add(COUNTER, key, amount)
 
-    def set(self, name: str, value: float, **labels) -> None:
+    def set(self, spec: MetricSpec, value: float, **labels) -> None:
         with self._lock:
-            (key,) = self._sample_keys(name, labels)
+            (key,) = self._sample_keys(spec, labels)
             self._values[key] = value
-            self._files[GAUGE].write_value(key, value, time.time())
+            self._files[GAUGE].write(key, value, time.time())
 
-    def observe(self, name: str, value: float | None, **labels) -> None:
+    def observe(self, spec: MetricSpec, value: float | None, **labels) -> None:
         """Add one observation (None only declares the series)."""
         with self._lock:
-            sum_key, bucket_keys = self._sample_keys(name, labels)
+            sum_key, bucket_keys = self._sample_keys(spec, labels)
             if value is None:
                 self._add(HISTOGRAM, sum_key, 0.0)
                 for key in bucket_keys:
                     self._add(HISTOGRAM, key, 0.0)
                 return
-            index = bisect.bisect_left(self._specs[name].buckets, value)
+            index = bisect.bisect_left(spec.buckets, value)
             self._add(HISTOGRAM, bucket_keys[index], 1.0)
             self._add(HISTOGRAM, sum_key, value)
 
     def close(self) -> None:
         self._closed.set()
         with self._lock:
-            for mmap_dict in self._files.values():
-                mmap_dict.close()
-
-
-def read_engine_info(directory: str | os.PathLike) -> dict | None:
-    try:
-        return json.loads((Path(directory) / ENGINE_INFO_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+            for value_file in self._files.values():
+                value_file.close()
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1
 
 
 class SkeletonLabeler:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.config import TINY_PRESET, ModelConfig
+from ac_observe.engine.config import TINY_PRESET, ModelConfig
 
 REPLACEMENT = "\ufffd"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model import gather_blocks, long_tensor, padded_block_tables
+from ac_observe.engine.model import gather_blocks, long_tensor, padded_block_tables
 
 HEADROOM_TOKENS = 128  # steps a workspace absorbs before it must grow
 

@@ -1,6 +1,6 @@
 """GPU check: the paths CPU-only CI cannot run. Run on a machine with a CUDA GPU:
 
-    PYTHONPATH=. python3 scripts/gpu_check.py [--skip-bench]
+    .venv/bin/python scripts/gpu_check.py [--skip-bench]   (ac-observe installed in that venv)
 
 Prints figures and exits non-zero if a check fails:
 1. logits of the engine on CUDA vs transformers on the same weights (float32, TF32 off);
@@ -35,8 +35,8 @@ def check(ok: bool, what: str) -> None:
 def logits_and_greedy(folder: Path) -> None:
     import transformers
 
-    from engine.config import EngineConfig
-    from engine.llm_engine import Engine, SamplingParams
+    from ac_observe.engine.config import EngineConfig
+    from ac_observe.engine.llm_engine import Engine, SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -85,8 +85,8 @@ def logits_and_greedy(folder: Path) -> None:
 
 
 def streams_and_timing(tmp: Path) -> None:
-    from engine.config import EngineConfig
-    from engine.llm_engine import Engine, SamplingParams
+    from ac_observe.engine.config import EngineConfig
+    from ac_observe.engine.llm_engine import Engine, SamplingParams
 
     with Engine(EngineConfig(device="cuda", telemetry_dir=str(tmp / "telemetry"))) as engine:
         streams = engine.runner.streams
@@ -113,7 +113,7 @@ def streams_and_timing(tmp: Path) -> None:
 
 
 def nvml() -> None:
-    from collectors.nvml import NvmlCollector
+    from ac_observe.collectors.nvml import NvmlCollector
 
     collector = NvmlCollector()
     try:
@@ -140,7 +140,8 @@ def main() -> int:
         print("no CUDA device: nothing to check")
         return 2
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    from engine.checkpoints import write_hf_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.checkpoints import write_hf_checkpoint
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_hf_checkpoint(Path(tmp) / "ckpt")
         logits_and_greedy(folder)

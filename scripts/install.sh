@@ -16,4 +16,6 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[engine,test]"
+# A regular install, as users get it: the tests run against the installed package.
+.venv/bin/python -m pip install -q --force-reinstall --no-deps .
+.venv/bin/python -m pip install -q ".[engine,test]"

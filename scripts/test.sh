@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
-exec .venv/bin/python -m pytest -q "$@"
+# pytest's own script, not `python -m`: the repository root stays off sys.path.
+exec .venv/bin/pytest -q "$@"

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.core import GaugeMetricFamily
 
-from collectors.base import Collector, CollectorUnavailable
-from daemon.config import DaemonConfig
-from daemon.service import Daemon
-from tests.conftest import sample_value
+from ac_observe.collectors.base import Collector, CollectorUnavailable
+from ac_observe.daemon.config import DaemonConfig
+from ac_observe.daemon.service import Daemon
+from support.servers import sample_value
 
 STANDIN = Path(__file__).parent / "standins" / "nvml_standin.c"
 

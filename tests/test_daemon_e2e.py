@@ -5,23 +5,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 
-from tests.conftest import EngineServer, free_port, sample_value
-
-
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+from support.servers import AC_OBSERVE, EngineServer, free_port, sample_value, wait_for
 
 
 def _engine_series(metrics, engine):
@@ -30,7 +18,7 @@ def _engine_series(metrics, engine):
 
 def _wait_ok_requests(daemon, engine: str, count: int, what: str, timeout=10):
     """Until the daemon shows `count` ok throughput requests for `engine`; its metrics."""
-    return _wait_for(lambda: (m := daemon.metrics()) and sample_value(
+    return wait_for(lambda: (m := daemon.metrics()) and sample_value(
         m, "ac_requests_total", engine=engine, status="ok", stream="throughput") == count
         and m, timeout, what)
 
@@ -74,7 +62,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
         metrics = daemon.metrics()
         assert sample_value(metrics, "ac_collector_up", collector="engine") == 1
         assert _engine_series(metrics, "e1"), "series vanished before the grace period"
-        _wait_for(lambda: not _engine_series(daemon.metrics(), "e1"), 15, "series to vanish")
+        wait_for(lambda: not _engine_series(daemon.metrics(), "e1"), 15, "series to vanish")
         assert sample_value(daemon.metrics(), "ac_collector_up", collector="engine") == 1
         assert not (root / "e1").exists()  # the dead engine's files were cleaned up
     finally:
@@ -120,18 +108,18 @@ def test_metrics_pass_promtool_and_labels_stay_bounded(start_daemon, tmp_path):
 
 
 def test_off_loopback_needs_a_token_and_the_token_guards_the_api(tmp_path):
-    refused = subprocess.run([sys.executable, "-m", "daemon.cli", "daemon", "--host", "0.0.0.0",
+    refused = subprocess.run([AC_OBSERVE, "daemon", "--host", "0.0.0.0",
                               "--telemetry-root", str(tmp_path)], capture_output=True, text=True,
                              timeout=60, env={**os.environ, "AC_OBSERVE_TOKEN": ""})
     assert refused.returncode == 2 and "token" in refused.stderr
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "daemon", "--host", "127.0.0.1",
+    proc = subprocess.Popen([AC_OBSERVE, "daemon", "--host", "127.0.0.1",
                              "--port", str(port), "--telemetry-root", str(tmp_path),
                              "--token", "s3cret"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_for(lambda: _healthy(url), 20, "daemon")
+        wait_for(lambda: _healthy(url), 20, "daemon")
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
         assert httpx.get(url + "/metrics",
@@ -149,7 +137,7 @@ def _healthy(url):
 
 
 def _cli_json(daemon_url, metric, window="30s", labels=""):
-    args = [sys.executable, "-m", "daemon.cli", "--daemon", daemon_url, "--metric", metric,
+    args = [AC_OBSERVE, "--daemon", daemon_url, "--metric", metric,
             "--window", window, "--json"]
     if labels:
         args += ["--labels", labels]
@@ -163,12 +151,12 @@ def test_up_with_demo_load_answers_the_cli_within_ten_seconds(tmp_path):
     engine_url = f"http://127.0.0.1:{engine_port}"
     daemon_url = f"http://127.0.0.1:{daemon_port}"
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "daemon.cli", "up", "--engine-port",
+    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port",
                            str(engine_port), "--daemon-port", str(daemon_port), "--demo-load",
                            "--telemetry-root", str(tmp_path / "telemetry")],
                           stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
+        wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
         ready = time.monotonic()
         # Our own requests, alongside the demo traffic, give trace headers to check against.
         system = "You are a careful SRE assistant. " * 24  # the demo's first system prompt
@@ -227,21 +215,21 @@ def _engine_ok(url):
 
 def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
     port = free_port()
-    out = subprocess.run([sys.executable, "-m", "daemon.cli", "--daemon",
+    out = subprocess.run([AC_OBSERVE, "--daemon",
                           f"http://127.0.0.1:{port}", "--metric", "gpu_utilization"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "cannot reach the ac-observe daemon" in out.stdout
     daemon = start_daemon(None, "--collectors", "engine")
-    out = subprocess.run([sys.executable, "-m", "daemon.cli", "--daemon", daemon.url,
+    out = subprocess.run([AC_OBSERVE, "--daemon", daemon.url,
                           "--metric", "gpu_utilisation"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 1 and "unknown metric" in out.stdout and "--list" in out.stdout
-    listed = subprocess.run([sys.executable, "-m", "daemon.cli", "--list", "--json"],
+    listed = subprocess.run([AC_OBSERVE, "--list", "--json"],
                             capture_output=True, text=True, timeout=60, check=True)
     names = {m["name"] for m in json.loads(listed.stdout)}
     assert {"inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",
             "cuda_stream_utilization", "gpu_utilization"} <= names
-    status = subprocess.run([sys.executable, "-m", "daemon.cli", "--daemon", daemon.url,
+    status = subprocess.run([AC_OBSERVE, "--daemon", daemon.url,
                              "status", "--json"], capture_output=True, text=True, timeout=60,
                             check=True)
     assert json.loads(status.stdout)["collectors"][0]["name"] == "engine"
@@ -249,7 +237,7 @@ def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
 
 def test_watch_keeps_answering_until_interrupted(start_daemon):
     daemon = start_daemon(None, "--collectors", "engine")
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--daemon", daemon.url,
+    proc = subprocess.Popen([AC_OBSERVE, "--daemon", daemon.url,
                              "--metric", "requests_running", "--watch", "--json"],
                             stdout=subprocess.PIPE, text=True)
     try:

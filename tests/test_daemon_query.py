@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from daemon.query import QueryEngine, bucket_quantile, parse_duration, parse_labels
-from daemon.windows import Windows
+from ac_observe.daemon.query import QueryEngine, bucket_quantile, parse_duration, parse_labels
+from ac_observe.daemon.windows import Windows
 
 LABELS = (("engine", "e"), ("model", "m"), ("stream", "throughput"))
 

@@ -226,7 +226,8 @@ def test_64_streaming_clients_disconnecting_free_every_block_and_overflow_gets_4
     assert 429 in statuses and 200 in statuses
     health = _wait_all_blocks_free(server, timeout=15)
     assert health["status"] == "ok"
-    from tests.test_engine_telemetry import _read_in_other_process, _value
+    from support.telemetry import family_value as _value
+    from support.telemetry import read_with_multiprocess_collector as _read_in_other_process
     families = _read_in_other_process(server.telemetry_dir)
     assert _value(families, "ac_requests", "ac_requests_total", status="aborted") == \
         statuses.count(200)
@@ -238,7 +239,8 @@ def test_64_streaming_clients_disconnecting_free_every_block_and_overflow_gets_4
 
 
 def test_trace_header_ttft_is_the_one_in_telemetry(start_engine):
-    from tests.test_engine_telemetry import _read_in_other_process, _value
+    from support.telemetry import family_value as _value
+    from support.telemetry import read_with_multiprocess_collector as _read_in_other_process
     server = start_engine()
     raw = _anthropic(server).messages.with_raw_response.create(
         model="tiny", max_tokens=3, messages=[{"role": "user", "content": "trace me"}],
@@ -279,9 +281,9 @@ def test_health_is_unhealthy_until_the_model_is_ready(tmp_path):
 
     import uvicorn
 
-    from engine.config import EngineConfig
-    from engine.server import EngineService, create_app
-    from tests.conftest import free_port
+    from ac_observe.engine.config import EngineConfig
+    from ac_observe.engine.server import EngineService, create_app
+    from support.servers import free_port
 
     gate = threading.Event()
 
@@ -335,9 +337,9 @@ def test_a_failing_model_step_is_a_500_without_internals_and_the_server_lives_on
 
     import uvicorn
 
-    from engine.config import EngineConfig
-    from engine.server import EngineService, create_app
-    from tests.conftest import free_port
+    from ac_observe.engine.config import EngineConfig
+    from ac_observe.engine.server import EngineService, create_app
+    from support.servers import free_port
 
     service = EngineService(EngineConfig(telemetry_dir=str(tmp_path)))
     port = free_port()

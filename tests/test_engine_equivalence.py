@@ -7,10 +7,10 @@ import pytest
 import torch
 import transformers
 
-from engine.config import EngineConfig, ModelConfig
-from engine.llm_engine import Engine, SamplingParams
-from engine.model import CausalLM, rope_row_order, rotate_
-from engine.checkpoints import write_hf_checkpoint
+from ac_observe.engine.config import EngineConfig, ModelConfig
+from ac_observe.engine.llm_engine import Engine, SamplingParams
+from ac_observe.engine.model import CausalLM, rope_row_order, rotate_
+from support.checkpoints import write_hf_checkpoint
 
 MAX_NEW = 24
 

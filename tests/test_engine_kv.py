@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import Engine, FinishReason, QueueFullError, SamplingParams
-from engine.scheduler import NeverFitsError
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.llm_engine import Engine, FinishReason, QueueFullError, SamplingParams
+from ac_observe.engine.scheduler import NeverFitsError
 
 BLOCK = 16
 
@@ -121,7 +121,7 @@ def test_random_aborts_leave_every_block_free():
 
 def test_double_free_is_refused():
     with _tiny() as engine:
-        from engine.sequence import Sequence
+        from ac_observe.engine.sequence import Sequence
         seq = Sequence("x", list(range(40)), SamplingParams())
         assert engine.block_manager.try_allocate(seq)
         table = list(seq.block_table)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 
-from daemon.catalog import COUNTER, ENGINE_METRICS
-from engine.config import EngineConfig
-from engine.llm_engine import Engine, QueueFullError, SamplingParams
+from ac_observe.metrics import COUNTER, ENGINE_METRICS
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.llm_engine import Engine, QueueFullError, SamplingParams
+from support.telemetry import family_value as _value
+from support.telemetry import read_with_multiprocess_collector as _read_in_other_process
 
 
 def _workload(engine, n=24, seed=0):
@@ -37,32 +37,6 @@ def test_timing_invariants_hold_on_every_request_and_lane(tmp_path):
     for totals in lanes.values():
         elapsed = (totals.last_step_end_ns - totals.first_step_start_ns) / 1e9
         assert 0 < totals.busy_seconds <= elapsed
-
-
-READER = r"""
-import json, sys
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.parser import text_string_to_metric_families
-registry = CollectorRegistry()
-MultiProcessCollector(registry, path=sys.argv[1])
-text = generate_latest(registry).decode()
-families = {}
-for fam in text_string_to_metric_families(text):
-    families[fam.name] = {"type": fam.type, "samples": [[s.name, s.labels, s.value] for s in fam.samples]}
-print(json.dumps(families))
-"""
-
-
-def _read_in_other_process(directory) -> dict:
-    out = subprocess.run([sys.executable, "-c", READER, str(directory)], check=True,
-                         capture_output=True, text=True)
-    return json.loads(out.stdout)
-
-
-def _value(families, family, sample, **labels):
-    return sum(v for name, lab, v in families[family]["samples"]
-               if name == sample and all(lab.get(k) == val for k, val in labels.items()))
 
 
 def test_telemetry_files_hold_every_engine_metric_with_type_and_labels(tmp_path):

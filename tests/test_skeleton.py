@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
+from ac_observe.engine.skeleton import MAX_DEPTH, skeleton_of_request, skeleton_of_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine.skeleton import MAX_DEPTH, skeleton_of_request, skeleton_of_text
+from support.servers import run_cli
 
 PROMPT = """# Task
 <instructions>
@@ -54,8 +52,7 @@ EXPECTED_TREE = """request
 
 
 def _cli(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "daemon.cli", "skeleton", *args], input=stdin,
-                          capture_output=True, text=True, timeout=60)
+    return run_cli("skeleton", *args, input=stdin)
 
 
 def test_cli_prints_tree_and_depth_of_a_request_file(tmp_path):

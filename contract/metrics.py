@@ -1,0 +1,309 @@
+"""The metric contract: every family ac-observe exports, and the names users query, as data.
+
+One source of truth: the engine's telemetry writer, the collectors, the exporter, the
+CLI's friendly names (and the dashboards and alert rules) all read these tables.
+
+NOTE: a leaf module (standard library only). Names carry their unit and never contain a
+colon; label sets are bounded. Prompt text, request ids and hashes of user content never
+become label values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COUNTER = "counter"
+GAUGE = "gauge"
+HISTOGRAM = "histogram"
+
+LANES = ("low_latency", "throughput")
+DEFAULT_LANE = "throughput"
+LANE_HEADER = "x-ac-stream"
+REQUEST_STATUSES = ("ok", "error", "aborted", "rejected")
+DEFAULT_ENGINE_PORT = 8000
+DEFAULT_DAEMON_PORT = 9410  # dcgm-exporter already takes 9400
+OTHER_SKELETON = "other"
+
+# Latency buckets in seconds: sub-millisecond CPU steps up to multi-minute queues.
+LATENCY_BUCKETS_SECONDS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25,
+    0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)
+STEP_BUCKETS_SECONDS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32,
+    0.64, 1.28, 2.56, 5.12,
+)
+SKELETON_DEPTH_BUCKETS = tuple(float(d) for d in range(1, 17))
+
+# A base unit in a family's name is its last word (before _total for counters).
+# (Ratios too, but for ac_cuda_stream_utilization, a name users already rely on.)
+_BASE_UNITS = ("seconds", "bytes", "celsius", "watts", "hertz")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str                     # the exposed name (counters end in _total)
+    type: str
+    help: str
+    labels: tuple[str, ...]
+    source: str                   # engine | nvml | ebpf | daemon
+    unit: str = ""                # seconds, bytes, ratio, ... ("" for plain counts)
+    buckets: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if ":" in self.name or not self.name.startswith("ac_"):
+            raise ValueError(f"bad metric name {self.name!r}")
+        if (self.type == HISTOGRAM) != bool(self.buckets):
+            raise ValueError(f"{self.name}: histograms and only histograms carry buckets")
+        if (self.type == COUNTER) != self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: counters and only counters end in _total")
+        if self.unit in _BASE_UNITS and not self.family.endswith("_" + self.unit):
+            raise ValueError(f"{self.name}: the unit {self.unit!r} must end the name")
+        if list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"{self.name}: buckets must be strictly increasing")
+
+    @property
+    def family(self) -> str:
+        """The family name as prometheus_client keeps it (a counter's without _total)."""
+        return self.name[:-len("_total")] if self.type == COUNTER else self.name
+
+
+ENGINE_LABELS = ("engine", "model")
+STREAM_LABELS = ("engine", "model", "stream")
+
+
+def _engine(name, typ, help_text, labels=ENGINE_LABELS, unit="", buckets=()):
+    return MetricSpec(name, typ, help_text, labels, "engine", unit, buckets)
+
+
+def _latency(name, help_text):
+    return _engine(name, HISTOGRAM, help_text, STREAM_LABELS, "seconds", LATENCY_BUCKETS_SECONDS)
+
+
+def _step(name, help_text):
+    return _engine(name, HISTOGRAM, help_text, STREAM_LABELS, "seconds", STEP_BUCKETS_SECONDS)
+
+
+INFERENCE_LATENCY = _latency("ac_inference_latency_seconds",
+                             "Request arrival to first token ready (time to first token).")
+QUEUE_TIME = _latency("ac_queue_time_seconds", "Request arrival to first scheduled.")
+PREFILL_GPU = _step("ac_prefill_gpu_seconds",
+                    "Device time of one prefill step (CUDA events; host clock on CPU).")
+DECODE_STEP_GPU = _step("ac_decode_step_gpu_seconds",
+                        "Device time of one decode step (CUDA events; host clock on CPU).")
+INTER_TOKEN_LATENCY = _latency("ac_inter_token_latency_seconds",
+                               "Time between two consecutive output tokens of a request.")
+E2E_LATENCY = _latency("ac_e2e_latency_seconds", "Request arrival to finish.")
+REQUESTS = _engine("ac_requests_total", COUNTER, "Finished requests by outcome.",
+                   STREAM_LABELS + ("status",), "requests")
+PROMPT_TOKENS = _engine("ac_prompt_tokens_total", COUNTER,
+                        "Prompt tokens of admitted requests.", unit="tokens")
+GENERATION_TOKENS = _engine("ac_generation_tokens_total", COUNTER, "Generated tokens.",
+                            unit="tokens")
+KV_QUERY_BLOCKS = _engine("ac_kv_cache_query_blocks_total", COUNTER,
+                          "Full prompt blocks looked up in the prefix cache (recompute "
+                          "excluded).", unit="blocks")
+KV_HIT_BLOCKS = _engine("ac_kv_cache_hit_blocks_total", COUNTER,
+                        "Full prompt blocks found in the prefix cache (recompute excluded).",
+                        unit="blocks")
+KV_QUERY_TOKENS = _engine("ac_kv_cache_query_tokens_total", COUNTER,
+                          "Prompt tokens looked up in the prefix cache (recompute excluded).",
+                          unit="tokens")
+KV_HIT_TOKENS = _engine("ac_kv_cache_hit_tokens_total", COUNTER,
+                        "Prompt tokens found in the prefix cache (recompute excluded).",
+                        unit="tokens")
+KV_USAGE = _engine("ac_kv_cache_usage_ratio", GAUGE, "Fraction of KV blocks held by requests.",
+                   unit="ratio")
+KV_BLOCKS = _engine("ac_kv_cache_blocks", GAUGE, "KV blocks in the pool.", unit="blocks")
+KV_EVICTIONS = _engine("ac_kv_cache_evictions_total", COUNTER,
+                       "Cached blocks evicted to make room for new content.", unit="blocks")
+PREEMPTIONS = _engine("ac_preemptions_total", COUNTER,
+                      "Requests preempted (KV freed, recomputed later).", unit="requests")
+REQUESTS_RUNNING = _engine("ac_requests_running", GAUGE, "Requests holding KV blocks.",
+                           STREAM_LABELS, "requests")
+REQUESTS_WAITING = _engine("ac_requests_waiting", GAUGE, "Requests waiting for admission.",
+                           STREAM_LABELS, "requests")
+SKELETON_COMPLEXITY = _engine("ac_skeleton_complexity", HISTOGRAM, "Prompt skeleton depth.",
+                              ENGINE_LABELS, "levels", SKELETON_DEPTH_BUCKETS)
+SKELETON_REQUESTS = _engine("ac_skeleton_requests_total", COUNTER,
+                            "Requests per prompt skeleton (top skeleton ids, the rest as "
+                            "'other').", ("engine", "model", "skeleton"), "requests")
+STREAM_BUSY = _engine("ac_cuda_stream_busy_seconds_total", COUNTER,
+                      "Time with work executing on the lane's stream.", STREAM_LABELS,
+                      "seconds")
+
+ENGINE_METRICS = (
+    INFERENCE_LATENCY, QUEUE_TIME, PREFILL_GPU, DECODE_STEP_GPU, INTER_TOKEN_LATENCY,
+    E2E_LATENCY, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, KV_QUERY_BLOCKS, KV_HIT_BLOCKS,
+    KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_USAGE, KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS,
+    REQUESTS_RUNNING, REQUESTS_WAITING, SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY,
+)
+
+GPU_LABELS = ("gpu", "uuid")
+
+
+def _gpu(name, typ, help_text, unit, labels=GPU_LABELS):
+    return MetricSpec(name, typ, help_text, labels, "nvml", unit)
+
+
+GPU_UTILIZATION = _gpu("ac_gpu_utilization_ratio", GAUGE, "GPU busy fraction (NVML).", "ratio")
+GPU_MEMORY_USED = _gpu("ac_gpu_memory_used_bytes", GAUGE, "Device memory in use.", "bytes")
+GPU_MEMORY_TOTAL = _gpu("ac_gpu_memory_total_bytes", GAUGE, "Device memory installed.", "bytes")
+GPU_POWER = _gpu("ac_gpu_power_watts", GAUGE, "Board power draw.", "watts")
+GPU_TEMPERATURE = _gpu("ac_gpu_temperature_celsius", GAUGE, "GPU die temperature.", "celsius")
+GPU_SM_CLOCK = _gpu("ac_gpu_sm_clock_hertz", GAUGE, "SM clock.", "hertz")
+GPU_PROCESS_MEMORY = _gpu("ac_gpu_process_memory_bytes", GAUGE,
+                          "Device memory used by a process.", "bytes", GPU_LABELS + ("pid",))
+GPU_SM_OCCUPANCY = _gpu("ac_gpu_sm_occupancy_ratio", GAUGE, "SM occupancy (GPM).", "ratio")
+GPU_SM_ACTIVE = _gpu("ac_gpu_sm_active_ratio", GAUGE, "SM active (GPM).", "ratio")
+GPU_TENSOR_ACTIVE = _gpu("ac_gpu_tensor_active_ratio", GAUGE, "Tensor core active (GPM).",
+                         "ratio")
+GPU_DRAM_ACTIVE = _gpu("ac_gpu_dram_active_ratio", GAUGE, "DRAM active (GPM).", "ratio")
+GPU_XID_ERRORS = _gpu("ac_gpu_xid_errors_total", COUNTER, "XID errors seen.", "errors")
+
+NVML_METRICS = (
+    GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_POWER, GPU_TEMPERATURE,
+    GPU_SM_CLOCK, GPU_PROCESS_MEMORY, GPU_SM_OCCUPANCY, GPU_SM_ACTIVE, GPU_TENSOR_ACTIVE,
+    GPU_DRAM_ACTIVE, GPU_XID_ERRORS,
+)
+
+PROC_LABELS = ("pid", "comm")
+
+
+def _ebpf(name, typ, help_text, labels, unit, buckets=()):
+    return MetricSpec(name, typ, help_text, PROC_LABELS + labels, "ebpf", unit, buckets)
+
+
+CUDA_KERNEL_LAUNCHES = _ebpf("ac_cuda_kernel_launches_total", COUNTER, "CUDA kernel launches.",
+                             ("stream",), "launches")
+CUDA_GRAPH_LAUNCHES = _ebpf("ac_cuda_graph_launches_total", COUNTER, "CUDA graph launches.",
+                            (), "launches")
+CUDA_LAUNCH_CALL = _ebpf("ac_cuda_launch_call_seconds", HISTOGRAM,
+                         "Host time inside a launch call.", (), "seconds", STEP_BUCKETS_SECONDS)
+CUDA_SYNC_WAIT = _ebpf("ac_cuda_sync_wait_seconds", HISTOGRAM,
+                       "Host time blocked in a CUDA sync.", ("api",), "seconds",
+                       LATENCY_BUCKETS_SECONDS)
+CUDA_MEMCPY_BYTES = _ebpf("ac_cuda_memcpy_bytes_total", COUNTER, "Bytes copied by cudaMemcpy*.",
+                          ("direction",), "bytes")
+
+EBPF_METRICS = (CUDA_KERNEL_LAUNCHES, CUDA_GRAPH_LAUNCHES, CUDA_LAUNCH_CALL, CUDA_SYNC_WAIT,
+                CUDA_MEMCPY_BYTES)
+
+
+def _daemon(name, typ, help_text, labels, unit=""):
+    return MetricSpec(name, typ, help_text, labels, "daemon", unit)
+
+
+STREAM_UTILIZATION = _daemon("ac_cuda_stream_utilization", GAUGE,
+                             "Busy fraction of the lane's stream over the last collection "
+                             "interval.", STREAM_LABELS, "ratio")
+COLLECTOR_UP = _daemon("ac_collector_up", GAUGE, "1 when the collector's last run succeeded.",
+                       ("collector",))
+COLLECTOR_DURATION = _daemon("ac_collector_duration_seconds", GAUGE,
+                             "Duration of the collector's last run.", ("collector",), "seconds")
+COLLECTOR_ERRORS = _daemon("ac_collector_errors_total", COUNTER, "Failed collector runs.",
+                           ("collector",), "errors")
+ALERTS_FIRING = _daemon("ac_alerts_firing", GAUGE, "Drift alerts firing.", ("rule", "severity"),
+                        "alerts")
+WEBHOOK_DELIVERIES = _daemon("ac_webhook_deliveries_total", COUNTER,
+                             "Webhook delivery attempts by outcome.", ("outcome",), "deliveries")
+WEBHOOK_QUEUE_DEPTH = _daemon("ac_webhook_queue_depth", GAUGE,
+                              "Alerts waiting in the webhook outbox.", (), "deliveries")
+BUILD_INFO = _daemon("ac_build_info", GAUGE, "ac-observe build.", ("version",))
+
+DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
+                  ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH, BUILD_INFO)
+
+ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS
+BY_NAME = {spec.name: spec for spec in ALL_METRICS}
+BY_FAMILY = {spec.family: spec for spec in ALL_METRICS}
+
+
+# ----- friendly names (the CLI and the query API) ------------------------------------------
+
+GAUGE_KIND, HISTOGRAM_KIND, RATE_KIND, RATIO_KIND = "gauge", "histogram", "rate", "ratio"
+
+
+@dataclass(frozen=True, slots=True)
+class Friendly:
+    """A name a user queries: how to compute it from a family, in which unit.
+
+    kind: gauge (samples as they are), histogram (quantiles from bucket increases), rate
+    (per second from a counter), ratio (increase of one counter over another's).
+    `scale` turns the family's unit into the one the name promises.
+    """
+    name: str
+    kind: str
+    source: MetricSpec
+    unit: str
+    scale: float
+    help: str
+    denominator: MetricSpec | None = None
+
+    def __post_init__(self) -> None:
+        expected = {GAUGE_KIND: GAUGE, HISTOGRAM_KIND: HISTOGRAM, RATE_KIND: COUNTER,
+                    RATIO_KIND: COUNTER}.get(self.kind)
+        if expected is None or self.source.type != expected:
+            raise ValueError(f"{self.name}: a {self.kind} reads a {expected}, "
+                             f"not {self.source.name} ({self.source.type})")
+        if (self.kind == RATIO_KIND) != (self.denominator is not None):
+            raise ValueError(f"{self.name}: ratios and only ratios have a denominator")
+
+    def families(self) -> tuple[MetricSpec, ...]:
+        return (self.source,) + ((self.denominator,) if self.denominator else ())
+
+
+FRIENDLY = {f.name: f for f in (
+    Friendly("inference_latency_ns", HISTOGRAM_KIND, INFERENCE_LATENCY, "ns", 1e9,
+             "Time to first token (arrival to first token ready, queue included)."),
+    Friendly("queue_time_ns", HISTOGRAM_KIND, QUEUE_TIME, "ns", 1e9,
+             "Arrival to first scheduled."),
+    Friendly("e2e_latency_ms", HISTOGRAM_KIND, E2E_LATENCY, "ms", 1e3, "Arrival to finish."),
+    Friendly("inter_token_latency_ms", HISTOGRAM_KIND, INTER_TOKEN_LATENCY, "ms", 1e3,
+             "Time between output tokens."),
+    Friendly("prefill_gpu_ms", HISTOGRAM_KIND, PREFILL_GPU, "ms", 1e3,
+             "Device time of a prefill step."),
+    Friendly("decode_step_gpu_ms", HISTOGRAM_KIND, DECODE_STEP_GPU, "ms", 1e3,
+             "Device time of a decode step."),
+    Friendly("skeleton_complexity", HISTOGRAM_KIND, SKELETON_COMPLEXITY, "levels", 1.0,
+             "Prompt skeleton depth."),
+    Friendly("kv_cache_hit_rate", RATIO_KIND, KV_HIT_BLOCKS, "%", 100.0,
+             "Prefix-cache hits over lookups, in full blocks.", KV_QUERY_BLOCKS),
+    Friendly("kv_cache_token_hit_rate", RATIO_KIND, KV_HIT_TOKENS, "%", 100.0,
+             "Prompt tokens served from the prefix cache over prompt tokens.", KV_QUERY_TOKENS),
+    Friendly("kv_cache_usage", GAUGE_KIND, KV_USAGE, "%", 100.0, "KV blocks held by requests."),
+    Friendly("cuda_stream_utilization", GAUGE_KIND, STREAM_UTILIZATION, "%", 100.0,
+             "Busy fraction of each lane's stream."),
+    Friendly("requests_per_second", RATE_KIND, REQUESTS, "req/s", 1.0,
+             "Finished requests per second, by status."),
+    Friendly("generation_tokens_per_second", RATE_KIND, GENERATION_TOKENS, "tok/s", 1.0,
+             "Generated tokens per second."),
+    Friendly("prompt_tokens_per_second", RATE_KIND, PROMPT_TOKENS, "tok/s", 1.0,
+             "Prompt tokens admitted per second."),
+    Friendly("preemptions_per_second", RATE_KIND, PREEMPTIONS, "1/s", 1.0,
+             "Requests preempted per second."),
+    Friendly("requests_running", GAUGE_KIND, REQUESTS_RUNNING, "requests", 1.0,
+             "Requests holding KV blocks."),
+    Friendly("requests_waiting", GAUGE_KIND, REQUESTS_WAITING, "requests", 1.0,
+             "Requests waiting for admission."),
+    Friendly("gpu_utilization", GAUGE_KIND, GPU_UTILIZATION, "%", 100.0,
+             "GPU busy fraction (NVML)."),
+    Friendly("gpu_memory_used_bytes", GAUGE_KIND, GPU_MEMORY_USED, "B", 1.0,
+             "Device memory in use."),
+    Friendly("gpu_power_watts", GAUGE_KIND, GPU_POWER, "W", 1.0, "Board power."),
+    Friendly("gpu_temperature_celsius", GAUGE_KIND, GPU_TEMPERATURE, "°C", 1.0,
+             "GPU temperature."),
+    Friendly("gpu_sm_clock_hertz", GAUGE_KIND, GPU_SM_CLOCK, "Hz", 1.0, "SM clock."),
+    Friendly("gpu_sm_occupancy", GAUGE_KIND, GPU_SM_OCCUPANCY, "%", 100.0,
+             "SM occupancy (GPM, Hopper+)."),
+    Friendly("gpu_sm_active", GAUGE_KIND, GPU_SM_ACTIVE, "%", 100.0,
+             "SM active (GPM, Hopper+)."),
+    Friendly("gpu_tensor_active", GAUGE_KIND, GPU_TENSOR_ACTIVE, "%", 100.0,
+             "Tensor cores active (GPM, Hopper+)."),
+    Friendly("gpu_dram_active", GAUGE_KIND, GPU_DRAM_ACTIVE, "%", 100.0,
+             "DRAM bandwidth used (GPM, Hopper+)."),
+)}
+
+
+def watched_families() -> set[str]:
+    """Families whose history the daemon keeps for queries."""
+    return {spec.family for friendly in FRIENDLY.values() for spec in friendly.families()}

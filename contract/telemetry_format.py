@@ -1,0 +1,364 @@
+"""The engine -> daemon telemetry files, and the directory they live in.
+
+An engine writes into its own directory under the telemetry root:
+- `engine.json`: who it is (engine, model, pid, API address, format); its mtime is a
+  heartbeat, refreshed every second;
+- `counter_PID.db`, `histogram_PID.db`, `gauge_livesum_PID.db`: prometheus_client's
+  multiprocess layout, so `MultiProcessCollector` reads them too (tests prove it for the
+  prometheus_client versions pyproject allows). Counters are cumulative, histograms keep
+  raw per-bucket counts, gauges are live sums.
+
+File layout (prometheus_client's MmapedDict): int32 used size, 4 bytes padding, then
+entries [int32 key length][utf-8 key padded to 8][double value][double timestamp]. It only
+grows by appending, so a reader remembers where each entry's value sits.
+
+NOTE: a leaf module (standard library only). Everything here treats the directory as
+hostile: no path is followed through a symlink, temporary files are created exclusively,
+reads are bounded and only of regular files, and a malformed file raises ValueError with
+a reason, never anything that could harm another engine's data.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import stat
+import struct
+from pathlib import Path
+
+ENGINE_INFO_FILE = "engine.json"
+TELEMETRY_FORMAT = "prometheus-multiprocess-v1"
+DB_KINDS = ("counter", "histogram", "gauge_livesum")
+MAX_INFO_BYTES = 64 << 10
+MAX_DB_BYTES = 256 << 20     # ~1M series; a larger file is someone else's problem
+MAX_KEY_BYTES = 16 << 10
+_INITIAL_DB_BYTES = 1 << 16
+_DB_NAME = re.compile(r"^(counter|histogram|gauge_livesum)_([0-9]{1,10})\.db$")
+_TEMP_INFO = re.compile(r"^\.engine\.json\.[0-9]{1,10}\.[0-9a-f]{8,32}$")
+_INT = struct.Struct("i")
+_TWO_DOUBLES = struct.Struct("dd")
+_DOUBLE = struct.Struct("d")
+MAX_PID = (1 << 31) - 1
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class UnsafeDirectory(PermissionError):
+    """A directory that another user could tamper with, or that is not ours to use."""
+
+
+# ----- names ---------------------------------------------------------------------------------
+
+def db_file_name(kind: str, pid: int) -> str:
+    if kind not in DB_KINDS:
+        raise ValueError(f"unknown telemetry file kind {kind!r}")
+    return f"{kind}_{pid}.db"
+
+
+def parse_db_file_name(name: str) -> tuple[str, int] | None:
+    """(kind, pid) of a telemetry `.db` file name, or None for any other name."""
+    match = _DB_NAME.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def is_format_file(name: str) -> bool:
+    """A name the engine writes (and so the only names the daemon ever removes)."""
+    return name == ENGINE_INFO_FILE or bool(_DB_NAME.match(name) or _TEMP_INFO.match(name))
+
+
+def sample_key(family: str, sample: str, labels: dict[str, str], help_text: str) -> str:
+    """An entry's key: prometheus_client's `mmap_key` (JSON, labels sorted)."""
+    return json.dumps([family, sample, labels, help_text], sort_keys=True)
+
+
+def parse_sample_key(key: str) -> tuple[str, str, dict[str, str], str]:
+    """(family, sample, labels, help) of a key; ValueError when it is not one."""
+    try:
+        value = json.loads(key)
+    except (ValueError, RecursionError):
+        raise ValueError("an entry's key is not JSON") from None
+    if not (isinstance(value, list) and len(value) == 4 and isinstance(value[0], str)
+            and isinstance(value[1], str) and isinstance(value[2], dict)
+            and isinstance(value[3], str)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in value[2].items())):
+        raise ValueError("an entry's key is not [family, sample, {labels}, help]")
+    family, sample, labels, help_text = value
+    if not sample.startswith(family):
+        raise ValueError(f"sample {sample[:80]!r} is not of family {family[:80]!r}")
+    return family, sample, labels, help_text
+
+
+# ----- the mmap layout -----------------------------------------------------------------------
+
+def scan_entries(data: bytes, start: int, used: int) -> tuple[list[tuple[int, str]], int]:
+    """Entries that begin at `start`, up to `used`: ([(value offset, key)], next start).
+
+    A partly written last entry is left for the next scan; anything else that does not
+    parse raises ValueError.
+    """
+    entries = []
+    pos = start
+    while pos + 4 <= used:
+        length = _INT.unpack_from(data, pos)[0]
+        if length <= 0 or length > MAX_KEY_BYTES:
+            raise ValueError(f"entry at byte {pos} has a key length of {length}")
+        value_at = pos + 4 + length + (8 - (length + 4) % 8)
+        if value_at + 16 > used:
+            break
+        try:
+            key = data[pos + 4:pos + 4 + length].decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"entry at byte {pos} has a key that is not UTF-8") from None
+        entries.append((value_at, key))
+        pos = value_at + 16
+    return entries, pos
+
+
+def used_size(data: bytes) -> int:
+    used = _INT.unpack_from(data, 0)[0] if len(data) >= 4 else 0
+    if used < 8:
+        raise ValueError(f"header says {used} bytes used")
+    return used
+
+
+def value_at(data: bytes, offset: int) -> float:
+    return _DOUBLE.unpack_from(data, offset)[0]
+
+
+class ValueFile:
+    """Writer of one `.db` file (prometheus_client's MmapedDict layout). Not thread-safe.
+
+    Opened relative to the engine directory's descriptor, never through a symlink.
+    """
+
+    def __init__(self, dir_fd: int, name: str):
+        self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                           dir_fd=dir_fd)
+        info = os.fstat(self._fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(self._fd)
+            raise ValueError(f"{name} is not a regular file")
+        self._capacity = info.st_size
+        if self._capacity == 0:
+            self._capacity = _INITIAL_DB_BYTES
+            os.ftruncate(self._fd, self._capacity)
+        self._map = mmap.mmap(self._fd, self._capacity)
+        self._positions: dict[str, int] = {}
+        self._used = _INT.unpack_from(self._map, 0)[0]
+        if self._used == 0:
+            self._used = 8
+            self._map[0:4] = _INT.pack(8)
+        else:
+            entries, _ = scan_entries(self._map, 8, self._used)
+            self._positions = {key: at for at, key in entries}
+
+    def read_all(self) -> dict[str, float]:
+        return {key: value_at(self._map, at) for key, at in self._positions.items()}
+
+    def write(self, key: str, value: float, timestamp: float) -> None:
+        at = self._positions.get(key)
+        if at is None:
+            at = self._append(key)
+        # One slice assignment: a reader never sees a half-written pair of zeros.
+        self._map[at:at + 16] = _TWO_DOUBLES.pack(value, timestamp)
+
+    def _append(self, key: str) -> int:
+        encoded = key.encode("utf-8")
+        padded = encoded + b" " * (8 - (len(encoded) + 4) % 8)
+        entry = struct.pack(f"i{len(padded)}sdd", len(encoded), padded, 0.0, 0.0)
+        while self._used + len(entry) > self._capacity:
+            self._capacity *= 2
+            os.ftruncate(self._fd, self._capacity)
+            self._map.close()
+            self._map = mmap.mmap(self._fd, self._capacity)
+        self._map[self._used:self._used + len(entry)] = entry
+        self._used += len(entry)
+        self._map[0:4] = _INT.pack(self._used)  # after the entry: readers see it whole
+        at = self._positions[key] = self._used - 16
+        return at
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            os.close(self._fd)
+            self._map = None
+
+
+# ----- engine.json ---------------------------------------------------------------------------
+
+_INFO_FIELDS = {"engine": str, "model": str, "pid": int, "telemetry_format": str}
+_OPTIONAL_FIELDS = {"engine_id": str, "api_address": str, "started_at": (int, float),
+                    "device": str, "num_kv_blocks": int, "block_size": int}
+
+
+def parse_engine_info(raw: bytes) -> dict:
+    """The checked contents of an `engine.json`; ValueError naming what is wrong."""
+    try:
+        info = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("engine.json is not UTF-8") from None
+    except (ValueError, RecursionError):
+        raise ValueError("engine.json is not JSON") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"engine.json holds a {type(info).__name__}, not an object")
+    for name, typ in _INFO_FIELDS.items():
+        if not isinstance(info.get(name), typ) or isinstance(info.get(name), bool):
+            raise ValueError(f"engine.json: {name!r} is missing or not a {typ.__name__}")
+    for name, typ in _OPTIONAL_FIELDS.items():
+        if name in info and (not isinstance(info[name], typ) or isinstance(info[name], bool)):
+            raise ValueError(f"engine.json: {name!r} has the wrong type")
+    if not 0 < info["pid"] <= MAX_PID:
+        raise ValueError(f"engine.json: pid {info['pid']} is out of range")
+    if info["telemetry_format"] != TELEMETRY_FORMAT:
+        raise ValueError(f"engine.json: format {info['telemetry_format'][:64]!r}, "
+                         f"this reader knows {TELEMETRY_FORMAT!r}")
+    for name in ("engine", "model"):
+        if not 0 < len(info[name]) <= 256:
+            raise ValueError(f"engine.json: {name!r} must be 1-256 characters")
+    return info
+
+
+def read_regular_file(dir_fd: int, name: str, max_bytes: int) -> bytes:
+    """Whole contents of a regular file in a directory; never follows a symlink, never
+    blocks on a FIFO or device, never reads more than `max_bytes`."""
+    fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{name} is not a regular file")
+        if info.st_size > max_bytes:
+            raise ValueError(f"{name} is {info.st_size} bytes; the limit is {max_bytes}")
+        return os.pread(fd, max_bytes + 1, 0)[:max_bytes]
+    finally:
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    if not 0 < pid <= MAX_PID:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ----- the telemetry root --------------------------------------------------------------------
+
+def default_telemetry_root() -> Path:
+    """`AC_OBSERVE_TELEMETRY_DIR`, else `$XDG_RUNTIME_DIR/ac-observe/telemetry` (per user,
+    private), else `/tmp/ac-observe-$UID/telemetry`."""
+    env = os.environ.get("AC_OBSERVE_TELEMETRY_DIR")
+    if env:
+        return Path(env)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "ac-observe" if runtime else Path(f"/tmp/ac-observe-{os.geteuid()}")
+    return base / "telemetry"
+
+
+def unsafe_reason(info: os.stat_result, trusted_uids: set[int]) -> str | None:
+    """Why a directory (lstat result) is not safe to write into, or None."""
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid not in trusted_uids:
+        return f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()}) or root"
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        return (f"is writable by other users (mode {stat.S_IMODE(info.st_mode):04o}): "
+                "chmod go-w it")
+    return None
+
+
+def check_ancestors(path: Path) -> None:
+    """Every directory from / to `path` is owned by root or by us and no other user can
+    replace its entries (as OpenSSH's StrictModes checks); else UnsafeDirectory."""
+    trusted = {0, os.geteuid()}
+    current = Path(os.path.abspath(path))
+    for directory in [current, *current.parents]:
+        reason = unsafe_reason(os.lstat(directory), trusted)
+        if reason and not (reason == "is a symlink" and directory != current):
+            raise UnsafeDirectory(f"telemetry directory {path}: {directory} {reason}")
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create `path` and any missing parents, each 0700."""
+    missing = []
+    current = Path(os.path.abspath(path))
+    while not os.path.lexists(current):
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass  # created concurrently: checked below like any existing one
+
+
+def open_engine_dir(path: str | os.PathLike) -> int:
+    """A descriptor of the engine's own telemetry directory, created 0700 if missing.
+
+    Refuses (UnsafeDirectory) a directory another user owns or could tamper with, a
+    symlink, and a directory holding files that are not ac-observe telemetry.
+    """
+    path = Path(path)
+    make_private_dirs(path)
+    check_ancestors(path)
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        reason = unsafe_reason(os.fstat(fd), {os.geteuid()})
+        if reason:
+            raise UnsafeDirectory(f"telemetry directory {path} {reason}")
+        foreign = sorted(name for name in os.listdir(fd) if not is_format_file(name))
+        if foreign:
+            raise UnsafeDirectory(
+                f"telemetry directory {path} holds files that are not ac-observe telemetry "
+                f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): give the "
+                "engine a directory of its own (an empty or new one)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_dir_nofollow(path: str | os.PathLike, dir_fd: int | None = None) -> int:
+    return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def remove_dead_gauges(dir_fd: int, pid: int) -> None:
+    """A dead process's live gauges no longer count (prometheus_client's mark_process_dead)."""
+    try:
+        os.unlink(db_file_name("gauge_livesum", pid), dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def remove_engine_dir(parent_fd: int, name: str) -> list[str]:
+    """Remove the telemetry files of an engine directory, then the directory if that left
+    it empty. Only names of the format are touched: a user's file survives, and so does
+    its directory. Returns what was left behind."""
+    fd = open_dir_nofollow(name, parent_fd)
+    try:
+        left = []
+        for entry in os.listdir(fd):
+            if not is_format_file(entry):
+                left.append(entry)
+                continue
+            try:
+                os.unlink(entry, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:
+                left.append(entry)
+    finally:
+        os.close(fd)
+    if not left:
+        try:
+            os.rmdir(name, dir_fd=parent_fd)
+        except OSError as exc:  # refilled meanwhile: a restarted engine keeps it
+            left.append(f"({exc.strerror})")
+    return left

@@ -1,0 +1,117 @@
+"""Servers the tests start for real: `ac-observe engine` and `ac-observe daemon` in
+subprocesses on free loopback ports, run through the installed console script."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+# The installed console script, as a user runs it.
+AC_OBSERVE = str(Path(sys.executable).with_name("ac-observe"))
+if not os.path.exists(AC_OBSERVE):
+    AC_OBSERVE = shutil.which("ac-observe") or AC_OBSERVE
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cli(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    """`ac-observe ARGS` to completion, output captured as text."""
+    return subprocess.run([AC_OBSERVE, *args], capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    """Poll until `predicate()` is truthy; its value. AssertionError naming `what` if not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+class ServerProcess:
+    """An `ac-observe` command serving HTTP, in a subprocess on a free loopback port."""
+
+    ready_path = "/health"
+
+    def __init__(self, args: list[str], log_dir, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"{args[0]}-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([AC_OBSERVE, *args, "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args[1]} exited with {self.proc.returncode}: "
+                                   f"{self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.proc.args[1]} did not become ready")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class EngineServer(ServerProcess):
+    """`ac-observe engine`, writing telemetry into `telemetry_dir`."""
+
+    def __init__(self, telemetry_dir, *args: str, env: dict | None = None):
+        self.telemetry_dir = Path(telemetry_dir)
+        super().__init__(["engine", "--telemetry-dir", str(telemetry_dir), "--log-level",
+                          "warning", *args], self.telemetry_dir.parent, env)
+
+
+class DaemonProcess(ServerProcess):
+    """`ac-observe daemon` reading `telemetry_root`."""
+
+    ready_path = "/healthz"
+
+    def __init__(self, telemetry_root, *args: str, env: dict | None = None):
+        super().__init__(["daemon", "--telemetry-root", str(telemetry_root), *args],
+                         Path(telemetry_root).parent, env)
+
+    def metrics(self, headers=None) -> dict:
+        """{(sample name, frozenset(labels)): value} of /metrics."""
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10, headers=headers).text)
+
+
+def parse_metrics(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def sample_value(metrics: dict, name: str, **labels):
+    """The one sample named `name` whose labels include `labels` (None if absent)."""
+    found = [v for (n, lab), v in metrics.items()
+             if n == name and all((k, val) in lab for k, val in labels.items())]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None

@@ -1,0 +1,34 @@
+"""Telemetry files read the way any prometheus_client user reads them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+READER = r"""
+import json, sys
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+registry = CollectorRegistry()
+MultiProcessCollector(registry, path=sys.argv[1])
+text = generate_latest(registry).decode()
+families = {}
+for fam in text_string_to_metric_families(text):
+    families[fam.name] = {"type": fam.type, "samples": [[s.name, s.labels, s.value] for s in fam.samples]}
+print(json.dumps(families))
+"""
+
+
+def read_with_multiprocess_collector(directory) -> dict:
+    """{family: {type, samples}} as prometheus_client's MultiProcessCollector reads the
+    directory, in a separate process."""
+    out = subprocess.run([sys.executable, "-c", READER, str(directory)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def family_value(families, family, sample, **labels):
+    """Sum of a family's samples named `sample` whose labels include `labels`."""
+    return sum(v for name, lab, v in families[family]["samples"]
+               if name == sample and all(lab.get(k) == val for k, val in labels.items()))
