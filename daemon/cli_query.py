@@ -10,6 +10,8 @@ from rich.live import Live
 from rich.table import Table
 
 STAT_COLUMNS = ("min", "mean", "p50", "p95", "max", "last")
+HISTOGRAM_COLUMNS = ("min_bucket_le", "mean", "p50", "p95", "max_bucket_le", "last")
+COLUMN_TITLES = {"min_bucket_le": "min≤", "max_bucket_le": "max≤"}
 
 
 class DaemonUnreachable(RuntimeError):
@@ -58,14 +60,16 @@ def _table(result: dict) -> Table:
     shared = " ".join(f"{k}={v}" for k, v in sorted(common.items()))
     table = Table(title=f"{result['metric']} ({unit}) over {result['window_seconds']:g}s"
                         + (f"\n{shared}" if shared else ""))
+    # A histogram has no extremes, only the buckets that bound them.
+    columns = HISTOGRAM_COLUMNS if result["kind"] == "histogram" else STAT_COLUMNS
     table.add_column("series")
-    for column in STAT_COLUMNS:
-        table.add_column(column, justify="right")
+    for key in columns:
+        table.add_column(COLUMN_TITLES.get(key, key), justify="right")
     table.add_column("n", justify="right")
     for series in series_list:
         name = ",".join(f"{k}={v}" for k, v in sorted(series["labels"].items())
                         if k not in common) or "all"
-        table.add_row(name, *(format_value(series[c], unit) for c in STAT_COLUMNS),
+        table.add_row(name, *(format_value(series[c], unit) for c in columns),
                       str(series["samples"]))
     if not result["series"]:
         table.caption = "no data in this window yet"

@@ -2,7 +2,8 @@
 
 Per series: min / mean / p50 / p95 / max / last, in the friendly name's unit. Histograms
 are answered from bucket increases over the window (Prometheus `histogram_quantile`
-interpolation), counters by `increase()` semantics (a drop is a reset).
+interpolation) and have no exact extremes: `min_bucket_le` / `max_bucket_le` bound them
+instead. Counters follow `increase()` semantics (a drop is a reset).
 """
 from __future__ import annotations
 
@@ -156,17 +157,18 @@ class QueryEngine:
             sum_points = self._points((family + "_sum", labels), since)
             count_points = self._points((family + "_count", labels), since)
             scale = friendly.scale
-            finite = [b for b, _ in buckets if not math.isinf(b)]
             first = next(i for i, (_, c) in enumerate(buckets) if c > 0)
             last = next(i for i, (_, c) in enumerate(buckets) if c >= count)
             yield {"labels": dict(labels),
-                   # Bucket resolution: the upper edges of the lowest and highest occupied
-                   # buckets (exact for integer-valued histograms such as skeleton depth).
-                   "min": scale * min(buckets[first][0], finite[-1] if finite else 0.0),
+                   # A histogram keeps no extremes: what it knows is the upper edge of the
+                   # lowest and of the highest occupied bucket (min <= the one, max <= the
+                   # other; +Inf past the last finite bucket).
+                   "min": None, "max": None,
+                   "min_bucket_le": scale * buckets[first][0],
+                   "max_bucket_le": scale * buckets[last][0],
                    "mean": scale * increase(sum_points) / count,
                    "p50": scale * bucket_quantile(0.5, buckets),
                    "p95": scale * bucket_quantile(0.95, buckets),
-                   "max": scale * min(buckets[last][0], finite[-1] if finite else 0.0),
                    "last": _scaled(_last_interval_mean(sum_points, count_points), scale),
                    "samples": int(count)}
 

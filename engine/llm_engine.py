@@ -220,6 +220,7 @@ class Engine:
             self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
                                                   deliver)
             self.stats.on_accepted(seq)
+            self.stats.on_gauges(self.scheduler, self.block_manager)
             self._wakeup.notify()
         return handle
 
@@ -363,11 +364,14 @@ class Engine:
         raise ValueError("give a prompt (text or token ids) or messages")
 
     def _process_aborts(self) -> None:
+        if not self._aborts:
+            return
         for request_id in self._aborts:
             request = self._requests.get(request_id)
             if request is not None:
                 self._finish(request, FinishReason.ABORTED)
         self._aborts.clear()
+        self.stats.on_gauges(self.scheduler, self.block_manager)
 
     def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int],
                      device_seconds: float, now_ns: int) -> None:

@@ -100,7 +100,7 @@ class EngineStats:
                                 stream=seq.lane)
 
     def on_state(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
-        """After every step: KV counters (as deltas), gauges, preemptions."""
+        """After every step: KV counters (as deltas), preemptions, gauges."""
         if not self.writer:
             return
         stats, exported = block_manager.stats, self._kv_exported
@@ -113,6 +113,12 @@ class EngineStats:
         if delta:
             self.writer.inc(m.PREEMPTIONS, delta)
             self._preemptions_exported = scheduler.num_preemptions
+        self.on_gauges(scheduler, block_manager)
+
+    def on_gauges(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
+        """On every change of who holds blocks or waits (admission, finish, abort, step)."""
+        if not self.writer:
+            return
         self.writer.set(m.KV_USAGE, block_manager.usage)
         self.writer.set(m.KV_BLOCKS, block_manager.num_blocks)
         for lane in scheduler.lanes.values():

@@ -36,7 +36,9 @@ def test_histogram_answer_uses_only_observations_inside_the_window():
     assert series["mean"] == pytest.approx(0.4 / 20 * 1e9)
     assert series["p50"] == pytest.approx(0.02e9)           # rank 10 ends the 10-20 ms bucket
     assert series["p95"] == pytest.approx((0.02 + 0.02 * 9 / 10) * 1e9)
-    assert series["min"] == pytest.approx(0.02e9) and series["max"] == pytest.approx(0.04e9)
+    assert series["min"] is None and series["max"] is None  # a histogram keeps no extremes
+    assert series["min_bucket_le"] == pytest.approx(0.02e9)
+    assert series["max_bucket_le"] == pytest.approx(0.04e9)
     assert series["last"] == pytest.approx(0.03e9)          # the last interval: 10 obs, 0.3 s
 
 
@@ -89,3 +91,16 @@ def test_duration_and_label_parsing():
                                                               "engine": "e1"}
     with pytest.raises(ValueError):
         parse_labels("stream")
+
+
+def test_hit_rate_is_the_ratio_of_increases_not_a_mean_of_ratios():
+    """1 hit of 1 lookup, then 0 of 99: the window's hit rate is 1 %, not (100 % + 0 %) / 2."""
+    windows = Windows(capacity=10)
+    engine = QueryEngine(windows, interval_seconds=1.0)
+    labels = (("engine", "e"), ("model", "m"))
+    for t, (hits, queries) in enumerate([(0, 0), (1, 1), (1, 100)]):
+        windows.append(float(t), {("ac_kv_cache_hit_blocks_total", labels): hits,
+                                  ("ac_kv_cache_query_blocks_total", labels): queries})
+    (series,) = engine.query("kv_cache_hit_rate", 10, {}, now=2.0)["series"]
+    assert series["mean"] == pytest.approx(1.0)
+    assert (series["min"], series["max"], series["last"]) == (0.0, 100.0, 0.0)
