@@ -19,3 +19,9 @@ fi
 # A regular install, as users get it: the tests run against the installed package.
 .venv/bin/python -m pip install -q --force-reinstall --no-deps .
 .venv/bin/python -m pip install -q ".[engine,test]"
+# The lowest and highest prometheus_client that pyproject allows: the tests read the
+# engine's telemetry files with both (tests/test_telemetry_format.py).
+for version in 0.20.0 0.26.0; do
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: \
+    -d .venv/compat-wheels "prometheus_client==$version"
+done

@@ -1,21 +1,176 @@
-"""The daemon side installs without torch: its modules must not import it."""
+"""How ac-observe installs and how its parts depend on each other.
+
+- One top-level package, `ac_observe`, that lives beside python-daemon's `daemon`.
+- Dependencies run one way: the contract (`ac_observe.metrics`, `.telemetry_format`) is a
+  leaf; the engine and the collectors read it and nothing of each other or the daemon; the
+  daemon reads the collectors and the contract, and never imports torch.
+"""
 from __future__ import annotations
 
+import ast
+import importlib.util
+import os
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
+import ac_observe
 from support.servers import run_cli
 
+PACKAGES = ("ac_observe.engine", "ac_observe.daemon", "ac_observe.collectors")
+CONTRACT = ("ac_observe", "ac_observe.metrics", "ac_observe.telemetry_format")
 
-def test_daemon_cli_and_shared_modules_never_import_torch():
-    code = ("import sys, ac_observe.daemon.cli, ac_observe.metrics, ac_observe.telemetry_format, "
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed package: name -> source file."""
+    found = {"ac_observe": Path(ac_observe.__file__)}
+    root = Path(ac_observe.__file__).parent
+    for name in CONTRACT[1:]:
+        found[name] = root / (name.rsplit(".", 1)[1] + ".py")
+    for package in PACKAGES:
+        (location,) = importlib.util.find_spec(package).submodule_search_locations
+        for path in Path(location).glob("*.py"):
+            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return found
+
+
+def _imports(path: Path, module: str) -> tuple[set[str], set[str]]:
+    """(imported at module level, imported anywhere) as absolute module names."""
+    tree = ast.parse(path.read_text())
+    top, anywhere = set(), set()
+
+    def names(node) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [alias.name for alias in node.names]
+        if node.level:  # relative: resolve against this module's package
+            base = module.rsplit(".", node.level)[0]
+            prefix = f"{base}.{node.module}" if node.module else base
+        else:
+            prefix = node.module
+        # `from pkg import mod` may import a submodule: count both.
+        return [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            anywhere.update(names(node))
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            top.update(names(node))
+        elif isinstance(node, ast.If):  # `if TYPE_CHECKING:` and friends count as top level
+            for child in ast.walk(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    top.update(names(child))
+    return top, anywhere
+
+
+def _graph():
+    modules = _modules()
+    graph = {name: _imports(path, name) for name, path in modules.items()}
+    return modules, graph
+
+
+def _part(name: str) -> str:
+    for package in PACKAGES:
+        if name == package or name.startswith(package + "."):
+            return package
+    return "contract" if name.startswith("ac_observe") else "third-party"
+
+
+def test_the_contract_is_a_leaf_of_the_standard_library():
+    _, graph = _graph()
+    for name in CONTRACT:
+        _, anywhere = graph[name]
+        outside = {i for i in anywhere if i.split(".")[0] not in sys.stdlib_module_names}
+        assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_engine_and_collectors_never_import_the_daemon_or_each_other():
+    _, graph = _graph()
+    forbidden = {"ac_observe.engine": ("ac_observe.daemon", "ac_observe.collectors"),
+                 "ac_observe.collectors": ("ac_observe.daemon", "ac_observe.engine")}
+    for name, (_, anywhere) in graph.items():
+        part = _part(name)
+        if part in forbidden:
+            bad = {i for i in anywhere if i.startswith(forbidden[part])}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_the_daemon_side_never_imports_torch():
+    """No module-level import chain from the daemon or a collector reaches torch; the CLI
+    loads engine code only inside the commands that run it (`engine`, `skeleton`)."""
+    modules, graph = _graph()
+    for name, (top, anywhere) in graph.items():
+        if _part(name) == "ac_observe.daemon":
+            assert not {i for i in top if i.startswith("ac_observe.engine")}, name
+            if name != "ac_observe.daemon.cli":
+                assert not {i for i in anywhere if i.startswith("ac_observe.engine")}, name
+    for start in (n for n in modules if _part(n) in ("ac_observe.daemon",
+                                                      "ac_observe.collectors")):
+        seen, stack = set(), [start]
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            for imported in graph.get(current, (set(), set()))[0]:
+                assert imported.split(".")[0] != "torch", f"{start} reaches torch via {current}"
+                if imported in graph:
+                    stack.append(imported)
+    code = ("import sys, ac_observe.daemon.cli, ac_observe.daemon.service, "
+            "ac_observe.daemon.http_api, ac_observe.collectors.engine, ac_observe.collectors.nvml, "
             "ac_observe.engine, ac_observe.engine.config, ac_observe.engine.skeleton, "
-            "ac_observe.engine.telemetry, ac_observe.collectors; "
-            "print('torch' in sys.modules)")
+            "ac_observe.engine.telemetry; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
+def test_tests_import_the_installed_package_not_the_repository():
+    repo = Path(__file__).resolve().parents[1]
+    assert all(Path(p or ".").resolve() != repo for p in sys.path)
+    assert importlib.util.find_spec("daemon") is None  # the folder is not a package here
+    assert importlib.util.find_spec("engine") is None
+
+
 def test_console_script_is_installed():
     out = run_cli("--version", check=True)
-    assert out.stdout.startswith("ac-observe ")
+    assert out.stdout.strip() == f"ac-observe {ac_observe.__version__}"
+
+
+def _bare_venv(path: Path) -> Path:
+    """A virtual environment without pip that sees this one's packages after its own."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    site = next(path.glob("lib/python*/site-packages"))
+    ours = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+    (site / "zz_test_deps.pth").write_text(ours + "\n")  # read last: its own come first
+    return path / "bin" / "python"
+
+
+def _pip(python: Path, *args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                    "--disable-pip-version-check", *args], check=True, capture_output=True)
+
+
+def test_installs_beside_python_daemon_wheel_and_editable(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(wheels), str(repo)], check=True,
+                   capture_output=True)
+    (wheel,) = wheels.glob("ac_observe-*.whl")
+    top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert top == {"ac_observe", f"ac_observe-{ac_observe.__version__}.dist-info"}
+    for mode, target in (("wheel", [str(wheel)]), ("editable", ["-e", str(repo)])):
+        python = _bare_venv(tmp_path / mode)
+        _pip(python, "python-daemon==3.1.2")  # first, as on a node that already runs it
+        _pip(python, "--no-deps", *target)
+        version = subprocess.run([str(python.parent / "ac-observe"), "--version"],
+                                 capture_output=True, text=True, check=True, cwd=tmp_path)
+        assert version.stdout.strip() == f"ac-observe {ac_observe.__version__}", mode
+        probe = subprocess.run(
+            [str(python), "-c", "import daemon, ac_observe.daemon.cli; "
+             "print(daemon.DaemonContext.__module__, daemon.__file__)"],
+            capture_output=True, text=True, check=True, cwd=tmp_path,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        module, path = probe.stdout.split()
+        assert module == "daemon.daemon" and f"{mode}/lib" in path, (mode, probe.stdout)

@@ -1,0 +1,111 @@
+"""The telemetry files are prometheus_client's multiprocess format: the daemon's reader and
+`MultiProcessCollector`, from the lowest and the highest prometheus_client release that
+pyproject allows, read the same samples from the same files."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ac_observe.collectors.engine import EngineCollector
+
+# Wheels of the prometheus_client releases at both ends of the pinned range, fetched by
+# scripts/install.sh next to the virtual environment.
+COMPAT_WHEELS = Path(sys.prefix) / "compat-wheels"
+
+WRITER = r"""
+import sys
+from ac_observe import metrics as m
+from ac_observe.engine.telemetry import TelemetryWriter
+directory, k, stay = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "stay"
+w = TelemetryWriter(directory, {"started_at": 0.0}, engine="e1", model="m1",
+                    heartbeat_seconds=60)
+w.inc(m.REQUESTS, k, stream="throughput", status="ok")
+w.inc(m.PROMPT_TOKENS, 17 * k)
+for i in range(k + 2):
+    w.observe(m.INFERENCE_LATENCY, 0.0031 * (i + 1) * k, stream="low_latency")
+    w.observe(m.SKELETON_COMPLEXITY, float(i % 5 + 1))
+w.inc(m.STREAM_BUSY, 0.1 / 3 * k, stream="throughput")
+w.set(m.REQUESTS_RUNNING, 10 * k, stream="throughput")
+w.set(m.KV_USAGE, 0.25 * k)
+w.inc(m.SKELETON_REQUESTS, 1, skeleton=f"skeleton{k}")
+if stay:
+    print("ready", flush=True)
+    sys.stdin.read()
+w.close()
+"""
+
+READER = r"""
+import json, sys
+import prometheus_client
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+registry = CollectorRegistry()
+MultiProcessCollector(registry, path=sys.argv[1])
+samples = [[s.name, s.labels, s.value] for f in registry.collect() for s in f.samples]
+print(json.dumps({"module": prometheus_client.__file__, "samples": samples}))
+"""
+
+
+def _normal(name: str, labels: dict, value: float):
+    labels = dict(labels)
+    if "le" in labels:
+        labels["le"] = float(labels["le"])
+    return name, tuple(sorted(labels.items())), value
+
+
+def _ours(root: Path) -> dict:
+    collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=600,
+                                                engine_grace_seconds=600))
+    samples = [_normal(s.name, s.labels, s.value) for f in collector.collect() for s in f.samples]
+    assert collector.engines["e1"].error == ""
+    return {(name, labels): value for name, labels, value in samples}
+
+
+def _multiprocess_collector(wheel: Path, directory: Path) -> dict:
+    import json
+    out = subprocess.run([sys.executable, "-c", READER, str(directory)], check=True,
+                         capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(wheel)})
+    result = json.loads(out.stdout)
+    assert result["module"].startswith(str(wheel)), result["module"]  # that release, not ours
+    samples = [_normal(*sample) for sample in result["samples"]]
+    return {(name, labels): value for name, labels, value in samples}
+
+
+def test_daemon_reader_equals_multiprocess_collector_across_restarts_and_dead_pids(tmp_path):
+    wheels = sorted(COMPAT_WHEELS.glob("prometheus_client-*.whl"))
+    assert len(wheels) >= 2, f"scripts/install.sh fetches the pinned range's ends into {COMPAT_WHEELS}"
+    directory = tmp_path / "telemetry" / "e1"
+    pids = []
+    # Two engines run and die in the directory; a third is alive while both readers read.
+    for k in (1, 2):
+        done = subprocess.run([sys.executable, "-c", WRITER, str(directory), str(k), "exit"],
+                              check=True, capture_output=True, text=True)
+        assert done.returncode == 0
+    alive = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), "3", "stay"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert alive.stdout.readline().strip() == "ready"
+        files = sorted(p.name for p in directory.glob("*.db"))
+        pids = {name.rsplit("_", 1)[1].split(".")[0] for name in files}
+        assert len(pids) == 3, files  # counters and histograms of all three pids
+        assert sorted(p for p in files if p.startswith("gauge")) == \
+            [f"gauge_livesum_{alive.pid}.db"]  # the dead pids' live gauges were removed
+        ours = _ours(directory.parent)
+        for wheel in wheels:
+            theirs = _multiprocess_collector(wheel, directory)
+            assert set(ours) == set(theirs), (wheel.name, set(ours) ^ set(theirs))
+            for key, value in ours.items():
+                assert value == pytest.approx(theirs[key], rel=1e-12), (wheel.name, key)
+    finally:
+        alive.communicate("", timeout=30)
+    # The three engines' counters add up (1 + 2 + 3), the gauges are the live one's alone.
+    labels = (("engine", "e1"), ("model", "m1"), ("status", "ok"), ("stream", "throughput"))
+    assert ours[("ac_requests_total", labels)] == 6
+    running = (("engine", "e1"), ("model", "m1"), ("stream", "throughput"))
+    assert ours[("ac_requests_running", running)] == 30
