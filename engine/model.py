@@ -3,9 +3,9 @@
 Covers Llama, Qwen2 (q/k/v biases, tied embeddings) and Mistral-shaped checkpoints. Numerics
 follow Hugging Face `transformers` (RoPE tables and RMSNorm in float32) so logits agree.
 
-Shapes: B sequences in the step, N new tokens per sequence (padded), T = B * N token rows,
-L context positions per sequence (cached + new, padded), D hidden, H query heads,
-G key/value heads, E head dim.
+Shapes: B sequences in the step, T token rows (a prefill packs every sequence's new tokens,
+a decode has one per sequence), L context positions per sequence (cached + new), D hidden,
+H query heads, G key/value heads, E head dim.
 
 NOTE: the loader stores the rows of each query and key head in interleaved RoPE order
 (dims i and i + E/2 side by side, see `rope_row_order`), so rotating a head is one
@@ -28,20 +28,34 @@ _COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
 @dataclass(slots=True)
+class PrefillSequence:
+    """One sequence's share of a packed prefill step, or a run of `num_seqs` adjacent
+    sequences of equal length with nothing cached (attended to as one batch)."""
+    row: int                            # its first row in the step's T rows
+    num_new: int                        # n: new tokens per sequence
+    num_cached: int                     # positions before them whose KV is in the cache
+    block_ids: torch.Tensor | None      # [M] its blocks, when num_cached > 0
+    mask: torch.Tensor | None           # [n, num_cached + n] bool, when num_cached > 0
+    num_seqs: int = 1
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Where this step's tokens go in the paged cache and what each one may attend to.
 
+    A prefill step packs every sequence's new tokens one after another (T = their sum, no
+    padding), so its memory follows the batch's total tokens; attention then runs per
+    sequence. A decode step has one token per sequence (T = B).
+
     NOTE: every layer writes the step's new keys/values before attention reads the
-    context, so a sequence always reads its own new tokens, and a padded slot is never read.
+    context, so a sequence always reads its own new tokens.
     """
-    batch_shape: tuple[int, int]        # (B, N)
-    write_index: torch.Tensor | None    # [T'] rows (into T) of the real new tokens; None: all
-    write_slots: torch.Tensor           # [T'] cache slot of each real new token
-    block_tables: torch.Tensor | None   # [B, M] blocks per sequence (padded), L = M * block
-                                        # size; None when the decode workspace holds the context
-    attn_mask: torch.Tensor             # additive, 0 where a query may attend a key, -inf
-                                        # elsewhere: [B, 1, N, L]; [1, B, 1, L] with workspace
-    workspace: object = None            # decode only: engine.workspace.DecodeWorkspace
+    write_slots: torch.Tensor                  # [T] cache slot of each new token
+    prefill: list[PrefillSequence] | None = None
+    block_tables: torch.Tensor | None = None   # decode: [B, M] blocks (padded), L = M * bs
+    attn_mask: torch.Tensor | None = None      # decode: additive [B, 1, 1, L]; [1, B, 1, L]
+                                               # over the workspace
+    workspace: object = None                   # decode only: engine.workspace.DecodeWorkspace
     workspace_index: torch.Tensor | None = None  # [B] flat workspace slot of each new token
 
 
@@ -183,12 +197,11 @@ class Attention(nn.Module):
         # qkv row-major whatever h's layout: RoPE and the cache writes view its rows.
         qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2G) E]
         rotate_(qkv[:, :(H + G) * E], rotation, H + G)  # queries and keys in one pass
-        new_kv = qkv[:, H * E:].view(T, 2, G, E)
-        if meta.write_index is not None:
-            new_kv = new_kv[meta.write_index]
-        new_kv = new_kv.permute(1, 2, 0, 3)  # [2, G, T', E]
+        new_kv = qkv[:, H * E:].view(T, 2, G, E).permute(1, 2, 0, 3)  # [2, G, T, E]
         cache = self.kv_cache
         cache.view(2, G, -1, E).index_copy_(2, meta.write_slots, new_kv)
+        if meta.prefill is not None:
+            return self._prefill(qkv, new_kv, meta.prefill)
         if meta.workspace is not None:  # decode: append to the contiguous copy, no gather
             context = meta.workspace.kv[self.layer_index]  # [2, G, B, capacity, E]
             context.view(2, G, -1, E).index_copy_(2, meta.workspace_index, new_kv)
@@ -199,13 +212,42 @@ class Attention(nn.Module):
                 q, context[0, :, :, :L], context[1, :, :, :L], attn_mask=meta.attn_mask,
                 scale=self.scale)
             return out.transpose(0, 1).reshape(T, H * E)
-        B, N = meta.batch_shape
         context = gather_blocks(cache, meta.block_tables)  # [2, G, B, L, E]
-        q = qkv[:, :H * E].view(B, N, H, E).transpose(1, 2)
+        q = qkv[:, :H * E].view(T, 1, H, E).transpose(1, 2)  # [B, H, 1, E]
         out = F.scaled_dot_product_attention(
             q, context[0].transpose(0, 1), context[1].transpose(0, 1),
             attn_mask=meta.attn_mask, enable_gqa=H != G, scale=self.scale)
         return out.transpose(1, 2).reshape(T, H * E)
+
+    def _prefill(self, qkv: torch.Tensor, new_kv: torch.Tensor,
+                 seqs: list[PrefillSequence]) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its context -> [T, H * E].
+
+        A sequence with nothing cached attends to its own new keys (no gather, and SDPA's
+        causal kernels need no mask); one with a cached prefix gathers its blocks and uses
+        a bottom-right causal mask.
+        """
+        G, E, H = self.num_kv_heads, self.head_dim, self.num_heads
+        outs = []
+        for seq in seqs:
+            n, b = seq.num_new, seq.num_seqs
+            rows = slice(seq.row, seq.row + b * n)
+            # 4-D inputs: with 3-D ones CPU SDPA falls back to its math kernel, which holds
+            # the whole [H, n, L] score matrix (1.2 GB at 4k tokens instead of 8 MB).
+            q = qkv[rows, :H * E].view(b, n, H, E).transpose(1, 2)  # [b, H, n, E]
+            if seq.num_cached == 0:
+                k, v = (new_kv[i, :, rows].view(G, b, n, E).transpose(0, 1) for i in (0, 1))
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                     enable_gqa=H != G, scale=self.scale)
+            else:
+                L = seq.num_cached + seq.num_new
+                context = gather_blocks(self.kv_cache, seq.block_ids[None])  # [2, G, 1, L', E]
+                context = context[:, :, :, :L].transpose(1, 2)  # [2, 1, G, L, E]
+                out = F.scaled_dot_product_attention(
+                    q, context[0], context[1], attn_mask=seq.mask, enable_gqa=H != G,
+                    scale=self.scale)
+            outs.append(out.transpose(1, 2).reshape(b * n, H * E))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class MLP(nn.Module):

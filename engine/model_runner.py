@@ -13,7 +13,8 @@ import torch
 
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.loader import build_model, resolve_dtype
-from ac_observe.engine.model import AttentionMetadata, long_tensor, padded_block_tables
+from ac_observe.engine.model import (AttentionMetadata, PrefillSequence, long_tensor,
+                                     padded_block_tables)
 from ac_observe.engine.sampler import sample
 from ac_observe.engine.workspace import DecodeWorkspace
 from ac_observe.engine.scheduler import ScheduledBatch
@@ -55,54 +56,61 @@ class ModelRunner:
         self.workspaces = ({lane.name: DecodeWorkspace(budget) for lane in config.lanes}
                            if use_workspace else {})
 
-    def _prepare(self, batch: ScheduledBatch):
-        """Inputs of a step: token ids, positions and attention metadata, and the rows of
-        the last token of each sequence (None when every row is one)."""
-        seqs, bs, dev = batch.seqs, self.block_size, self.device
-        workspace = None
-        if not batch.is_prefill and all(len(s) - s.num_computed_tokens == 1 for s in seqs):
-            workspace = self.workspaces.get(batch.lane)
-            if workspace is not None and not workspace.prepare(seqs, self.kv_pool):
-                workspace = None
-        if workspace is not None:  # decode over the workspace: one row per sequence
-            positions = [len(s) - 1 for s in seqs]
-            columns = long_tensor(
-                [s.token_ids[-1] for s in seqs] + positions
-                + [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-                + workspace.append_index(), dev).view(4, len(seqs))
-            meta = AttentionMetadata(
-                batch_shape=(len(seqs), 1), write_index=None, write_slots=columns[2],
-                block_tables=None, attn_mask=workspace.attend(columns[3]),
-                workspace=workspace, workspace_index=columns[3])
-            return columns[0], columns[1], max(positions) + 1, meta, None
-        new_lens = [len(s) - s.num_computed_tokens for s in seqs]
-        N = max(new_lens)
-        input_ids, positions, write_index, write_slots = [], [], [], []
-        for row, (seq, n) in enumerate(zip(seqs, new_lens)):
+    def prepare_prefill(self, seqs) -> tuple:
+        """Inputs of a prefill step: every sequence's new tokens packed one after another.
+
+        Returns (input_ids [T], positions [T], num_positions, metadata, rows of each
+        sequence's last token [B])."""
+        bs, dev = self.block_size, self.device
+        input_ids, positions, write_slots, last_rows, prefill = [], [], [], [], []
+        for seq in seqs:
             start, table = seq.num_computed_tokens, seq.block_table
-            input_ids += seq.token_ids[start:] + [0] * (N - n)
+            n = len(seq) - start
+            row = len(input_ids)
+            input_ids += seq.token_ids[start:]
             positions += range(start, start + n)
-            positions += [0] * (N - n)
-            write_index += range(row * N, row * N + n)
             write_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        as_tensor = lambda values: long_tensor(values, dev)
-        positions_t = as_tensor(positions)
-        ctx_t = as_tensor([len(s) for s in seqs])
+            last_rows.append(row + n - 1)
+            if start:  # a cached prefix: its blocks, and who sees whom (bottom-right causal)
+                block_ids = long_tensor(table[:(start + n + bs - 1) // bs], dev)
+                mask = torch.arange(start + n, device=dev)[None, :] <= \
+                    torch.arange(start, start + n, device=dev)[:, None]
+                prefill.append(PrefillSequence(row, n, start, block_ids, mask))
+            elif prefill and prefill[-1].num_cached == 0 and prefill[-1].num_new == n:
+                prefill[-1].num_seqs += 1  # same length, nothing cached: one batch
+            else:
+                prefill.append(PrefillSequence(row, n, 0, None, None))
+        columns = long_tensor(input_ids + positions + write_slots + last_rows, dev)
+        T = len(input_ids)
+        meta = AttentionMetadata(write_slots=columns[2 * T:3 * T], prefill=prefill)
+        return columns[:T], columns[T:2 * T], max(len(s) for s in seqs), meta, columns[3 * T:]
+
+    def prepare_decode(self, lane: str, seqs) -> tuple:
+        """Inputs of a decode step: one token per sequence, over the lane's workspace when
+        it has one and the batch fits, else over padded block tables.
+
+        Returns (input_ids [B], positions [B], num_positions, metadata, None)."""
+        bs, dev, B = self.block_size, self.device, len(seqs)
+        positions = [len(s) - 1 for s in seqs]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        ids = [s.token_ids[-1] for s in seqs]
+        workspace = self.workspaces.get(lane)
+        if workspace is not None and workspace.prepare(seqs, self.kv_pool):
+            columns = long_tensor(ids + positions + slots + workspace.append_index(),
+                                  dev).view(4, B)
+            meta = AttentionMetadata(write_slots=columns[2],
+                                     attn_mask=workspace.attend(columns[3]),
+                                     workspace=workspace, workspace_index=columns[3])
+            return columns[0], columns[1], max(positions) + 1, meta, None
         tables = padded_block_tables(seqs, dev)
+        columns = long_tensor(ids + positions + slots, dev).view(3, B)
+        # A query sees every cached position of its own sequence; padding is masked out.
         key_pos = torch.arange(tables.shape[1] * bs, device=dev)
-        # A query at position p sees keys 0..p of its own sequence; padded queries see key 0.
-        query_pos = positions_t.view(len(seqs), N)
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & \
-               (key_pos[None, None, :] < ctx_t[:, None, None])
-        meta = AttentionMetadata(
-            batch_shape=(len(seqs), N),
-            write_index=None if N == 1 else as_tensor(write_index),
-            write_slots=as_tensor(write_slots), block_tables=tables,
-            attn_mask=torch.zeros(mask.shape, dtype=self.dtype, device=dev)
-            .masked_fill_(~mask, float("-inf"))[:, None, :, :])
-        last_rows = None if N == 1 else as_tensor([row * N + n - 1
-                                                   for row, n in enumerate(new_lens)])
-        return as_tensor(input_ids), positions_t, max(len(s) for s in seqs), meta, last_rows
+        masked = key_pos[None, :] > columns[1][:, None]  # [B, L]
+        attn_mask = torch.zeros(masked.shape, dtype=self.dtype, device=dev) \
+            .masked_fill_(masked, float("-inf"))[:, None, None, :]
+        meta = AttentionMetadata(write_slots=columns[2], block_tables=tables, attn_mask=attn_mask)
+        return columns[0], columns[1], max(positions) + 1, meta, None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], float]:
@@ -117,7 +125,9 @@ class ModelRunner:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 if stream is not None:
                     start_evt.record(stream)
-                input_ids, positions, num_positions, meta, last_rows = self._prepare(batch)
+                input_ids, positions, num_positions, meta, last_rows = (
+                    self.prepare_prefill(batch.seqs) if batch.is_prefill
+                    else self.prepare_decode(batch.lane, batch.seqs))
                 hidden = self.model(input_ids, positions, num_positions, meta)
                 if last_rows is not None:
                     hidden = hidden.index_select(0, last_rows)
@@ -139,6 +149,5 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, seq) -> torch.Tensor:
         """Logits at every position of a sequence holding blocks and no computed KV."""
-        input_ids, positions, num_positions, meta, _ = self._prepare(
-            ScheduledBatch("throughput", True, [seq]))
+        input_ids, positions, num_positions, meta, _ = self.prepare_prefill([seq])
         return self.model.compute_logits(self.model(input_ids, positions, num_positions, meta))
