@@ -46,6 +46,12 @@ def trace_detail_json(trace: TraceDetail | None) -> dict:
 
 
 def trace_headers(trace: TraceDetail | None) -> dict[str, str]:
+    """The trace headers of a generation response (zeros when nothing ran).
+
+    x-ac-model-latency-ns: time to first token, from the request's arrival at the engine to
+    its first token being ready, queue time included (`ac_inference_latency_seconds`, the
+    seed's `inference_latency_ns`); x-ac-queue-time-ns: arrival to first scheduled.
+    """
     return {
         "x-ac-model-latency-ns": str(trace.ttft_ns if trace else 0),
         "x-ac-queue-time-ns": str(trace.queue_ns if trace else 0),

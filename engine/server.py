@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ac_observe import __version__
 from ac_observe.engine import api_format as fmt
 from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 from ac_observe.engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest
@@ -69,125 +70,144 @@ def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI
         task.cancel()
         await asyncio.to_thread(service.close)
 
-    app = FastAPI(title="ac-observe engine", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="ac-observe engine", version=__version__, lifespan=lifespan)
+    app.state.service = service
     app.add_middleware(BodyLimitAndIdsMiddleware, max_body_bytes=max_body_bytes,
                        error_body=_error_body)
     _install_error_handlers(app)
-
-    @app.get("/health")
-    async def health():
-        engine = service.engine
-        if engine is None or not engine.is_alive():
-            status = "failed" if service.load_error or engine is not None else "loading"
-            body = {"status": status}
-            if service.load_error:
-                body["error"] = service.load_error
-            return JSONResponse(body, status_code=503)
-        return {"status": "ok", "model": engine.model_name, "engine": engine.config.engine_name,
-                **engine.load_summary()}
-
-    @app.get("/v1/models")
-    async def models():
-        engine = service.ready()
-        name = engine.model_name
-        item = {"type": "model", "id": name, "display_name": name,
-                "created_at": "1970-01-01T00:00:00Z", "object": "model", "created": 0,
-                "owned_by": "ac-observe"}
-        return {"object": "list", "data": [item], "has_more": False, "first_id": name,
-                "last_id": name}
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest):
-        engine = service.ready()
-        messages = [m.model_dump() for m in body.messages]
-        system = _system(body.system)
-        count = await asyncio.to_thread(engine.count_tokens, messages=messages, system=system)
-        return {"input_tokens": count}
-
-    @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request):
-        engine = service.ready()
-        _check_max_tokens(engine, body.max_tokens, "max_tokens")
-        params = SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=body.top_p or 1.0, top_k=body.top_k or 0,
-            stop=tuple(body.stop_sequences or ()))
-        request_id = request.state.request_id
-        queue = await _submit(engine, request, params, request_id,
-                              messages=[m.model_dump() for m in body.messages],
-                              system=_system(body.system))
-        first = await _next_output(queue, request, engine, request_id)
-        message_id = "msg_" + request_id.removeprefix("req_")
-        if not body.stream:
-            return await _complete(first, queue, request, engine, request_id,
-                                   lambda out: fmt.anthropic_message(message_id, body.model, out))
-
-        async def events():
-            try:
-                yield fmt.anthropic_stream_start(message_id, body.model, first)
-                async for out in _until_finished(first, queue):
-                    if out.new_text:
-                        yield fmt.anthropic_text_delta(out.new_text)
-                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
-                    yield fmt.anthropic_stream_error(500, _failure_message(out))
-                else:
-                    yield fmt.anthropic_stream_end(out)
-            finally:
-                engine.abort(request_id)  # a client that went away frees its blocks now
-
-        return _sse_response(events(), first)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        engine = service.ready()
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is not None:
-            _check_max_tokens(engine, max_tokens, "max_completion_tokens"
-                              if body.max_completion_tokens else "max_tokens")
-        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        params = SamplingParams(
-            max_tokens=max_tokens or 256,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=body.top_p or 1.0, seed=body.seed, stop=stops)
-        request_id = request.state.request_id
-        messages = [{"role": m.role, "content": m.model_dump()["content"] or ""}
-                    for m in body.messages]
-        queue = await _submit(engine, request, params, request_id, messages=messages)
-        first = await _next_output(queue, request, engine, request_id)
-        completion_id = "chatcmpl-" + request_id.removeprefix("req_")
-        if not body.stream:
-            return await _complete(first, queue, request, engine, request_id,
-                                   lambda out: fmt.openai_completion(completion_id, body.model,
-                                                                     out))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        created = int(time.time())
-
-        async def chunks():
-            try:
-                yield fmt.openai_chunk(completion_id, body.model, created,
-                                       {"role": "assistant", "content": ""})
-                async for out in _until_finished(first, queue):
-                    if out.new_text:
-                        yield fmt.openai_chunk(completion_id, body.model, created,
-                                               {"content": out.new_text})
-                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
-                    yield "data: " + json.dumps(fmt.openai_error(500, _failure_message(out))) \
-                        + "\n\n"
-                    return
-                yield fmt.openai_chunk(completion_id, body.model, created, {},
-                                       fmt.OPENAI_STOP.get(out.finish_reason))
-                if include_usage:
-                    usage = fmt.openai_usage(out)
-                    usage["ac_trace"] = fmt.trace_metadata(out.trace)
-                    yield fmt.openai_chunk(completion_id, body.model, created, None, usage=usage)
-                yield "data: [DONE]\n\n"
-            finally:
-                engine.abort(request_id)
-
-        return _sse_response(chunks(), first)
-
+    for method, path, endpoint in ROUTES:
+        app.add_api_route(path, endpoint, methods=[method])
     return app
+
+
+# ----- endpoints ---------------------------------------------------------------------------
+
+def _service(request: Request) -> EngineService:
+    return request.app.state.service
+
+
+async def health(request: Request):
+    service = _service(request)
+    engine = service.engine
+    if engine is None or not engine.is_alive():
+        status = "failed" if service.load_error or engine is not None else "loading"
+        body = {"status": status}
+        if service.load_error:
+            body["error"] = service.load_error
+        return JSONResponse(body, status_code=503)
+    return {"status": "ok", "model": engine.model_name, "engine": engine.config.engine_name,
+            **engine.load_summary()}
+
+
+async def models(request: Request):
+    engine = _service(request).ready()
+    name = engine.model_name
+    item = {"type": "model", "id": name, "display_name": name,
+            "created_at": "1970-01-01T00:00:00Z", "object": "model", "created": 0,
+            "owned_by": "ac-observe"}
+    return {"object": "list", "data": [item], "has_more": False, "first_id": name,
+            "last_id": name}
+
+
+async def count_tokens(body: CountTokensRequest, request: Request):
+    engine = _service(request).ready()
+    messages = [m.model_dump() for m in body.messages]
+    count = await asyncio.to_thread(engine.count_tokens, messages=messages,
+                                    system=_system(body.system))
+    return {"input_tokens": count}
+
+
+async def messages(body: MessagesRequest, request: Request):
+    """Anthropic Messages: one JSON message, or its SSE event sequence."""
+    engine = _service(request).ready()
+    _check_max_tokens(engine, body.max_tokens, "max_tokens")
+    params = SamplingParams(
+        max_tokens=body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=body.top_p or 1.0, top_k=body.top_k or 0,
+        stop=tuple(body.stop_sequences or ()))
+    request_id = request.state.request_id
+    queue = await _submit(engine, request, params, request_id,
+                          messages=[m.model_dump() for m in body.messages],
+                          system=_system(body.system))
+    first = await _next_output(queue, request, engine, request_id)
+    message_id = "msg_" + request_id.removeprefix("req_")
+    if not body.stream:
+        return await _complete(first, queue, request, engine, request_id,
+                               lambda out: fmt.anthropic_message(message_id, body.model, out))
+
+    async def events():
+        try:
+            yield fmt.anthropic_stream_start(message_id, body.model, first)
+            async for out in _until_finished(first, queue):
+                if out.new_text:
+                    yield fmt.anthropic_text_delta(out.new_text)
+            if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
+                yield fmt.anthropic_stream_error(500, _failure_message(out))
+            else:
+                yield fmt.anthropic_stream_end(out)
+        finally:
+            engine.abort(request_id)  # a client that went away frees its blocks now
+
+    return _sse_response(events(), first)
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    """OpenAI Chat Completions: one completion object, or its chunk stream."""
+    engine = _service(request).ready()
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is not None:
+        _check_max_tokens(engine, max_tokens, "max_completion_tokens"
+                          if body.max_completion_tokens else "max_tokens")
+    stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    params = SamplingParams(
+        max_tokens=max_tokens or 256,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=body.top_p or 1.0, seed=body.seed, stop=stops)
+    request_id = request.state.request_id
+    messages = [{"role": m.role, "content": m.model_dump()["content"] or ""}
+                for m in body.messages]
+    queue = await _submit(engine, request, params, request_id, messages=messages)
+    first = await _next_output(queue, request, engine, request_id)
+    completion_id = "chatcmpl-" + request_id.removeprefix("req_")
+    if not body.stream:
+        return await _complete(first, queue, request, engine, request_id,
+                               lambda out: fmt.openai_completion(completion_id, body.model, out))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    created = int(time.time())
+
+    async def chunks():
+        try:
+            yield fmt.openai_chunk(completion_id, body.model, created,
+                                   {"role": "assistant", "content": ""})
+            async for out in _until_finished(first, queue):
+                if out.new_text:
+                    yield fmt.openai_chunk(completion_id, body.model, created,
+                                           {"content": out.new_text})
+            if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
+                yield "data: " + json.dumps(fmt.openai_error(500, _failure_message(out))) \
+                    + "\n\n"
+                return
+            yield fmt.openai_chunk(completion_id, body.model, created, {},
+                                   fmt.OPENAI_STOP.get(out.finish_reason))
+            if include_usage:
+                usage = fmt.openai_usage(out)
+                usage["ac_trace"] = fmt.trace_metadata(out.trace)
+                yield fmt.openai_chunk(completion_id, body.model, created, None, usage=usage)
+            yield "data: [DONE]\n\n"
+        finally:
+            engine.abort(request_id)
+
+    return _sse_response(chunks(), first)
+
+
+ROUTES = (
+    ("GET", "/health", health),
+    ("GET", "/v1/models", models),
+    ("POST", "/v1/messages/count_tokens", count_tokens),
+    ("POST", "/v1/messages", messages),
+    ("POST", "/v1/chat/completions", chat_completions),
+)
 
 
 # ----- request plumbing -------------------------------------------------------------------
