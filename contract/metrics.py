@@ -15,8 +15,8 @@ COUNTER = "counter"
 GAUGE = "gauge"
 HISTOGRAM = "histogram"
 
-LANES = ("low_latency", "throughput")
-DEFAULT_LANE = "throughput"
+LOW_LATENCY, THROUGHPUT = LANES = ("low_latency", "throughput")
+DEFAULT_LANE = THROUGHPUT
 LANE_HEADER = "x-ac-stream"
 REQUEST_STATUSES = ("ok", "error", "aborted", "rejected")
 DEFAULT_ENGINE_PORT = 8000

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ac_observe import __version__
-from ac_observe.metrics import DEFAULT_DAEMON_PORT, DEFAULT_ENGINE_PORT
+from ac_observe.metrics import DEFAULT_DAEMON_PORT, DEFAULT_ENGINE_PORT, LOW_LATENCY, THROUGHPUT
 
 app = typer.Typer(add_completion=False, no_args_is_help=False,
                   help="Kernel-level observability for self-hosted LLM inference.")
@@ -194,8 +194,8 @@ def engine(
             block_size=block_size, num_kv_blocks=kv_blocks,
             kv_cache_memory_bytes=kv_memory_mb << 20, max_model_len=max_model_len,
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
-            lanes=(LaneConfig("low_latency", low_latency_seqs),
-                   LaneConfig("throughput", throughput_seqs)))
+            lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
+                   LaneConfig(THROUGHPUT, throughput_seqs)))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

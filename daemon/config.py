@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,11 +9,6 @@ from ac_observe.metrics import DEFAULT_DAEMON_PORT
 from ac_observe.telemetry_format import default_telemetry_root
 
 DEFAULT_COLLECTORS = ("engine", "nvml")
-
-
-def default_state_dir() -> Path:
-    env = os.environ.get("AC_OBSERVE_STATE_DIR")
-    return Path(env) if env else Path.home() / ".local" / "state" / "ac-observe"
 
 
 def is_loopback(host: str) -> bool:
@@ -38,11 +32,9 @@ class DaemonConfig:
     telemetry_root: Path = field(default_factory=default_telemetry_root)
     engine_stale_seconds: float = 5.0     # no heartbeat for this long: the engine is gone
     engine_grace_seconds: float = 30.0    # then its series stay this long before they vanish
-    state_dir: Path = field(default_factory=default_state_dir)
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)
-        self.state_dir = Path(self.state_dir)
         if self.interval_seconds <= 0 or self.window_seconds < self.interval_seconds:
             raise ValueError("interval must be > 0 and the window at least one interval")
         if not is_loopback(self.host) and not self.token:

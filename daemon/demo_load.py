@@ -12,6 +12,8 @@ import time
 
 import httpx
 
+from ac_observe.metrics import LANE_HEADER, LOW_LATENCY, THROUGHPUT
+
 log = logging.getLogger("ac_observe.demo")
 
 SYSTEMS = [
@@ -30,8 +32,8 @@ USER_TEMPLATES = [
 def _one_request(client: httpx.Client, rng: random.Random, n: int) -> None:
     system = rng.choice(SYSTEMS)
     user = rng.choice(USER_TEMPLATES).format(n=n % 50)
-    lane = "low_latency" if rng.random() < 0.3 else "throughput"
-    headers = {"x-ac-stream": lane}
+    lane = LOW_LATENCY if rng.random() < 0.3 else THROUGHPUT
+    headers = {LANE_HEADER: lane}
     max_tokens = rng.randint(8, 48)
     stream = rng.random() < 0.5
     if rng.random() < 0.5:

@@ -19,11 +19,13 @@ from typing import Callable, Iterator
 from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.model_runner import ModelRunner
-from ac_observe.engine.scheduler import NeverFitsError, QueueFullError, ScheduledBatch, Scheduler
+from ac_observe.engine.scheduler import (NeverFitsError, QueueFullError, ScheduledBatch,
+                                         Scheduler)
 from ac_observe.engine.sequence import FinishReason, SamplingParams, Sequence
 from ac_observe.engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
 from ac_observe.engine.stats import EngineStats
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
+from ac_observe.metrics import DEFAULT_LANE
 from ac_observe.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger("ac_observe.engine")
@@ -191,7 +193,7 @@ class Engine:
 
     def add_request(self, prompt: str | list[int] | None = None, *,
                     messages: list[dict] | None = None, system=None,
-                    params: SamplingParams | None = None, lane: str = "throughput",
+                    params: SamplingParams | None = None, lane: str = DEFAULT_LANE,
                     request_id: str | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
         """Queue a request: a prompt (text or token ids) or chat messages.
@@ -215,7 +217,7 @@ class Engine:
             try:
                 self.scheduler.add(seq)
             except (QueueFullError, NeverFitsError):
-                self.stats.on_rejected(lane if lane in self.scheduler.lanes else "throughput")
+                self.stats.on_rejected(lane if lane in self.scheduler.lanes else DEFAULT_LANE)
                 raise
             self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
                                                   deliver)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
+from ac_observe.metrics import LOW_LATENCY, THROUGHPUT
 from ac_observe.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -87,12 +88,12 @@ class Scheduler:
             batch = self._schedule_prefill(lane) or self._schedule_decode(lane)
             if batch is not None:
                 self._steps_since_throughput = (
-                    0 if lane.name == "throughput" else self._steps_since_throughput + 1)
+                    0 if lane.name == THROUGHPUT else self._steps_since_throughput + 1)
                 return batch
         return None
 
     def _lane_order(self) -> list[Lane]:
-        low, high = self.lanes["low_latency"], self.lanes["throughput"]
+        low, high = self.lanes[LOW_LATENCY], self.lanes[THROUGHPUT]
         if self._steps_since_throughput + 1 >= self.throughput_share and high.has_work():
             return [high, low]
         return [low, high]

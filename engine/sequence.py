@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ac_observe.metrics import DEFAULT_LANE
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -75,7 +77,7 @@ class Sequence:
                  "kv_query_blocks", "num_hashed_blocks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 lane: str = "throughput"):
+                 lane: str = DEFAULT_LANE):
         if not prompt_token_ids:
             raise ValueError("prompt must hold at least one token")
         self.request_id = request_id
