@@ -20,7 +20,7 @@ import httpx
 from ac_observe import metrics as m
 from ac_observe.metrics import LANES
 from ac_observe.daemon.config import DaemonConfig
-from ac_observe.daemon.http_api import DaemonServer
+from ac_observe.daemon.http_api import make_server
 from ac_observe.daemon.service import Daemon, tune_interpreter
 from ac_observe.engine.telemetry import TelemetryWriter
 
@@ -61,8 +61,8 @@ def measure(num_engines: int, cycles: int, scrapes: int) -> dict:
         for _ in range(cycles):
             daemon.run_cycle()
         per_cycle = (cpu_seconds() - before) / cycles
-        server = DaemonServer(daemon, "127.0.0.1", 0, None)
-        server.start()
+        server = make_server(daemon, "127.0.0.1", 0, None)
+        stop_server = server.start_in_thread()
         daemon.start()  # scrapes race real cycles, so rendering is not always cached
         latencies = []
         with httpx.Client(base_url=f"http://127.0.0.1:{server.port}") as client:
@@ -72,7 +72,7 @@ def measure(num_engines: int, cycles: int, scrapes: int) -> dict:
                 latencies.append(time.perf_counter() - start)
                 time.sleep(0.005)
         daemon.close()
-        server.close()
+        stop_server()
         for writer in writers:
             writer.close()
     latencies.sort()

@@ -30,7 +30,14 @@ def root(ctx: typer.Context,
                                         help=f"Daemon URL (default {DEFAULT_DAEMON_URL})."),
          token: str = typer.Option(None, "--token", envvar="AC_OBSERVE_TOKEN",
                                    help="Bearer token for a daemon bound off loopback."),
+         token_file: Path = typer.Option(None, "--token-file",
+                                         help="File holding the bearer token."),
          version: bool = typer.Option(False, "--version", help="Print the version.")) -> None:
+    try:
+        token = _read_token(token, token_file)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     ctx.obj = {"url": (daemon_url or DEFAULT_DAEMON_URL).rstrip("/"), "token": token}
     if version:
         typer.echo(f"ac-observe {__version__}")
@@ -55,9 +62,12 @@ def status(ctx: typer.Context,
 
 @app.command()
 def daemon(
-    host: str = typer.Option("127.0.0.1", help="Interface to bind; off loopback needs --token."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind; off loopback needs a token."),
     port: int = typer.Option(DEFAULT_DAEMON_PORT, help="HTTP port (dcgm-exporter has 9400)."),
-    token: str = typer.Option(None, envvar="AC_OBSERVE_TOKEN", help="Bearer token."),
+    token: str = typer.Option(None, envvar="AC_OBSERVE_TOKEN", show_envvar=True,
+                              help="Bearer token (prefer --token-file or the environment: "
+                                   "a command line is readable by every local user)."),
+    token_file: Path = typer.Option(None, help="File holding the bearer token."),
     interval: str = typer.Option("1s", help="Collection interval."),
     window: str = typer.Option("1h", help="In-memory history for queries."),
     collectors: str = typer.Option("engine,nvml", help="Enabled collectors, comma-separated."),
@@ -66,14 +76,15 @@ def daemon(
                                                 "(default $AC_OBSERVE_TELEMETRY_DIR)."),
     engine_stale: str = typer.Option("5s", help="Heartbeat age after which an engine is gone."),
     engine_grace: str = typer.Option("30s", help="How long a gone engine's series remain."),
+    max_requests: int = typer.Option(40, help="HTTP requests handled at once; more wait "
+                                              "(up to 10 s) or get 503."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API."""
     import logging
-    import signal
 
     from ac_observe.daemon.config import DaemonConfig
-    from ac_observe.daemon.http_api import DaemonServer
+    from ac_observe.daemon.http_api import make_server
     from ac_observe.daemon.query import parse_duration
     from ac_observe.daemon.service import Daemon, tune_interpreter
     from ac_observe.telemetry_format import default_telemetry_root
@@ -82,30 +93,41 @@ def daemon(
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = DaemonConfig(
-            host=host, port=port, token=token, interval_seconds=parse_duration(interval),
-            window_seconds=parse_duration(window),
+            host=host, port=port, token=_read_token(token, token_file),
+            interval_seconds=parse_duration(interval), window_seconds=parse_duration(window),
             collectors=tuple(c.strip() for c in collectors.split(",") if c.strip()),
             collector_timeout_seconds=parse_duration(collector_timeout),
             telemetry_root=telemetry_root or default_telemetry_root(),
             engine_stale_seconds=parse_duration(engine_stale),
             engine_grace_seconds=parse_duration(engine_grace))
         service = Daemon(config)
-        server = DaemonServer(service, host, port, token)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    signal.signal(signal.SIGTERM, _interrupt)
+    server = make_server(service, host, port, config.token, max_requests)
     tune_interpreter()
-    service.start()
-    typer.echo(f"ac-observe daemon: http://{host}:{server.port}/metrics  "
-               f"telemetry root {config.telemetry_root}", err=True)
+
+    def serving() -> None:
+        service.start()
+        typer.echo(f"ac-observe daemon: http://{host}:{server.port}/metrics  "
+                   f"telemetry root {config.telemetry_root}", err=True)
+
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.run(on_ready=serving)
+    except OSError as exc:  # the port is taken, the address is not ours, ...
+        typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(2)
     finally:
-        server.close()
         service.close()
+
+
+def _read_token(token: str | None, token_file: Path | None) -> str | None:
+    if token_file is None:
+        return token
+    try:
+        return token_file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the token file {token_file}: {exc}") from None
 
 
 @app.command()
@@ -217,10 +239,6 @@ def engine(
         server.run()
     finally:
         stop.set()
-
-
-def _interrupt(*_):
-    raise KeyboardInterrupt
 
 
 def _as_request(text: str) -> dict | None:

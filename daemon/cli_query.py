@@ -7,6 +7,7 @@ import time
 import httpx
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 STAT_COLUMNS = ("min", "mean", "p50", "p95", "max", "last")
@@ -14,22 +15,52 @@ HISTOGRAM_COLUMNS = ("min_bucket_le", "mean", "p50", "p95", "max_bucket_le", "la
 COLUMN_TITLES = {"min_bucket_le": "min≤", "max_bucket_le": "max≤"}
 
 
-class DaemonUnreachable(RuntimeError):
+class DaemonError(RuntimeError):
+    """The daemon cannot answer: one line saying why and what to do."""
+
+
+class DaemonUnreachable(DaemonError):
     pass
 
 
-def _get(obj: dict, path: str, **params) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {obj['token']}"} if obj.get("token") else {}
+def get_json(obj: dict, path: str, expect: str, **params) -> dict:
+    """GET a daemon route; its JSON body, which must hold the key `expect`."""
+    url = obj["url"]
+    headers = {}
+    if obj.get("token"):
+        headers["Authorization"] = b"Bearer " + obj["token"].encode("utf-8")
     try:
-        return httpx.get(obj["url"] + path, params=params, headers=headers, timeout=10)
+        response = httpx.get(url + path, params=params, headers=headers, timeout=10)
     except httpx.HTTPError as exc:
         raise DaemonUnreachable(
-            f"cannot reach the ac-observe daemon at {obj['url']} ({exc}); start one with "
-            "`ac-observe daemon` or `ac-observe up`, or point --daemon / AC_OBSERVE_URL at it")
+            f"cannot reach the ac-observe daemon at {url} ({type(exc).__name__}); start one "
+            "with `ac-observe daemon` or `ac-observe up`, or point --daemon / AC_OBSERVE_URL "
+            "at it") from None
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code == 401:
+        raise DaemonError(f"the daemon at {url} refused the token" if obj.get("token") else
+                          f"the daemon at {url} wants a bearer token: pass --token-file, "
+                          "or set AC_OBSERVE_TOKEN")
+    if response.status_code == 403:
+        raise DaemonError(f"the daemon at {url} refused access (HTTP 403)")
+    ours = isinstance(body, dict) and (
+        expect in body if response.status_code == 200 else isinstance(body.get("error"), str))
+    if not ours:
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        raise DaemonError(f"{url} does not answer like an ac-observe daemon "
+                          f"(HTTP {response.status_code}, {kind}); check --daemon")
+    if response.status_code != 200:
+        raise DaemonError(str(body.get("error", f"HTTP {response.status_code}")))
+    return body
 
 
 def _fail(console: Console, message: str) -> int:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    """One line on stderr, never wrapped."""
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(message)}",
+                                               highlight=False)
     return 1
 
 
@@ -81,11 +112,8 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
     console = Console()
     try:
         def fetch():
-            response = _get(obj, "/api/v1/query", metric=metric, window=window, labels=labels)
-            body = response.json()
-            if response.status_code != 200:
-                raise ValueError(body.get("error", response.text))
-            return body
+            return get_json(obj, "/api/v1/query", "series", metric=metric, window=window,
+                            labels=labels)
 
         if as_json:  # one JSON document per line, every 2 s with --watch
             while True:
@@ -102,7 +130,7 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
                 live.update(_table(fetch()))
     except KeyboardInterrupt:
         return 0
-    except (DaemonUnreachable, ValueError) as exc:
+    except DaemonError as exc:
         message = str(exc)
         if "unknown metric" in message:
             message += " (see `ac-observe --list`)"
@@ -112,8 +140,8 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
 def list_metrics(obj: dict, as_json: bool) -> int:
     console = Console()
     try:
-        metrics = _get(obj, "/api/v1/metrics").json()["metrics"]
-    except DaemonUnreachable:
+        metrics = get_json(obj, "/api/v1/metrics", "metrics")["metrics"]
+    except DaemonError:
         from ac_observe.daemon.query import describe_friendly  # known without a daemon
         metrics = describe_friendly()
     if as_json:
@@ -131,8 +159,8 @@ def list_metrics(obj: dict, as_json: bool) -> int:
 def show_status(obj: dict, as_json: bool) -> int:
     console = Console()
     try:
-        status = _get(obj, "/api/v1/status").json()
-    except DaemonUnreachable as exc:
+        status = get_json(obj, "/api/v1/status", "collectors")
+    except DaemonError as exc:
         return _fail(console, str(exc))
     if as_json:
         print(json.dumps(status))
@@ -147,12 +175,16 @@ def show_status(obj: dict, as_json: bool) -> int:
                       c["reason"], str(c["errors_total"]), f"{c['duration_seconds'] * 1e3:.1f} ms")
     console.print(table)
     table = Table(title=f"engines under {status['telemetry_root']}")
-    for column in ("engine", "model", "pid", "api", "state", "heartbeat"):
+    for column in ("engine", "model", "pid", "api", "state", "heartbeat", "restarts"):
         table.add_column(column)
     for e in status["engines"]:
+        if e.get("error"):
+            state = f"[red]bad[/red]: {escape(e['error'])} ({escape(e['directory'])})"
+        else:
+            state = "[green]alive[/green]" if e["alive"] else "[yellow]gone[/yellow]"
+        age = e.get("heartbeat_age_seconds")
         table.add_row(str(e["engine"]), str(e["model"]), str(e["pid"]), str(e["api_address"]),
-                      "[green]alive[/green]" if e["alive"] else "[yellow]gone[/yellow]",
-                      f"{e['heartbeat_age_seconds']}s ago")
+                      state, "-" if age is None else f"{age}s ago", str(e.get("restarts", 0)))
     if not status["engines"]:
         table.caption = "no engine found"
     console.print(table)

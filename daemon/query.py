@@ -14,6 +14,7 @@ from ac_observe.metrics import FRIENDLY, Friendly
 from ac_observe.daemon.windows import Windows
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+MAX_DURATION_SECONDS = 366 * 86400.0
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
@@ -22,8 +23,8 @@ def parse_duration(text: str) -> float:
     if not match:
         raise ValueError(f"bad duration {text!r}: use e.g. 30s, 5m, 1h")
     seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    if seconds <= 0:
-        raise ValueError("the window must be positive")
+    if not 0 < seconds <= MAX_DURATION_SECONDS:
+        raise ValueError(f"bad duration {text[:40]!r}: it must be positive and at most 366d")
     return seconds
 
 

@@ -3,13 +3,15 @@
 A collector that raises or hangs never delays or fails the others: a hung call is left
 to finish on its own thread (the next one starts only after it returns), and the state
 goes back up by itself at the first good run.
+
+NOTE: the worker is a daemon thread, so a collector stuck for good (a driver call that
+never returns) cannot keep the process from exiting on SIGTERM.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from ac_observe.collectors.base import Collector, CollectorUnavailable
 
@@ -21,54 +23,72 @@ class CollectorRunner:
         self.collector = collector
         self.name = collector.name
         self.timeout = getattr(collector, "timeout_seconds", None) or timeout_seconds
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"collector-{self.name}")
-        self._future: Future | None = None
+        self._wake = threading.Condition()
+        self._requested = 0        # runs asked for
+        self._done = threading.Event()
+        self._result: tuple = ()   # ("ok", families, seconds) | ("error", exc, seconds)
+        self._busy = False
         self._started = 0.0
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=f"collector-{self.name}",
+                                        daemon=True)
+        self._thread.start()
         self.up = False
         self.reason = "not run yet"
         self.errors_total = 0
         self.duration_seconds = 0.0
         self._logged: tuple | None = None
 
+    def _work(self) -> None:
+        seen = 0
+        while True:
+            with self._wake:
+                while self._requested == seen and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                seen = self._requested
+            start = time.monotonic()
+            try:
+                result = ("ok", list(self.collector.collect()), time.monotonic() - start)
+            except BaseException as exc:  # noqa: BLE001 - reported, never raised here
+                result = ("error", exc, time.monotonic() - start)
+            self._result = result
+            self._done.set()
+
     def start(self) -> None:
         """Begin this cycle's run, unless the last one is still hanging."""
-        if self._future is not None and not self._future.done():
+        if self._busy:
             return
+        self._busy = True
+        self._done.clear()
         self._started = time.monotonic()
-        self._future = self._pool.submit(self._timed)
-
-    def _timed(self):
-        start = time.monotonic()
-        families = list(self.collector.collect())
-        return families, time.monotonic() - start
+        with self._wake:
+            self._requested += 1
+            self._wake.notify()
 
     def finish(self) -> list:
         """This cycle's families (empty when it failed), waiting at most until the timeout."""
-        future = self._future
-        if future is None:
+        if not self._busy:
             return []
-        deadline = self._started + self.timeout
-        try:
-            families, self.duration_seconds = future.result(max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
+        if not self._done.wait(max(0.0, self._started + self.timeout - time.monotonic())):
             hung_for = time.monotonic() - self._started
             self.duration_seconds = hung_for
             if self.up or not self.reason.startswith("hung"):
                 self.errors_total += 1  # one error per hang, not one per cycle it lasts
             self._set(False, f"hung: no answer after {hung_for:.1f}s (timeout {self.timeout:g}s)")
             return []
-        except CollectorUnavailable as exc:
-            self._future = None
-            self._set(False, str(exc))
-            return []
-        except Exception as exc:  # isolate: this collector is down, the others carry on
-            self._future = None
+        self._busy = False
+        outcome, value, self.duration_seconds = self._result
+        if outcome == "ok":
+            self._set(True, "")
+            return value
+        if isinstance(value, CollectorUnavailable):
+            self._set(False, str(value))
+        else:  # isolate: this collector is down, the others carry on
             self.errors_total += 1
-            self._set(False, f"error: {type(exc).__name__}: {exc}")
-            return []
-        self._future = None
-        self._set(True, "")
-        return families
+            self._set(False, f"error: {type(value).__name__}: {value}")
+        return []
 
     def _set(self, up: bool, reason: str) -> None:
         self.up, self.reason = up, reason
@@ -81,8 +101,11 @@ class CollectorRunner:
                 log.warning("collector %s down: %s", self.name, reason)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            self.collector.close()
-        except Exception:
-            log.exception("collector %s failed to close", self.name)
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if not self._busy:  # a hung collector is left to its (daemon) thread
+            try:
+                self.collector.close()
+            except Exception:
+                log.exception("collector %s failed to close", self.name)

@@ -62,8 +62,8 @@ class Daemon:
 
     # ----- the cycle ----------------------------------------------------------------------
 
-    def run_cycle(self) -> None:
-        now = time.time()
+    def run_cycle(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
         for runner in self.runners:
             runner.start()
         families: list[Metric] = []
@@ -71,8 +71,9 @@ class Daemon:
             families.extend(runner.finish())
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
-        self._remember(families, now)
-        with self._lock:
+        watched = self._watched_samples(families)
+        with self._lock:  # queries see a window and a snapshot from one and the same cycle
+            self.windows.append(now, watched)
             self._snapshot = families
             self._generation += 1
         if time.monotonic() - self._last_scrape < RENDER_AHEAD_SECONDS:
@@ -108,14 +109,14 @@ class Daemon:
         info.add_metric([__version__], 1.0)
         return [up, duration, errors, info]
 
-    def _remember(self, families: list[Metric], now: float) -> None:
+    def _watched_samples(self, families: list[Metric]) -> dict:
         samples = {}
         for family in families:
             if family.name in self._watched:
                 for sample in family.samples:
                     # Collectors emit each series' labels in one stable order.
                     samples[(sample.name, tuple(sample.labels.items()))] = sample.value
-        self.windows.append(now, samples)
+        return samples
 
     # ----- reading ------------------------------------------------------------------------
 
@@ -143,9 +144,12 @@ class Daemon:
         finally:
             self._render_lock.release()
 
-    def query(self, metric: str, window_seconds: float, labels: dict[str, str]) -> dict:
+    def query(self, metric: str, window_seconds: float, labels: dict[str, str],
+              now: float | None = None) -> dict:
+        """NOTE: holds the lock the cycle appends under, so an answer reads one state."""
         with self._lock:
-            return self.queries.query(metric, window_seconds, labels, time.time())
+            return self.queries.query(metric, window_seconds, labels,
+                                      time.time() if now is None else now)
 
     def status(self) -> dict:
         engines = []

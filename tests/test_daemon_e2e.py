@@ -194,12 +194,12 @@ def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
     out = subprocess.run([AC_OBSERVE, "--daemon",
                           f"http://127.0.0.1:{port}", "--metric", "gpu_utilization"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "cannot reach the ac-observe daemon" in out.stdout
+    assert out.returncode == 1 and "cannot reach the ac-observe daemon" in out.stderr
     daemon = start_daemon(None, "--collectors", "engine")
     out = subprocess.run([AC_OBSERVE, "--daemon", daemon.url,
                           "--metric", "gpu_utilisation"], capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 1 and "unknown metric" in out.stdout and "--list" in out.stdout
+    assert out.returncode == 1 and "unknown metric" in out.stderr and "--list" in out.stderr
     listed = subprocess.run([AC_OBSERVE, "--list", "--json"],
                             capture_output=True, text=True, timeout=60, check=True)
     names = {m["name"] for m in json.loads(listed.stdout)}

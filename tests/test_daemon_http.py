@@ -1,0 +1,137 @@
+"""The daemon's HTTP side under careless and hostile clients, and the CLI's answers when
+the daemon cannot give one."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+from support.servers import AC_OBSERVE, ServerProcess, free_port, run_cli, wait_for
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_300_concurrent_scrapes_and_500_idle_connections(start_daemon):
+    daemon = start_daemon(None, "--collectors", "engine")
+
+    async def scrape_all(n: int):
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=daemon.url, timeout=30, limits=limits) as client:
+            return await asyncio.gather(*(client.get("/metrics") for _ in range(n)))
+
+    started = time.monotonic()
+    responses = asyncio.run(scrape_all(300))
+    assert time.monotonic() - started < 10
+    assert [r.status_code for r in responses] == [200] * 300
+    assert all(b"ac_collector_up" in r.content for r in responses)
+
+    baseline = _fds(daemon.proc.pid)
+    idle = []
+    try:
+        for _ in range(500):  # connected, never sending a byte
+            idle.append(socket.create_connection(("127.0.0.1", daemon.port)))
+        wait_for(lambda: _fds(daemon.proc.pid) >= baseline + 400, 10, "the daemon to accept")
+        started = time.monotonic()
+        response = httpx.get(daemon.url + "/metrics", timeout=5)
+        assert response.status_code == 200
+        assert time.monotonic() - started < 1.0
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_for(lambda: _fds(daemon.proc.pid) <= baseline, 10, "descriptors back to baseline")
+
+
+def test_methods_heads_and_absurd_queries_get_clear_answers(start_daemon):
+    daemon = start_daemon(None, "--collectors", "engine")
+    post = httpx.post(daemon.url + "/metrics", content=b"")
+    assert post.status_code == 405 and post.headers["allow"] == "GET, HEAD"
+    assert "not allowed" in post.json()["error"]
+    head = httpx.head(daemon.url + "/metrics")
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) > 0
+    for window in ("9" * 400 + "s", "0s", "-5m", "soon", "367d"):
+        answer = httpx.get(daemon.url + "/api/v1/query",
+                           params={"metric": "kv_cache_hit_rate", "window": window})
+        assert answer.status_code == 400, window
+        assert "duration" in answer.json()["error"]
+    assert httpx.get(daemon.url + "/nowhere").status_code == 404
+    big = httpx.get(daemon.url + "/metrics", headers={"x-junk": "a" * 20000})
+    assert big.status_code == 431
+    with socket.create_connection(("127.0.0.1", daemon.port)) as sock:
+        sock.sendall(b"GARBAGE\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 400")
+    assert httpx.get(daemon.url + "/healthz").status_code == 200  # still serving
+
+
+def test_bearer_tokens_per_rfc_and_from_file_or_environment(tmp_path, start_daemon):
+    token = "s3cret-ünïcode"
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    daemon = start_daemon(None, "--collectors", "engine", "--token-file", str(token_file),
+                          env={"AC_OBSERVE_TOKEN": ""})
+    url = daemon.url + "/api/v1/status"
+    raw = token.encode()
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url).headers["www-authenticate"].startswith("Bearer")
+    for scheme in (b"Bearer", b"bearer", b"BEARER"):
+        assert httpx.get(url, headers={"Authorization": scheme + b" " + raw}).status_code == 200
+    assert httpx.get(url, headers={"Authorization": b"Bearer " + raw[:-1]}).status_code == 401
+    assert httpx.get(url, headers={"Authorization": b"Basic " + raw}).status_code == 401
+    assert httpx.get(daemon.url + "/healthz").status_code == 200  # liveness needs no token
+
+    # The CLI, through the same token in the environment.
+    ok = run_cli("--daemon", daemon.url, "status", "--json",
+                 env={**os.environ, "AC_OBSERVE_TOKEN": token})
+    assert ok.returncode == 0 and json.loads(ok.stdout)["collectors"]
+
+    # An empty or blank token is refused at start, whatever the bind address.
+    for blank in ("", "   "):
+        (tmp_path / "blank").write_text(blank)
+        refused = run_cli("daemon", "--telemetry-root", str(tmp_path), "--port",
+                          str(free_port()), "--token-file", str(tmp_path / "blank"))
+        assert refused.returncode == 2 and "blank" in refused.stderr
+
+
+def test_cli_says_in_one_line_what_is_wrong(tmp_path, start_daemon):
+    daemon = start_daemon(None, "--collectors", "engine", env={"AC_OBSERVE_TOKEN": "right"})
+    env = {k: v for k, v in os.environ.items() if k != "AC_OBSERVE_TOKEN"}
+    not_a_daemon = ServerProcess(["engine", "--telemetry-dir", str(tmp_path / "t")], tmp_path)
+    not_a_daemon.wait_ready()
+    try:
+        cases = [
+            (["--daemon", daemon.url, "status"], "wants a bearer token"),
+            (["--daemon", daemon.url, "--token", "wrong", "status"], "refused the token"),
+            (["--daemon", daemon.url, "--list"], None),  # falls back to the built-in list
+            (["--daemon", daemon.url, "--metric", "kv_cache_hit_rate"], "wants a bearer"),
+            (["--daemon", not_a_daemon.url, "status"], "does not answer like an ac-observe"),
+            (["--daemon", not_a_daemon.url, "--metric", "kv_cache_hit_rate"],
+             "does not answer like an ac-observe"),
+            (["--daemon", f"http://127.0.0.1:{free_port()}", "status"], "cannot reach"),
+        ]
+        for args, expected in cases:
+            out = run_cli(*args, env=env)
+            text = out.stdout + out.stderr
+            assert "Traceback" not in text, (args, text)
+            if expected is None:
+                assert out.returncode == 0, text
+                continue
+            assert out.returncode == 1, (args, text)
+            assert expected in text, (args, text)
+            assert len(text.strip().splitlines()) == 1, (args, text)
+    finally:
+        not_a_daemon.stop()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0"])
+def test_off_loopback_without_a_token_refuses_to_start(tmp_path, host):
+    out = run_cli("daemon", "--host", host, "--telemetry-root", str(tmp_path), "--port",
+                  str(free_port()), env={**os.environ, "AC_OBSERVE_TOKEN": ""})
+    assert out.returncode == 2 and "token" in out.stderr
+    assert AC_OBSERVE  # the installed script ran
