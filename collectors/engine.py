@@ -38,6 +38,7 @@ log = logging.getLogger("ac_observe.collectors.engine")
 MAX_SERIES_PER_ENGINE = 50_000
 MAX_LABEL_VALUE_CHARS = 256
 MAX_ENGINE_DIRS = 1024
+_FIRST_ENTRY_BYTES = 64
 _SPECS = {spec.family: spec for spec in ENGINE_METRICS}
 _ALLOWED_VALUES = {"stream": frozenset(LANES), "status": frozenset(REQUEST_STATUSES)}
 
@@ -61,36 +62,48 @@ class _FileIndex:
     A cycle reads the used part of the file in one bounded `pread` and unpacks each known
     value in place: one unpack per series, not a JSON parse.
     """
-    __slots__ = ("identity", "used", "entries")
+    __slots__ = ("identity", "used", "entries", "rejected")
 
     def __init__(self):
         self.identity: tuple = ()
         self.used = 8
         self.entries: list[tuple[int, str]] = []  # (value offset, key)
+        self.rejected: tuple | None = None        # (file version, reason): not re-read
 
     def read(self, dir_fd: int, name: str) -> list[tuple[str, float]]:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      dir_fd=dir_fd)
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise BadEngine(f"{name} is not a regular file")
-            used = used_size(os.pread(fd, 4, 0))
-            if used > min(info.st_size, MAX_DB_BYTES):
-                raise BadEngine(f"{name} claims {used} bytes; it holds {info.st_size} "
-                                f"(limit {MAX_DB_BYTES})")
-            data = os.pread(fd, used, 0)
+            version = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            if self.rejected and self.rejected[0] == version:
+                raise BadEngine(self.rejected[1])
+            try:
+                data = self._read_used(fd, info, name)
+            except ValueError as exc:
+                self.rejected = (version, f"{name}: {exc}")
+                raise BadEngine(self.rejected[1]) from None
         finally:
             os.close(fd)
-        identity = (info.st_dev, info.st_ino)
-        if identity != self.identity or used < self.used:  # a new file under that name
-            self.identity, self.used, self.entries = identity, 8, []
-        try:
-            entries, self.used = scan_entries(data, self.used, len(data))
-        except ValueError as exc:
-            raise BadEngine(f"{name}: {exc}") from None
-        self.entries.extend(entries)
+        self.rejected = None
         return [(key, value_at(data, at)) for at, key in self.entries]
+
+    def _read_used(self, fd: int, info: os.stat_result, name: str) -> bytes:
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        used = used_size(os.pread(fd, 4, 0))
+        if used > min(info.st_size, MAX_DB_BYTES):
+            raise ValueError(f"claims {used} bytes; it holds {info.st_size} (limit "
+                             f"{MAX_DB_BYTES})")
+        data = os.pread(fd, used, 0)
+        # A new file under that name (an inode number can be reused): start over. Files of
+        # one writer share their first entry, so it tells a replacement apart cheaply.
+        identity = (info.st_dev, info.st_ino, bytes(data[8:8 + _FIRST_ENTRY_BYTES]))
+        if identity != self.identity or used < self.used:
+            self.identity, self.used, self.entries = identity, 8, []
+        entries, self.used = scan_entries(data, self.used, len(data))
+        self.entries.extend(entries)
+        return data
 
 
 @dataclass(slots=True)
@@ -99,7 +112,8 @@ class EngineState:
     info: dict
     alive: bool
     last_heartbeat: float
-    error: str = ""
+    error: str = ""            # unusable: why (its series are not exported)
+    warning: str = ""          # usable, but entries were skipped: why
     restarts: int = 0
 
 
@@ -107,7 +121,7 @@ class EngineState:
 class _EngineReader:
     """Everything remembered about one engine directory between cycles."""
     files: dict[str, _FileIndex] = field(default_factory=dict)
-    keys: dict[str, _Entry | None] = field(default_factory=dict)
+    keys: dict[str, _Entry | str] = field(default_factory=dict)  # str: why it is skipped
     engine_id: str = ""
     restarts: int = 0
 
@@ -139,7 +153,8 @@ class EngineCollector(Collector):
                 try:
                     state, samples = self._read_engine(root_fd, root_owner, name, reader, now)
                 except BadEngine as exc:
-                    seen[name] = EngineState(name, {}, False, 0.0, str(exc), reader.restarts)
+                    seen[name] = EngineState(name, {}, False, 0.0, str(exc), "",
+                                             reader.restarts)
                     continue
                 if state is None:
                     continue
@@ -189,10 +204,10 @@ class EngineCollector(Collector):
             if reader.engine_id and engine_id != reader.engine_id:
                 reader.restarts += 1  # a new engine in the same directory
             reader.engine_id = engine_id
-            samples = self._read_samples(dir_fd, info, reader)
+            samples, warning = self._read_samples(dir_fd, info, reader)
         finally:
             os.close(dir_fd)
-        return EngineState(name, info, alive, heartbeat, "", reader.restarts), samples
+        return EngineState(name, info, alive, heartbeat, "", warning, reader.restarts), samples
 
     @staticmethod
     def _check_dir(dir_fd: int, root_owner: int) -> os.stat_result | None:
@@ -211,7 +226,8 @@ class EngineCollector(Collector):
             raise BadEngine(f"{ENGINE_INFO_FILE} is not a regular file")
         return info_stat
 
-    def _read_samples(self, dir_fd: int, info: dict, reader: _EngineReader) -> list:
+    def _read_samples(self, dir_fd: int, info: dict, reader: _EngineReader) -> tuple:
+        """(checked samples, why entries were skipped or "")."""
         totals: dict[str, float] = {}  # summed over the files of all pids
         names = set()
         for name in os.listdir(dir_fd):
@@ -235,14 +251,16 @@ class EngineCollector(Collector):
         expected = {"engine": info["engine"], "model": info["model"]}
         if len(reader.keys) > 2 * MAX_SERIES_PER_ENGINE:
             reader.keys.clear()  # churned by rewritten files: parse afresh
-        samples = []
+        samples, skipped, why = [], 0, ""
         for key, value in totals.items():
-            entry = reader.keys.get(key, _MISSING)
-            if entry is _MISSING:
+            entry = reader.keys.get(key)
+            if entry is None:
                 entry = reader.keys[key] = _check_key(key, expected)
-            if entry is not None:
+            if isinstance(entry, str):
+                skipped, why = skipped + 1, why or entry
+            else:
                 samples.append((entry, value))
-        return samples
+        return samples, (f"{skipped} entries skipped, e.g. {why}" if skipped else "")
 
     def _forget(self, root_fd: int, name: str, info: dict | None) -> None:
         """Past the grace period: drop its series; remove its files once its process is gone."""
@@ -264,11 +282,8 @@ class EngineCollector(Collector):
                  "alive": s.alive and not s.error, "restarts": s.restarts,
                  "heartbeat_age_seconds": round(now - s.last_heartbeat, 1)
                  if s.last_heartbeat else None,
-                 "directory": str(self.root / s.name), "error": s.error}
+                 "directory": str(self.root / s.name), "error": s.error, "warning": s.warning}
                 for s in self.engines.values()]
-
-
-_MISSING = object()
 
 
 def _read_info_or_none(dir_fd: int) -> dict | None:
@@ -278,36 +293,37 @@ def _read_info_or_none(dir_fd: int) -> dict | None:
         return None
 
 
-def _check_key(key: str, expected: dict[str, str]) -> _Entry | None:
-    """The entry a key stands for, if it is a series of the contract; else None (skipped)."""
+def _check_key(key: str, expected: dict[str, str]) -> _Entry | str:
+    """The entry a key stands for if it is a series of the contract, else why not."""
     try:
         family, sample, labels, _ = parse_sample_key(key)
-    except ValueError:
-        return None
+    except ValueError as exc:
+        return str(exc)
     spec = _SPECS.get(family)
     if spec is None:
-        return None
+        return f"{family[:80]!r} is not an engine family"
     le = labels.pop("le", None)
     if spec.type == HISTOGRAM:
         if sample == f"{family}_bucket" and le is not None:
             try:
                 le = float(le)
             except ValueError:
-                return None
+                return f"{family}: le={le[:20]!r} is not a number"
             if le not in spec.buckets and not math.isinf(le):
-                return None
+                return f"{family}: le={le} is not one of its buckets"
         elif sample != f"{family}_sum" or le is not None:
-            return None
+            return f"{sample[:80]!r} is not a sample of {family}"
     elif le is not None or sample != (spec.name if spec.type == COUNTER else family):
-        return None
+        return f"{sample[:80]!r} is not a sample of {family}"
     if set(labels) != set(spec.labels):
-        return None
+        return f"{family}: labels {sorted(labels)[:8]} are not {list(spec.labels)}"
     for label, value in labels.items():
         allowed = _ALLOWED_VALUES.get(label)
-        if (label in expected and value != expected[label]) or \
-                (allowed is not None and value not in allowed) or \
+        if label in expected and value != expected[label]:
+            return f"{family}: {label}={value[:40]!r}, engine.json says {expected[label]!r}"
+        if (allowed is not None and value not in allowed) or \
                 not 0 < len(value) <= MAX_LABEL_VALUE_CHARS:
-            return None
+            return f"{family}: {label}={value[:40]!r} is not allowed"
     return _Entry(family, sample, tuple((label, labels[label]) for label in spec.labels), le)
 
 

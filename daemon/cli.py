@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -204,9 +205,10 @@ def engine(
     from ac_observe.daemon.demo_load import run_demo_load, wait_healthy
     from ac_observe.engine.config import EngineConfig, LaneConfig
     from ac_observe.engine.server import EngineService, create_app
-    from ac_observe.telemetry_format import default_telemetry_root
+    from ac_observe.telemetry_format import default_telemetry_root, open_engine_dir
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the demo client's per-request lines
     name = engine_name or f"engine-{port}"
     telemetry = telemetry_dir or str(default_telemetry_root() / name)
@@ -218,7 +220,8 @@ def engine(
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
             lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
                    LaneConfig(THROUGHPUT, throughput_seqs)))
-    except ValueError as exc:
+        os.close(open_engine_dir(telemetry))  # refuse an unsafe directory before loading
+    except (ValueError, OSError) as exc:  # UnsafeDirectory is an OSError
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     app_ = create_app(EngineService(config), max_body_bytes=max_body_mb << 20)

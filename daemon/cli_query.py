@@ -182,6 +182,8 @@ def show_status(obj: dict, as_json: bool) -> int:
             state = f"[red]bad[/red]: {escape(e['error'])} ({escape(e['directory'])})"
         else:
             state = "[green]alive[/green]" if e["alive"] else "[yellow]gone[/yellow]"
+            if e.get("warning"):
+                state += f" ({escape(e['warning'])})"
         age = e.get("heartbeat_age_seconds")
         table.add_row(str(e["engine"]), str(e["model"]), str(e["pid"]), str(e["api_address"]),
                       state, "-" if age is None else f"{age}s ago", str(e.get("restarts", 0)))
