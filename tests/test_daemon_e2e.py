@@ -275,3 +275,42 @@ def test_cli_figures_equal_the_requests_own_trace_headers(start_daemon, tmp_path
     (depth,) = results["skeleton_complexity"]["series"]
     assert depth["samples"] == len(depths)
     assert depth["mean"] == pytest.approx(sum(depths) / len(depths), rel=1e-12)
+
+
+def test_gauges_return_to_zero_after_a_burst_of_aborted_streams(start_daemon, tmp_path):
+    root = tmp_path / "telemetry"
+    daemon = start_daemon(root, "--collectors", "engine", "--interval", "0.5s")
+    engine = EngineServer(root / "e6", "--engine-name", "e6").wait_ready()
+    try:
+        streams = []
+        client = httpx.Client(timeout=60)
+        for i in range(12):
+            request = client.build_request(
+                "POST", engine.url + "/v1/messages", json={
+                    "model": "tiny", "max_tokens": 2000, "stream": True, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"<q>{i}</q>" * 40}]})
+            response = client.send(request, stream=True)
+            chunks = response.iter_bytes()  # kept: a dropped iterator closes the stream
+            next(chunks)  # generating
+            streams.append((response, chunks))
+        busy = wait_for(lambda: (m := daemon.metrics()) and (sample_value(
+            m, "ac_requests_running", engine="e6", stream="throughput") or 0) > 0 and m,
+            10, "running requests")
+        assert sample_value(busy, "ac_kv_cache_usage_ratio", engine="e6") > 0
+        for response, _ in streams:
+            response.close()
+        client.close()
+        hung_up = time.monotonic()
+
+        def idle():
+            m = daemon.metrics()
+            return sample_value(m, "ac_requests_running", engine="e6", stream="throughput") == 0 \
+                and sample_value(m, "ac_kv_cache_usage_ratio", engine="e6") == 0
+        wait_for(idle, 10, "gauges back to zero")
+        # Two cycles (0.5 s each), plus the time the server takes to see the hang-ups.
+        assert time.monotonic() - hung_up < 2 * 0.5 + 1.5
+        metrics = daemon.metrics()
+        assert sample_value(metrics, "ac_requests_total", engine="e6", stream="throughput",
+                            status="aborted") == 12
+    finally:
+        engine.stop()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -104,3 +105,69 @@ def test_hit_rate_is_the_ratio_of_increases_not_a_mean_of_ratios():
     (series,) = engine.query("kv_cache_hit_rate", 10, {}, now=2.0)["series"]
     assert series["mean"] == pytest.approx(1.0)
     assert (series["min"], series["max"], series["last"]) == (0.0, 100.0, 0.0)
+
+
+def test_queries_during_cycles_read_one_consistent_state(tmp_path):
+    """Cycles append while four threads query: every answer equals the serial one (hit
+    rate 60 %, rate 7/s at every interval), never an error or a point out of order."""
+    import threading
+
+    from ac_observe import metrics as m
+    from ac_observe.collectors.base import Collector, new_family
+    from ac_observe.daemon.config import DaemonConfig
+    from ac_observe.daemon.service import Daemon
+
+    class Counting(Collector):
+        name = "counting"
+        cycle = 0
+
+        def collect(self):
+            self.cycle += 1
+            families = []
+            for spec, step in ((m.KV_HIT_BLOCKS, 3), (m.KV_QUERY_BLOCKS, 5),
+                               (m.GENERATION_TOKENS, 7)):
+                family = new_family(spec)
+                family.add_metric(["e", "m"], step * self.cycle)
+                families.append(family)
+            return families
+
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, window_seconds=200),
+                    collectors=[Counting()])
+    stop, failures, answers = threading.Event(), [], [0]
+
+    def cycles():
+        t = 0
+        while not stop.is_set():
+            t += 1
+            daemon.run_cycle(now=float(t))
+
+    def queries():
+        while not stop.is_set():
+            try:
+                for name, expected in (("kv_cache_hit_rate", 60.0),
+                                       ("generation_tokens_per_second", 7.0)):
+                    for series in daemon.query(name, 1e9, {}, now=1e8)["series"]:
+                        got = (series["min"], series["mean"], series["max"], series["last"])
+                        if any(v != pytest.approx(expected) for v in got):
+                            failures.append((name, got))
+                answers[0] += 1
+            except Exception as exc:  # noqa: BLE001 - any error is the finding
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=cycles)] + [threading.Thread(target=queries)
+                                                   for _ in range(4)]
+    import sys
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(3)
+        stop.set()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+        daemon.close()
+    assert not failures, failures[:5]
+    assert answers[0] > 50 and daemon.windows.cycle > 200  # the ring wrapped, often
