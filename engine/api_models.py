@@ -109,7 +109,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=1)
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # int64, as vLLM
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
 

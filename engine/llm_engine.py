@@ -375,12 +375,15 @@ class Engine:
         self._aborts.clear()
         self.stats.on_gauges(self.scheduler, self.block_manager)
 
-    def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int],
+    def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int | None],
                      device_seconds: float, now_ns: int) -> None:
         for seq, token_id in zip(batch.seqs, next_tokens):
             request = self._requests[seq.request_id]
             seq.num_computed_tokens = len(seq)
             self.block_manager.commit(seq)
+            if token_id is None:  # its own sampling failed; the batch goes on
+                self._finish(request, FinishReason.ERROR)
+                continue
             if batch.is_prefill:
                 seq.timeline.prefill_seconds += device_seconds
             else:

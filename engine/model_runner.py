@@ -113,8 +113,9 @@ class ModelRunner:
         return columns[0], columns[1], max(positions) + 1, meta, None
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], float]:
-        """Returns the next token of every sequence and the step's device time in seconds."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[int | None], float]:
+        """The next token of every sequence (None where its sampling failed) and the
+        step's device time in seconds."""
         stream = self.streams.get(batch.lane)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -132,7 +133,7 @@ class ModelRunner:
                 if last_rows is not None:
                     hidden = hidden.index_select(0, last_rows)
                 logits = self.model.compute_logits(hidden).float()
-                token_ids = sample(logits, batch.seqs)
+                token_ids, failed_rows = sample(logits, batch.seqs)
                 if stream is not None:
                     end_evt.record(stream)
             next_tokens = token_ids.tolist()  # the step's synchronisation point
@@ -142,6 +143,8 @@ class ModelRunner:
             raise
         if meta.workspace is not None:
             meta.workspace.advance()
+        for row in failed_rows:
+            next_tokens[row] = None  # that request's sampling failed: it fails alone
         if stream is not None:
             return next_tokens, start_evt.elapsed_time(end_evt) / 1e3
         return next_tokens, (time.perf_counter_ns() - host_start) / 1e9

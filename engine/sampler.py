@@ -1,39 +1,73 @@
-"""Greedy and temperature / top-k / top-p sampling for one batch of logits.
+"""Greedy and temperature / top-k / top-p sampling for a whole batch in one pass.
 
-NOTE: never raises on legal parameters: a temperature too small to divide by is greedy,
-top-p always keeps the most likely token, and a distribution that is not finite falls
-back to the greedy choice, so one request's settings cannot fail its batch.
+Per-row settings become tensors; the batch is sorted once, masked by top-k and top-p, and
+sampled with the exponential race (argmax of p / q, q ~ Exp(1)), as vLLM does: no host
+sync and no per-row kernels except one exponential draw per seeded row, from that
+request's own generator, so a seeded request samples the same tokens in any batch.
+
+NOTE: never raises on legal settings and never lets one row fail the batch: a
+temperature too small to divide by is greedy, top-p always keeps the most likely token, a
+row whose distribution is not finite falls back to its greedy choice, and a row whose own
+generator fails is reported in `failed` (its request fails alone).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 MIN_TEMPERATURE = 1e-5
+log = logging.getLogger("ac_observe.engine.sampler")
 
 
-def sample(logits: torch.Tensor, seqs) -> torch.Tensor:
-    # logits: [B, V] float32 -> token ids [B]
-    token_ids = logits.argmax(dim=-1)
-    for row, seq in enumerate(seqs):
-        params = seq.params
-        if params.temperature < MIN_TEMPERATURE:
+def _column(values, device, dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def sample(logits: torch.Tensor, seqs) -> tuple[torch.Tensor, list[int]]:
+    """logits: [B, V] float32 -> (token ids [B], rows whose sampling failed)."""
+    greedy = logits.argmax(dim=-1)
+    rows = [i for i, seq in enumerate(seqs) if seq.params.temperature >= MIN_TEMPERATURE]
+    if not rows:
+        return greedy, []
+    device, V = logits.device, logits.shape[-1]
+    params = [seqs[i].params for i in rows]
+    temperature = _column([p.temperature for p in params], device, torch.float32)
+    top_k = _column([p.top_k or V for p in params], device, torch.long).clamp_(1, V)
+    top_p = _column([p.top_p for p in params], device, torch.float32)
+
+    scaled = logits[rows] / temperature[:, None]                      # [R, V]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=device)
+    sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p, and always the first token.
+    drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_probs.masked_fill_(drop, 0.0)
+
+    race = torch.empty_like(sorted_probs)
+    failed = []
+    unseeded = []
+    for r, i in enumerate(rows):
+        seq = seqs[i]
+        if seq.params.seed is None:
+            unseeded.append(r)
             continue
-        row_logits = logits[row] / params.temperature
-        if params.top_k:
-            kth = torch.topk(row_logits, min(params.top_k, row_logits.numel())).values[-1]
-            row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
-        probs = torch.softmax(row_logits, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p, and always the first token.
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-            drop[0] = False
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        total = probs.sum()
-        if not torch.isfinite(total) or total <= 0:
-            continue
-        if seq.generator is None and params.seed is not None:
-            seq.generator = torch.Generator(device=logits.device).manual_seed(params.seed)
-        token_ids[row] = torch.multinomial(probs, 1, generator=seq.generator)[0]
-    return token_ids
+        try:
+            if seq.generator is None:
+                seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+            race[r].exponential_(generator=seq.generator)
+        except Exception as exc:  # this request's generator: it fails, the batch goes on
+            log.warning("sampling failed for request %s: %s", seq.request_id, exc)
+            failed.append(i)
+            race[r].fill_(1.0)
+    if unseeded:
+        race[unseeded] = torch.empty(len(unseeded), V, device=device).exponential_()
+    choice = (sorted_probs / race).argmax(dim=-1)
+    sampled = order.gather(1, choice[:, None])[:, 0]
+    total = sorted_probs.sum(dim=-1)
+    valid = torch.isfinite(total) & (total > 0)
+    index = _column(rows, device, torch.long)
+    greedy[index] = torch.where(valid, sampled, greedy[index])
+    return greedy, failed

@@ -41,6 +41,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 64:
+            raise ValueError("seed must fit in 64 bits")
 
 
 @dataclass(slots=True)

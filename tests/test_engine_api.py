@@ -279,11 +279,9 @@ def test_schemathesis_finds_no_server_error(engine_server, tmp_path):
 def test_health_is_unhealthy_until_the_model_is_ready(tmp_path):
     import threading
 
-    import uvicorn
-
     from ac_observe.engine.config import EngineConfig
-    from ac_observe.engine.server import EngineService, create_app
-    from support.servers import free_port
+    from ac_observe.engine.server import EngineService
+    from support.servers import serve_in_thread
 
     gate = threading.Event()
 
@@ -292,17 +290,7 @@ def test_health_is_unhealthy_until_the_model_is_ready(tmp_path):
             await asyncio.to_thread(gate.wait)
             await super().load()
 
-    def serve(service):
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(service), port=port,
-                                               log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
-        return server, thread, f"http://127.0.0.1:{port}"
-
-    server, thread, url = serve(GatedService(EngineConfig(telemetry_dir=str(tmp_path))))
+    url, stop = serve_in_thread(GatedService(EngineConfig(telemetry_dir=str(tmp_path))))
     try:
         response = httpx.get(url + "/health")
         assert response.status_code == 503 and response.json()["status"] == "loading"
@@ -316,10 +304,9 @@ def test_health_is_unhealthy_until_the_model_is_ready(tmp_path):
             time.sleep(0.05)
         assert httpx.get(url + "/health").json()["kv_blocks"] > 0
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        stop()
 
-    server, thread, url = serve(EngineService(EngineConfig(model=str(tmp_path / "missing"))))
+    url, stop = serve_in_thread(EngineService(EngineConfig(model=str(tmp_path / "missing"))))
     try:
         deadline = time.monotonic() + 30
         while httpx.get(url + "/health").json()["status"] == "loading":
@@ -328,30 +315,26 @@ def test_health_is_unhealthy_until_the_model_is_ready(tmp_path):
         failed = httpx.get(url + "/health")
         assert failed.status_code == 503 and "config.json" in failed.json()["error"]
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        stop()
+
+
+def _ready_service(tmp_path):
+    from ac_observe.engine.config import EngineConfig
+    from ac_observe.engine.server import EngineService
+    from support.servers import serve_in_thread
+
+    service = EngineService(EngineConfig(telemetry_dir=str(tmp_path)))
+    url, stop = serve_in_thread(service)
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return service, url, stop
 
 
 def test_a_failing_model_step_is_a_500_without_internals_and_the_server_lives_on(tmp_path):
-    import threading
-
-    import uvicorn
-
-    from ac_observe.engine.config import EngineConfig
-    from ac_observe.engine.server import EngineService, create_app
-    from support.servers import free_port
-
-    service = EngineService(EngineConfig(telemetry_dir=str(tmp_path)))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(service), port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
+    service, url, stop = _ready_service(tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while not server.started or httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
         runner = service.engine.runner
         real_run = runner.run
 
@@ -375,5 +358,69 @@ def test_a_failing_model_step_is_a_500_without_internals_and_the_server_lives_on
         assert service.engine.load_summary()["kv_blocks_free"] == \
             service.engine.load_summary()["kv_blocks"]
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        stop()
+
+
+def test_seed_out_of_range_is_a_400_and_a_failing_sampler_fails_only_its_request(tmp_path):
+    import threading
+
+    from ac_observe.engine import sampler
+
+    service, url, stop = _ready_service(tmp_path)
+    chat = url + "/v1/chat/completions"
+    body = {"model": "tiny", "max_tokens": 6,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    try:
+        for seed in (2 ** 64, 2 ** 63, -(2 ** 63) - 1):
+            response = httpx.post(chat, json={**body, "seed": seed})
+            assert response.status_code == 400, seed
+            assert response.json()["error"]["param"] == "seed"
+        assert httpx.post(chat, json={**body, "seed": 2 ** 63 - 1}).status_code == 200
+
+        real_generator = sampler.torch.Generator
+
+        class Refusing:  # the generator of one request breaks inside the step
+            def __init__(self, device=None):
+                self.inner = real_generator(device=device)
+
+            def manual_seed(self, seed):
+                if seed == 13:
+                    raise RuntimeError("injected sampling failure")
+                return self.inner.manual_seed(seed)
+
+        engine = service.engine
+        # Hold the engine inside a step while the burst queues, so that one prefill step
+        # admits all nine together.
+        real_run, inside, release = engine.runner.run, threading.Event(), threading.Event()
+
+        def held(batch):
+            inside.set()
+            release.wait(30)
+            engine.runner.run = real_run
+            return real_run(batch)
+
+        engine.runner.run = held
+        sampler.torch.Generator = Refusing
+        try:
+            async def burst():
+                async with httpx.AsyncClient(timeout=60) as client:
+                    blocker = asyncio.create_task(client.post(chat, json=body))
+                    await asyncio.to_thread(inside.wait, 30)
+                    bodies = [{**body, "seed": 13, "temperature": 1.0}] + [
+                        {**body, "temperature": t, "messages": [
+                            {"role": "user", "content": f"mate {i}"}]}
+                        for i, t in enumerate([0.0, 1.0] * 4)]
+                    answers = [asyncio.create_task(client.post(chat, json=b)) for b in bodies]
+                    while engine.load_summary()["requests_waiting"] < len(bodies):
+                        await asyncio.sleep(0.02)
+                    release.set()
+                    return [await blocker] + [await answer for answer in answers]
+
+            statuses = [r.status_code for r in asyncio.run(burst())]
+        finally:
+            sampler.torch.Generator = real_generator
+            release.set()
+        assert statuses == [200, 500] + [200] * 8
+        assert engine.load_summary()["kv_blocks_free"] == engine.load_summary()["kv_blocks"]
+    finally:
+        stop()

@@ -115,3 +115,25 @@ def sample_value(metrics: dict, name: str, **labels):
              if n == name and all((k, val) in lab for k, val in labels.items())]
     assert len(found) <= 1, (name, labels, found)
     return found[0] if found else None
+
+
+def serve_in_thread(service, log_level: str = "critical"):
+    """The engine app of `service` (an EngineService) on a free port in this process, for
+    tests that reach into the engine while it serves. Returns (url, stop)."""
+    import threading
+
+    import uvicorn
+
+    from ac_observe.engine.server import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(service), port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 60, "the app to start", interval=0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    return f"http://127.0.0.1:{port}", stop
