@@ -5,10 +5,16 @@ NOTE (invariants, checked by `check_invariants`):
 - a block is in the hash map only once its KV is complete (registered by `commit` after
   the step that computed it), and the map entry's token ids equal the block's;
 - a freed block keeps its hash and stays reusable by later prompts until the pool hands
-  it out for new content (an eviction).
+  it out for new content (an eviction);
+- a hit is never taken on the hash alone: the block's own tokens must equal the prompt's,
+  and its recorded parent must be the block just matched, holding the same content as
+  when the child was computed (`generation`). A prefix match is thus exact whatever the
+  hash does; sha256 only keeps collisions from costing hits (CVE-2025-25183 in vLLM).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -16,13 +22,15 @@ from ac_observe.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent", "generation")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.parent: tuple[int, int] | None = None  # (block id, its generation) before it
+        self.generation = 0                         # bumped whenever it takes new content
 
 
 @dataclass(slots=True)
@@ -48,8 +56,10 @@ class PrefixCacheStats:
         self.hit_tokens += num_hit_blocks * block_size
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """sha256 over the parent's hash and the block's token ids."""
+    return hashlib.sha256((parent_hash or b"\0" * 32)
+                          + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -59,7 +69,7 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -85,15 +95,18 @@ class BlockManager:
         bs = self.block_size
         num_query = (len(seq.token_ids) - 1) // bs
         hits: list[Block] = []
-        parent = None
+        parent_hash, parent = None, None
         for i in range(num_query):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block_hash = chain_hash(parent, tokens)
+            block_hash = chain_hash(parent_hash, tokens)
             block_id = self.hash_to_block.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
                 break
-            hits.append(self.blocks[block_id])
-            parent = block_hash
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent != parent:
+                break  # a collision, or a child of content that is gone: never shared
+            hits.append(block)
+            parent_hash, parent = block_hash, (block.block_id, block.generation)
         return hits, num_query
 
     def try_allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
@@ -130,6 +143,8 @@ class BlockManager:
                 self.stats.evictions += 1
             block.block_hash = None
             block.token_ids = ()
+            block.parent = None
+        block.generation += 1  # children recorded against its old content no longer match
         block.ref_count = 1
         return block_id
 
@@ -147,10 +162,11 @@ class BlockManager:
         num_full = seq.num_computed_tokens // bs
         for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
-            parent = self.blocks[seq.block_table[i - 1]].block_hash if i else None
+            parent = self.blocks[seq.block_table[i - 1]] if i else None
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block.block_hash = chain_hash(parent, tokens)
+            block.block_hash = chain_hash(parent.block_hash if parent else None, tokens)
             block.token_ids = tokens
+            block.parent = (parent.block_id, parent.generation) if parent else None
             # A twin computed in the same step keeps the entry; this copy stays private.
             self.hash_to_block.setdefault(block.block_hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

@@ -114,6 +114,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_waiting: int = 256
     decode_workspace: str = "auto"    # auto (on for CPU) | on | off: see engine/workspace.py
+    enable_prefix_caching: bool = True
     lanes: tuple[LaneConfig, ...] = field(default_factory=lambda: (
         LaneConfig(LANES[0], 4), LaneConfig(LANES[1], 64)))
     throughput_share: int = 4         # every Nth step goes to throughput when both have work

@@ -53,6 +53,7 @@ class Scheduler:
         self.max_waiting = config.max_waiting
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.throughput_share = config.throughput_share
+        self.prefix_caching = config.enable_prefix_caching
         self.lanes = {lane.name: Lane(lane.name, lane.max_num_seqs) for lane in config.lanes}
         self.num_preemptions = 0
         self._steps_since_throughput = 0
@@ -106,7 +107,7 @@ class Scheduler:
             seq = lane.waiting[0]
             if scheduled and num_tokens + len(seq) > self.max_num_batched_tokens:
                 break
-            if not self.block_manager.try_allocate(seq):
+            if not self.block_manager.try_allocate(seq, self.prefix_caching):
                 break
             num_tokens += len(seq) - seq.num_computed_tokens
             lane.waiting.popleft()

@@ -227,3 +227,34 @@ def test_step_failing_mid_forward_fails_only_its_batch():
         assert all(out.finish_reason is FinishReason.ERROR for out in failed)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert [out.new_token_ids for out in generate(engine)] == expected
+
+
+def test_a_colliding_hash_never_shares_kv_across_different_prefixes(monkeypatch):
+    """With every block hashing alike, a block whose tokens match but whose prefix does not
+    (here: a prompt's second block equals another's first) must not be served from the
+    cache: outputs equal an engine's with prefix caching off."""
+    from ac_observe.engine import block_manager
+
+    monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: b"weak")
+    rng = random.Random(5)
+    head = [rng.randrange(3, 256) for _ in range(BLOCK)]
+    prompts = [head + [rng.randrange(3, 256) for _ in range(20)],
+               head + head + [rng.randrange(3, 256) for _ in range(20)],   # 2nd block = 1st
+               head * 3 + [9],
+               [rng.randrange(3, 256) for _ in range(BLOCK)] + head + [4, 5]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def outputs(**config):
+        with Engine(EngineConfig(dtype="float64", **config), start=False) as engine:
+            results = []
+            for prompt in prompts:  # one by one: each finds what the earlier ones cached
+                handle = engine.add_request(prompt, params=params)
+                engine.run_until_idle()
+                results.append(handle.result())
+            return results, engine.block_manager.stats
+
+    cached, stats = outputs()
+    plain, plain_stats = outputs(enable_prefix_caching=False)
+    assert [o.new_token_ids for o in cached] == [o.new_token_ids for o in plain]
+    assert stats.hit_blocks == 2  # only the true repeats of `head` as a first block
+    assert plain_stats.hit_blocks == 0
