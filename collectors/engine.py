@@ -25,8 +25,9 @@ from pathlib import Path
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
-from ac_observe.collectors.base import Collector, register
-from ac_observe.metrics import COUNTER, ENGINE_METRICS, HISTOGRAM, LANES, REQUEST_STATUSES
+from ac_observe.collectors.base import Collector, new_family, register
+from ac_observe.metrics import (COUNTER, ENGINE_METRICS, ENGINE_RESTARTS, HISTOGRAM, LANES,
+                                REQUEST_STATUSES)
 from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_DB_BYTES, MAX_INFO_BYTES,
                                          open_dir_nofollow, parse_db_file_name,
                                          parse_engine_info, parse_sample_key, pid_alive,
@@ -169,7 +170,11 @@ class EngineCollector(Collector):
                 _merge(families, samples)
             self.engines = seen
             self._readers = {n: r for n, r in self._readers.items() if n in seen}
-            return list(families.values())
+            restarts = new_family(ENGINE_RESTARTS)
+            for state in seen.values():
+                if state.info and not state.error:
+                    restarts.add_metric([state.info["engine"]], state.restarts)
+            return [*families.values(), restarts]
         finally:
             os.close(root_fd)
 

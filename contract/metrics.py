@@ -209,9 +209,13 @@ WEBHOOK_DELIVERIES = _daemon("ac_webhook_deliveries_total", COUNTER,
 WEBHOOK_QUEUE_DEPTH = _daemon("ac_webhook_queue_depth", GAUGE,
                               "Alerts waiting in the webhook outbox.", (), "deliveries")
 BUILD_INFO = _daemon("ac_build_info", GAUGE, "ac-observe build.", ("version",))
+ENGINE_RESTARTS = _daemon("ac_engine_restarts_total", COUNTER,
+                          "A new engine process taking over an engine's telemetry directory, "
+                          "as the daemon saw it.", ("engine",), "restarts")
 
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
-                  ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH, BUILD_INFO)
+                  ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH, BUILD_INFO,
+                  ENGINE_RESTARTS)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS
 BY_NAME = {spec.name: spec for spec in ALL_METRICS}

@@ -1,7 +1,10 @@
-"""`ac-observe up`: an engine and a daemon as child processes, stopped together.
+"""`ac-observe up`: an engine and a daemon as supervised child processes.
 
-Children get SIGTERM when `up` exits by any path, and the kernel kills them if `up`
-itself dies (PR_SET_PDEATHSIG), so no orphan outlives it.
+A child that exits is started again, with a backoff that doubles (1 s up to 30 s) while
+it keeps dying young and resets once it has run a while; the other child keeps running,
+so the daemon keeps serving (and shows the restart) while the engine comes back. Only
+Ctrl-C or SIGTERM stops both. Children get SIGTERM when `up` exits by any path, and the
+kernel kills them if `up` itself dies (PR_SET_PDEATHSIG), so no orphan outlives it.
 """
 from __future__ import annotations
 
@@ -11,8 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 PR_SET_PDEATHSIG = 1
+FIRST_BACKOFF_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 30.0
+HEALTHY_AFTER_SECONDS = 30.0  # a child that ran this long starts its next backoff afresh
 
 
 def _die_with_parent() -> None:
@@ -22,9 +29,46 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ac_observe.daemon.cli", *args], env=env,
-                            preexec_fn=_die_with_parent)
+@dataclass(slots=True)
+class Child:
+    name: str
+    args: list[str]
+    env: dict
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    restarts: int = 0
+    backoff: float = FIRST_BACKOFF_SECONDS
+    restart_at: float | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "ac_observe.daemon.cli", *self.args],
+                                     env=self.env, preexec_fn=_die_with_parent)
+        self.started, self.restart_at = time.monotonic(), None
+
+    def check(self, now: float) -> None:
+        """Schedule a restart when the child has exited; start it when its time comes."""
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restarts += 1
+                self.start()
+            return
+        code = self.proc.poll()
+        if code is None:
+            return
+        ran = now - self.started
+        if ran >= HEALTHY_AFTER_SECONDS:
+            self.backoff = FIRST_BACKOFF_SECONDS
+        why = f"signal {-code}" if code < 0 else f"code {code}"
+        print(f"ac-observe up: the {self.name} exited ({why}) after {ran:.1f}s; restarting it "
+              f"in {self.backoff:g}s (restart {self.restarts + 1})"
+              + ("; it keeps exiting young, see its output above" if self.restarts and
+                 ran < HEALTHY_AFTER_SECONDS else ""), file=sys.stderr, flush=True)
+        self.restart_at = now + self.backoff
+        self.backoff = min(2 * self.backoff, MAX_BACKOFF_SECONDS)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
 
 
 def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
@@ -39,7 +83,7 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
         engine_cmd.append("--demo-load")
     daemon_cmd = ["daemon", "--port", str(daemon_port), "--telemetry-root", root, "--log-level",
                   "warning", *daemon_args]
-    children = [_spawn(daemon_cmd, env), _spawn(engine_cmd, env)]
+    children = [Child("daemon", daemon_cmd, env), Child("engine", engine_cmd, env)]
     stopping = False
 
     def stop(*_):
@@ -48,6 +92,8 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    for child in children:
+        child.start()
     print(f"""
 ac-observe is up
   engine   http://127.0.0.1:{engine_port}   (Anthropic /v1/messages, OpenAI /v1/chat/completions)
@@ -56,25 +102,22 @@ ac-observe is up
            ac-observe --daemon http://127.0.0.1:{daemon_port} status
   stop     Ctrl-C
 """, file=sys.stderr, flush=True)
-    code = 0
     try:
         while not stopping:
+            now = time.monotonic()
             for child in children:
-                if child.poll() is not None:
-                    print(f"ac-observe up: {' '.join(child.args[3:5])} exited with "
-                          f"{child.returncode}; stopping", file=sys.stderr)
-                    code = child.returncode or 1
-                    stopping = True
+                child.check(now)
             time.sleep(0.2)
     finally:
         for child in children:
-            if child.poll() is None:
-                child.terminate()
+            child.stop()
         deadline = time.monotonic() + 15
         for child in children:
+            if child.proc is None:
+                continue
             try:
-                child.wait(max(0.1, deadline - time.monotonic()))
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-    return code
+                child.proc.kill()
+                child.proc.wait()
+    return 0

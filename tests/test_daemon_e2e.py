@@ -314,3 +314,46 @@ def test_gauges_return_to_zero_after_a_burst_of_aborted_streams(start_daemon, tm
                             status="aborted") == 12
     finally:
         engine.stop()
+
+
+def test_up_restarts_a_killed_engine_while_the_daemon_serves(tmp_path):
+    engine_port, daemon_port = free_port(), free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    daemon_url = f"http://127.0.0.1:{daemon_port}"
+    root = tmp_path / "telemetry"
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port", str(engine_port), "--daemon-port",
+                           str(daemon_port), "--telemetry-root", str(root)],
+                          stdout=log, stderr=subprocess.STDOUT)
+    name = f"engine-{engine_port}"
+    try:
+        wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
+        _ask(engine_url, n=2)
+        wait_for(lambda: sample_value(_metrics(daemon_url), "ac_requests_total", engine=name,
+                                      status="ok", stream="throughput") == 2, 10, "2 requests")
+        pid = json.loads((root / name / "engine.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while not _engine_ok(engine_url):  # the daemon answers all along
+            assert httpx.get(daemon_url + "/metrics", timeout=5).status_code == 200
+            assert time.monotonic() - killed < 10, "the engine was not back within 10 s"
+            time.sleep(0.2)
+        _ask(engine_url, n=1)
+        metrics = wait_for(lambda: (m := _metrics(daemon_url)) and sample_value(
+            m, "ac_requests_total", engine=name, status="ok", stream="throughput") == 3 and m,
+            10, "the counter to continue from 2")
+        assert sample_value(metrics, "ac_engine_restarts_total", engine=name) == 1
+        status = httpx.get(daemon_url + "/api/v1/status").json()
+        (engine,) = [e for e in status["engines"] if e["engine"] == name]
+        assert engine["restarts"] == 1 and engine["alive"]
+        assert up.poll() is None
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=30)
+        log.close()
+    assert "the engine exited (signal 9)" in (tmp_path / "up.log").read_text()
+
+
+def _metrics(url):
+    from support.servers import parse_metrics
+    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
