@@ -115,6 +115,9 @@ class EngineConfig:
     max_waiting: int = 256
     decode_workspace: str = "auto"    # auto (on for CPU) | on | off: see engine/workspace.py
     enable_prefix_caching: bool = True
+    # auto (on for CUDA) | on | off: a step runs a batch of every lane with work, launched
+    # together so the lanes' streams overlap; off: one lane per step (low_latency first).
+    overlap_lanes: str = "auto"
     lanes: tuple[LaneConfig, ...] = field(default_factory=lambda: (
         LaneConfig(LANES[0], 4), LaneConfig(LANES[1], 64)))
     throughput_share: int = 4         # every Nth step goes to throughput when both have work
@@ -129,8 +132,9 @@ class EngineConfig:
             raise ValueError("max_waiting must be positive")
         if sorted(lane.name for lane in self.lanes) != sorted(LANES):
             raise ValueError(f"lanes must be {' and '.join(LANES)}")
-        if self.decode_workspace not in ("auto", "on", "off"):
-            raise ValueError("decode_workspace must be auto, on or off")
+        for name in ("decode_workspace", "overlap_lanes"):
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise ValueError(f"{name} must be auto, on or off")
         if self.throughput_share < 1:
             raise ValueError("throughput_share must be >= 1")
 

@@ -172,6 +172,8 @@ class Engine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.overlap_lanes = config.overlap_lanes == "on" or (
+            config.overlap_lanes == "auto" and self.runner.device.type == "cuda")
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         writer = None
         if config.telemetry_dir:
@@ -318,30 +320,48 @@ class Engine:
                 log.exception("engine step failed")
 
     def step(self) -> bool:
-        """One scheduling step. Returns False when there was nothing to run."""
+        """One scheduling step: schedule, run, postprocess. Returns False when there was
+        nothing to run.
+
+        With overlapping lanes (CUDA by default) it schedules a batch for every lane that
+        has work and launches them all before waiting on any, so the lanes' streams run
+        together; each lane is postprocessed as its own step completes."""
         with self._lock:
             self._process_aborts()
-            batch = self.scheduler.schedule()
-            if batch is None:
+            batches = (self.scheduler.schedule_lanes() if self.overlap_lanes
+                       else [b for b in (self.scheduler.schedule(),) if b is not None])
+            if not batches:
                 return False
-            for seq in batch.first_scheduled:
-                self.stats.on_first_scheduled(seq)
-        start_ns = time.monotonic_ns()
-        try:
-            next_tokens, device_seconds = self.runner.run(batch)
-        except Exception:
-            log.exception("model step failed; failing its %d requests", len(batch.seqs))
+            for batch in batches:
+                for seq in batch.first_scheduled:
+                    self.stats.on_first_scheduled(seq)
+        launched = []
+        for batch in batches:
+            start_ns = time.monotonic_ns()
+            try:
+                launched.append((batch, self.runner.launch(batch), start_ns))
+            except Exception:
+                self._fail_batch(batch)
+        for batch, pending, start_ns in launched:
+            try:
+                next_tokens, device_seconds = self.runner.finish(pending)
+            except Exception:
+                self._fail_batch(batch)
+                continue
+            end_ns = time.monotonic_ns()
             with self._lock:
-                for seq in batch.seqs:
-                    self._finish(self._requests[seq.request_id], FinishReason.ERROR)
+                self.stats.on_step(batch.lane, batch.is_prefill, device_seconds, start_ns,
+                                   end_ns)
+                self._postprocess(batch, next_tokens, device_seconds, end_ns)
                 self.stats.on_state(self.scheduler, self.block_manager)
-            return True
-        end_ns = time.monotonic_ns()
-        with self._lock:
-            self.stats.on_step(batch.lane, batch.is_prefill, device_seconds, start_ns, end_ns)
-            self._postprocess(batch, next_tokens, device_seconds, end_ns)
-            self.stats.on_state(self.scheduler, self.block_manager)
         return True
+
+    def _fail_batch(self, batch: ScheduledBatch) -> None:
+        log.exception("model step failed; failing its %d requests", len(batch.seqs))
+        with self._lock:
+            for seq in batch.seqs:
+                self._finish(self._requests[seq.request_id], FinishReason.ERROR)
+            self.stats.on_state(self.scheduler, self.block_manager)
 
     def run_until_idle(self) -> None:
         """Drive steps on the caller's thread (engines built with start=False)."""

@@ -148,9 +148,13 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 
 
 def long_tensor(values, device) -> torch.Tensor:
-    """int64 tensor from a flat sequence of ints: 3-5x cheaper than torch.tensor(list)."""
+    """int64 tensor from a flat sequence of ints: 3-5x cheaper than torch.tensor(list).
+
+    On CUDA: one pinned, non-blocking copy on the current stream (the step's)."""
     host = torch.frombuffer(array.array("q", values), dtype=torch.long) if values else \
         torch.empty(0, dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)  # no copy when device is the CPU
 
 

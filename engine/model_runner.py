@@ -1,23 +1,38 @@
 """Runs one scheduled batch on the device: inputs, forward, sampling, and its device time.
 
-Device time of a step comes from a pair of `torch.cuda.Event`s recorded on the lane's
-stream and read after the step's own synchronisation (the sampled token ids' copy to the
-host); no extra sync is added. On CPU the host monotonic clock brackets the same work.
+On CUDA a step is launched on its lane's stream (inputs in one pinned non-blocking copy,
+then the model, sampling and the ids' copy back) and finished by waiting on its own end
+event: the one wait of a step, so two lanes' steps can be in flight together. Its device
+time is the span between two `torch.cuda.Event`s around the device work, recorded after
+the inputs were queued. On CPU the host clock brackets the same work.
 """
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.loader import build_model, resolve_dtype
-from ac_observe.engine.model import (AttentionMetadata, PrefillSequence, long_tensor,
-                                     padded_block_tables)
+from ac_observe.engine.model import AttentionMetadata, PrefillSequence, long_tensor
 from ac_observe.engine.sampler import sample
 from ac_observe.engine.workspace import DecodeWorkspace
 from ac_observe.engine.scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A launched step, until `finish` reads it."""
+    batch: ScheduledBatch
+    workspace: object
+    host_start_ns: int
+    host_end_ns: int = 0
+    token_ids: torch.Tensor | None = None
+    failed_rows: list[int] = field(default_factory=list)
+    start_event: object = None
+    end_event: object = None
 
 
 def pick_device(name: str) -> torch.device:
@@ -63,6 +78,7 @@ class ModelRunner:
         sequence's last token [B])."""
         bs, dev = self.block_size, self.device
         input_ids, positions, write_slots, last_rows, prefill = [], [], [], [], []
+        cached = []  # (PrefillSequence, its block ids): they ride in the same copy
         for seq in seqs:
             start, table = seq.num_computed_tokens, seq.block_table
             n = len(seq) - start
@@ -72,18 +88,25 @@ class ModelRunner:
             write_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             last_rows.append(row + n - 1)
             if start:  # a cached prefix: its blocks, and who sees whom (bottom-right causal)
-                block_ids = long_tensor(table[:(start + n + bs - 1) // bs], dev)
                 mask = torch.arange(start + n, device=dev)[None, :] <= \
                     torch.arange(start, start + n, device=dev)[:, None]
-                prefill.append(PrefillSequence(row, n, start, block_ids, mask))
+                prefill.append(PrefillSequence(row, n, start, None, mask))
+                cached.append((prefill[-1], table[:(start + n + bs - 1) // bs]))
             elif prefill and prefill[-1].num_cached == 0 and prefill[-1].num_new == n:
                 prefill[-1].num_seqs += 1  # same length, nothing cached: one batch
             else:
                 prefill.append(PrefillSequence(row, n, 0, None, None))
-        columns = long_tensor(input_ids + positions + write_slots + last_rows, dev)
         T = len(input_ids)
+        flat = input_ids + positions + write_slots + last_rows
+        for _, block_ids in cached:
+            flat += block_ids
+        columns = long_tensor(flat, dev)  # the step's one host-to-device copy
+        at = 3 * T + len(seqs)
+        for entry, block_ids in cached:
+            entry.block_ids, at = columns[at:at + len(block_ids)], at + len(block_ids)
         meta = AttentionMetadata(write_slots=columns[2 * T:3 * T], prefill=prefill)
-        return columns[:T], columns[T:2 * T], max(len(s) for s in seqs), meta, columns[3 * T:]
+        return (columns[:T], columns[T:2 * T], max(len(s) for s in seqs), meta,
+                columns[3 * T:3 * T + len(seqs)])
 
     def prepare_decode(self, lane: str, seqs) -> tuple:
         """Inputs of a decode step: one token per sequence, over the lane's workspace when
@@ -102,52 +125,77 @@ class ModelRunner:
                                      attn_mask=workspace.attend(columns[3]),
                                      workspace=workspace, workspace_index=columns[3])
             return columns[0], columns[1], max(positions) + 1, meta, None
-        tables = padded_block_tables(seqs, dev)
-        columns = long_tensor(ids + positions + slots, dev).view(3, B)
+        M = max(len(s.block_table) for s in seqs)
+        tables = [b for s in seqs for b in s.block_table + [0] * (M - len(s.block_table))]
+        columns = long_tensor(ids + positions + slots + tables, dev)  # one copy
+        tables = columns[3 * B:].view(B, M)
+        columns = columns[:3 * B].view(3, B)
         # A query sees every cached position of its own sequence; padding is masked out.
-        key_pos = torch.arange(tables.shape[1] * bs, device=dev)
+        key_pos = torch.arange(M * bs, device=dev)
         masked = key_pos[None, :] > columns[1][:, None]  # [B, L]
         attn_mask = torch.zeros(masked.shape, dtype=self.dtype, device=dev) \
             .masked_fill_(masked, float("-inf"))[:, None, None, :]
         meta = AttentionMetadata(write_slots=columns[2], block_tables=tables, attn_mask=attn_mask)
         return columns[0], columns[1], max(positions) + 1, meta, None
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int | None], float]:
         """The next token of every sequence (None where its sampling failed) and the
         step's device time in seconds."""
+        return self.finish(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> PendingStep:
+        """Issue a step: on CUDA everything is enqueued on the lane's stream and this
+        returns at once; on CPU the step has run when it returns."""
         stream = self.streams.get(batch.lane)
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            start_evt = torch.cuda.Event(enable_timing=True)
-            end_evt = torch.cuda.Event(enable_timing=True)
-        host_start = time.perf_counter_ns()
         try:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                if stream is not None:
-                    start_evt.record(stream)
                 input_ids, positions, num_positions, meta, last_rows = (
                     self.prepare_prefill(batch.seqs) if batch.is_prefill
                     else self.prepare_decode(batch.lane, batch.seqs))
+                # The timed window holds device work only: inputs are already queued.
+                step = PendingStep(batch, meta.workspace, time.perf_counter_ns())
+                if stream is not None:
+                    step.start_event, step.end_event = (torch.cuda.Event(enable_timing=True),
+                                                        torch.cuda.Event(enable_timing=True))
+                    step.start_event.record(stream)
                 hidden = self.model(input_ids, positions, num_positions, meta)
                 if last_rows is not None:
                     hidden = hidden.index_select(0, last_rows)
                 logits = self.model.compute_logits(hidden).float()
-                token_ids, failed_rows = sample(logits, batch.seqs)
+                step.token_ids, step.failed_rows = sample(logits, batch.seqs)
                 if stream is not None:
-                    end_evt.record(stream)
-            next_tokens = token_ids.tolist()  # the step's synchronisation point
+                    step.token_ids = step.token_ids.to("cpu", non_blocking=True)
+                    step.end_event.record(stream)
+                else:
+                    step.host_end_ns = time.perf_counter_ns()
         except BaseException:
-            if batch.lane in self.workspaces:
-                self.workspaces[batch.lane].clear()  # it may hold half a step
+            self._discard(batch.lane)
             raise
-        if meta.workspace is not None:
-            meta.workspace.advance()
-        for row in failed_rows:
+        return step
+
+    def finish(self, step: PendingStep) -> tuple[list[int | None], float]:
+        """Wait for a launched step (on CUDA: its own end event, the one wait of a step)
+        and read its tokens and device time."""
+        try:
+            if step.end_event is not None:
+                step.end_event.synchronize()
+                seconds = step.start_event.elapsed_time(step.end_event) / 1e3
+            else:
+                seconds = (step.host_end_ns - step.host_start_ns) / 1e9
+            next_tokens = step.token_ids.tolist()
+        except BaseException:
+            self._discard(step.batch.lane)
+            raise
+        if step.workspace is not None:
+            step.workspace.advance()
+        for row in step.failed_rows:
             next_tokens[row] = None  # that request's sampling failed: it fails alone
-        if stream is not None:
-            return next_tokens, start_evt.elapsed_time(end_evt) / 1e3
-        return next_tokens, (time.perf_counter_ns() - host_start) / 1e9
+        return next_tokens, seconds
+
+    def _discard(self, lane: str) -> None:
+        if lane in self.workspaces:
+            self.workspaces[lane].clear()  # it may hold half a step
 
     @torch.inference_mode()
     def prompt_logits(self, seq) -> torch.Tensor:

@@ -84,6 +84,19 @@ class Scheduler:
                 f"{self.block_manager.num_blocks * self.block_manager.block_size}")
         self.lanes[seq.lane].waiting.append(seq)
 
+    def schedule_lanes(self) -> list[ScheduledBatch]:
+        """A batch for every lane that has work, low_latency first (overlapping lanes).
+
+        NOTE: a later lane's decode may preempt to make room, but never a sequence that an
+        earlier lane's batch of this round holds."""
+        batches: list[ScheduledBatch] = []
+        for lane in (self.lanes[LOW_LATENCY], self.lanes[THROUGHPUT]):
+            taken = [seq for batch in batches for seq in batch.seqs]
+            batch = self._schedule_prefill(lane) or self._schedule_decode(lane, taken)
+            if batch is not None:
+                batches.append(batch)
+        return batches
+
     def schedule(self) -> ScheduledBatch | None:
         for lane in self._lane_order():
             batch = self._schedule_prefill(lane) or self._schedule_decode(lane)
@@ -119,13 +132,14 @@ class Scheduler:
             scheduled.append(seq)
         return ScheduledBatch(lane.name, True, scheduled, first) if scheduled else None
 
-    def _schedule_decode(self, lane: Lane) -> ScheduledBatch | None:
+    def _schedule_decode(self, lane: Lane,
+                         taken: list[Sequence] = ()) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
         for seq in list(lane.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below while making room for an earlier one
             while not self.block_manager.can_append(seq):
-                victim = self._pick_victim(exclude=seq, scheduled=scheduled)
+                victim = self._pick_victim(exclude=seq, scheduled=[*taken, *scheduled])
                 self._preempt(victim or seq)
                 if victim is None:
                     break

@@ -336,12 +336,12 @@ def test_a_failing_model_step_is_a_500_without_internals_and_the_server_lives_on
     service, url, stop = _ready_service(tmp_path)
     try:
         runner = service.engine.runner
-        real_run = runner.run
+        real_launch = runner.launch
 
         def broken(batch):
             raise RuntimeError("CUDA error: device-side assert triggered at /secret/path.cu:42")
 
-        runner.run = broken
+        runner.launch = broken
         body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
         response = httpx.post(url + "/v1/messages", json=body, timeout=30)
         assert response.status_code == 500
@@ -352,7 +352,7 @@ def test_a_failing_model_step_is_a_500_without_internals_and_the_server_lives_on
                           timeout=30) as stream:
             text = "".join(stream.iter_text())
         assert "event: error" in text and "api_error" in text and "secret" not in text
-        runner.run = real_run
+        runner.launch = real_launch
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.post(url + "/v1/messages", json=body, timeout=30).status_code == 200
         assert service.engine.load_summary()["kv_blocks_free"] == \
@@ -391,15 +391,15 @@ def test_seed_out_of_range_is_a_400_and_a_failing_sampler_fails_only_its_request
         engine = service.engine
         # Hold the engine inside a step while the burst queues, so that one prefill step
         # admits all nine together.
-        real_run, inside, release = engine.runner.run, threading.Event(), threading.Event()
+        real_launch, inside, release = engine.runner.launch, threading.Event(), threading.Event()
 
         def held(batch):
             inside.set()
             release.wait(30)
-            engine.runner.run = real_run
-            return real_run(batch)
+            engine.runner.launch = real_launch
+            return real_launch(batch)
 
-        engine.runner.run = held
+        engine.runner.launch = held
         sampler.torch.Generator = Refusing
         try:
             async def burst():

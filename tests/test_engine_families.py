@@ -76,13 +76,13 @@ def test_every_engine_family_by_value(tmp_path):
         outs["B"] = b.result()
         # 3. D's step fails (status error); E and F, the same prompt as D, run together
         #    in one step. Their 15 tokens never fill a block: nothing is cached or hit.
-        real_run = engine.runner.run
+        real_launch = engine.runner.launch
 
         def fails_once(batch):
-            engine.runner.run = real_run
+            engine.runner.launch = real_launch
             raise RuntimeError("injected step failure")
 
-        engine.runner.run = fails_once
+        engine.runner.launch = fails_once
         d = engine.add_request(TAG_PROMPT, params=_params(3), lane=LOW)
         engine.run_until_idle()
         assert d.result().finish_reason is FinishReason.ERROR

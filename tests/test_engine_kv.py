@@ -258,3 +258,31 @@ def test_a_colliding_hash_never_shares_kv_across_different_prefixes(monkeypatch)
     assert [o.new_token_ids for o in cached] == [o.new_token_ids for o in plain]
     assert stats.hit_blocks == 2  # only the true repeats of `head` as a first block
     assert plain_stats.hit_blocks == 0
+
+
+def test_overlapping_lanes_never_preempt_a_sequence_already_in_the_round():
+    """With both lanes scheduled in one round, the throughput lane's need for a block
+    preempts its own newest request, never the low_latency one already batched."""
+    from ac_observe.engine.block_manager import BlockManager
+    from ac_observe.engine.scheduler import Scheduler
+    from ac_observe.engine.sequence import Sequence, SequenceStatus
+
+    blocks = BlockManager(num_blocks=4, block_size=BLOCK)
+    scheduler = Scheduler(EngineConfig(), blocks, max_model_len=1024)
+    low = Sequence("low", list(range(3, 3 + BLOCK)), SamplingParams(max_tokens=8),
+                   lane="low_latency")
+    bulk = [Sequence(f"t{i}", list(range(40 + i, 40 + i + BLOCK)),
+                     SamplingParams(max_tokens=8)) for i in range(2)]
+    for seq in [low, *bulk]:
+        scheduler.add(seq)
+    for batch in scheduler.schedule_lanes():  # the three prefills: 1 block each
+        for seq in batch.seqs:
+            seq.num_computed_tokens = len(seq)
+            seq.token_ids.append(5)  # each now needs a 2nd block: 3 wanted, 1 free
+    batches = scheduler.schedule_lanes()
+    batched = [seq for batch in batches for seq in batch.seqs]
+    assert low in batched and low.status is SequenceStatus.RUNNING
+    for seq in batched:
+        assert seq.status is SequenceStatus.RUNNING
+        assert len(seq.block_table) * BLOCK >= len(seq)
+    assert scheduler.num_preemptions == 1 and bulk[1].status is SequenceStatus.WAITING
