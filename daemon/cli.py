@@ -185,7 +185,11 @@ def engine(
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 | float64"),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
     kv_blocks: int = typer.Option(0, help="KV pool size in blocks (0: from --kv-memory-mb)."),
-    kv_memory_mb: int = typer.Option(256, help="KV pool size in MiB when --kv-blocks is 0."),
+    kv_memory_mb: int = typer.Option(0, help="KV pool size in MiB when --kv-blocks is 0 (0: "
+                                             "256 on CPU; on CUDA what "
+                                             "--gpu-memory-utilization leaves)."),
+    gpu_memory_utilization: float = typer.Option(0.9, help="Share of the GPU's memory this "
+                                                           "engine may hold (weights, KV)."),
     max_model_len: int = typer.Option(0, help="Context limit (0: the model's)."),
     max_waiting: int = typer.Option(256, help="Waiting queue limit; beyond it requests get 429."),
     low_latency_seqs: int = typer.Option(4, help="Batch limit of the low_latency lane."),
@@ -217,6 +221,7 @@ def engine(
             model=model, model_name=model_name, engine_name=name, device=device, dtype=dtype,
             block_size=block_size, num_kv_blocks=kv_blocks,
             kv_cache_memory_bytes=kv_memory_mb << 20, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
             lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
                    LaneConfig(THROUGHPUT, throughput_seqs)))

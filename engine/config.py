@@ -109,7 +109,8 @@ class EngineConfig:
     seed: int = 0
     block_size: int = 16
     num_kv_blocks: int = 0            # 0: size from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 256 << 20
+    kv_cache_memory_bytes: int = 0    # 0: CPU 256 MiB; CUDA from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may hold
     max_model_len: int = 0            # 0: the model's max_position_embeddings
     max_num_batched_tokens: int = 4096
     max_waiting: int = 256
@@ -135,6 +136,8 @@ class EngineConfig:
         for name in ("decode_workspace", "overlap_lanes"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be auto, on or off")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.throughput_share < 1:
             raise ValueError("throughput_share must be >= 1")
 

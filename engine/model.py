@@ -62,7 +62,7 @@ class AttentionMetadata:
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (
-        torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim))
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
@@ -338,6 +338,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight)
+
+    def precompute_rotations(self, num_positions: int, dtype: torch.dtype,
+                             device: torch.device) -> None:
+        """Build the RoPE table for every position once, before any step: it is then only
+        read, so steps on two lanes' streams never race on its growth."""
+        self.rotations(torch.zeros(1, dtype=torch.long, device=device), num_positions, dtype)
 
     def bind_kv_cache(self, kv_pool: torch.Tensor) -> None:
         """kv_pool: [layers, 2, G, num_blocks, block size, E], allocated once by the runner."""

@@ -22,6 +22,32 @@ from ac_observe.engine.workspace import DecodeWorkspace
 from ac_observe.engine.scheduler import ScheduledBatch
 
 
+CPU_KV_POOL_BYTES = 256 << 20
+
+
+def activation_bytes(mc, num_tokens: int, element: int) -> int:
+    """A generous bound on one step's activations at `num_tokens` tokens: the residual
+    stream, q/k/v, the MLP's gate/up and their outputs alive together, twice over."""
+    per_token = 4 * mc.hidden_size + 3 * mc.intermediate_size + \
+        (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    return 2 * num_tokens * per_token * element
+
+
+def kv_pool_bytes_from_free(total: int, free: int, utilization: float,
+                            activations: int) -> int:
+    """The KV pool a GPU affords, vLLM's way: this engine may hold `utilization` of the
+    device's memory; what is in use now (the loaded weights, and other processes) and a
+    step's activations come off that."""
+    budget = int(total * utilization) - (total - free) - activations
+    if budget <= 0:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: {utilization:.0%} of {total >> 20} MiB is "
+            f"{int(total * utilization) >> 20} MiB, {(total - free) >> 20} MiB are in use and "
+            f"a step needs ~{activations >> 20} MiB; raise --gpu-memory-utilization, free the "
+            "GPU, or set --kv-memory-mb")
+    return budget
+
+
 @dataclass(slots=True)
 class PendingStep:
     """A launched step, until `finish` reads it."""
@@ -51,15 +77,17 @@ class ModelRunner:
         self.model = build_model(config.model, self.device, self.dtype, config.seed)
         mc = self.model.config
         self.block_size = config.block_size
-        slot_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * \
-            torch.empty(0, dtype=self.dtype).element_size()
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        slot_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * element
         self.num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_bytes // (slot_bytes * config.block_size))
+            1, self._kv_pool_bytes(config, element) // (slot_bytes * config.block_size))
         # One pre-allocated pool for every layer: [layers, K/V, kv heads, blocks, block size, head dim].
         self.kv_pool = torch.zeros(mc.num_hidden_layers, 2, mc.num_key_value_heads,
                                    self.num_blocks, self.block_size, mc.head_dim,
                                    dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_pool)
+        self.model.precompute_rotations(config.max_model_len or mc.max_position_embeddings,
+                                        self.dtype, self.device)
         self.streams = ({lane.name: torch.cuda.Stream(self.device) for lane in config.lanes}
                         if self.device.type == "cuda" else {})
         # CPU decode keeps each lane's batch KV contiguous (see engine/workspace.py) by
@@ -70,6 +98,16 @@ class ModelRunner:
         budget = self.kv_pool.numel() * self.kv_pool.element_size() // 2
         self.workspaces = ({lane.name: DecodeWorkspace(budget) for lane in config.lanes}
                            if use_workspace else {})
+
+    def _kv_pool_bytes(self, config: EngineConfig, element: int) -> int:
+        if config.kv_cache_memory_bytes:
+            return config.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return CPU_KV_POOL_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        return kv_pool_bytes_from_free(
+            total, free, config.gpu_memory_utilization,
+            activation_bytes(self.model.config, config.max_num_batched_tokens, element))
 
     def prepare_prefill(self, seqs) -> tuple:
         """Inputs of a prefill step: every sequence's new tokens packed one after another.

@@ -9,7 +9,7 @@ import json
 
 
 def write_hf_checkpoint(folder, architecture="LlamaForCausalLM", vocab_size=384, seed=0,
-                        eos_token_id=None, query_key_std=0.3, **overrides):
+                        eos_token_id=None, query_key_std=0.3, dtype=None, **overrides):
     """A randomly initialised checkpoint saved with `save_pretrained`, plus a BPE tokenizer.
 
     Query and key projections get a larger scale (`query_key_std`) than the rest, so
@@ -36,6 +36,8 @@ def write_hf_checkpoint(folder, architecture="LlamaForCausalLM", vocab_size=384,
             if "norm" not in name:
                 qk = ".q_proj." in name or ".k_proj." in name
                 param.normal_(0.0, query_key_std if qk else 0.08)
+    if dtype is not None:
+        model = model.to(dtype)
     model.save_pretrained(folder, safe_serialization=True)
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))

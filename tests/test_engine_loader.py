@@ -1,0 +1,66 @@
+"""Loading builds weights in their final dtype, and the KV pool is sized the way the
+device allows."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ac_observe.engine.config import ModelConfig
+from ac_observe.engine.loader import build_model
+from ac_observe.engine.model_runner import activation_bytes, kv_pool_bytes_from_free
+from support.checkpoints import write_hf_checkpoint
+
+
+class LargeFloat32Tensors(TorchDispatchMode):
+    """Records every float32 tensor of at least `min_numel` elements an op produces."""
+
+    def __init__(self, min_numel: int):
+        super().__init__()
+        self.min_numel, self.seen = min_numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32 \
+                    and value.numel() >= self.min_numel and value.device.type != "meta":
+                self.seen.append((str(func), tuple(value.shape)))
+        return out
+
+
+@pytest.mark.parametrize("source", ["tiny", "checkpoint"])
+def test_bfloat16_loading_never_creates_a_float32_weight(tmp_path, source):
+    model = "tiny"
+    if source == "checkpoint":
+        model = str(write_hf_checkpoint(tmp_path / "bf16", dtype=torch.bfloat16))
+    smallest = 64 * 64  # every weight matrix of both models is at least this big
+    with LargeFloat32Tensors(smallest) as recorder:
+        net = build_model(model, torch.device("cpu"), torch.bfloat16)
+    assert recorder.seen == []
+    weights = dict(net.named_parameters())
+    assert weights and all(w.dtype == torch.bfloat16 for w in weights.values())
+    if source == "checkpoint":  # and they hold the checkpoint's values
+        from safetensors.torch import load_file
+        saved = load_file(next((tmp_path / "bf16").glob("*.safetensors")))
+        assert torch.equal(weights["model.embed_tokens.weight"],
+                           saved["model.embed_tokens.weight"])
+
+
+def test_float32_build_still_creates_float32_weights():
+    """The recorder is not blind: the same build in float32 is seen."""
+    with LargeFloat32Tensors(64 * 64) as recorder:
+        build_model("tiny", torch.device("cpu"), torch.float32)
+    assert recorder.seen
+
+
+def test_kv_pool_from_gpu_memory_utilization():
+    gib = 1 << 30
+    # 80 GiB card, 0.9 of it ours: 72 GiB, minus 17 GiB in use (weights) and 2 GiB steps.
+    assert kv_pool_bytes_from_free(80 * gib, 63 * gib, 0.9, 2 * gib) == 53 * gib
+    # Another process holding 60 GiB leaves nothing: a clear error, not a crash later.
+    with pytest.raises(RuntimeError, match="gpu-memory-utilization"):
+        kv_pool_bytes_from_free(80 * gib, 3 * gib, 0.9, 2 * gib)
+    tiny = ModelConfig.tiny()
+    assert activation_bytes(tiny, 4096, 4) == 2 * 4096 * (
+        4 * 256 + 3 * 688 + (8 + 2 * 2) * 32) * 4
