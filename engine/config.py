@@ -10,6 +10,7 @@ from ac_observe.metrics import LANES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 TINY_PRESET = "tiny"
+RANDOM_1B_PRESET = "random-1b"
 
 
 @dataclass(slots=True)
@@ -50,6 +51,15 @@ class ModelConfig:
                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
                    bos_token_id=256, eos_token_ids=(257,), name=TINY_PRESET)
+
+    @classmethod
+    def random_1b(cls) -> "ModelConfig":
+        """A ~1.1B-parameter Llama shape (TinyLlama's), randomly initialised: large enough
+        that a GPU is busy with it (the GPU check and benchmarks); byte tokenizer."""
+        return cls(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                   num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                   max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+                   bos_token_id=256, eos_token_ids=(257,), name=RANDOM_1B_PRESET)
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike) -> "ModelConfig":

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ac_observe.engine.config import TINY_PRESET, ModelConfig
+from ac_observe.engine.config import RANDOM_1B_PRESET, TINY_PRESET, ModelConfig
+
+PRESETS = {TINY_PRESET: ModelConfig.tiny, RANDOM_1B_PRESET: ModelConfig.random_1b}
 from ac_observe.engine.model import CausalLM, rope_row_order
 
 # Hugging Face parameter -> (our fused parameter, index of the shard inside it)
@@ -37,12 +39,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model_config(model: str) -> ModelConfig:
-    if model == TINY_PRESET:
-        return ModelConfig.tiny()
+    if model in PRESETS:
+        return PRESETS[model]()
     folder = Path(model)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
-            f"model {model!r} is neither the {TINY_PRESET!r} preset nor a local folder "
+            f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local folder "
             "holding a Hugging Face config.json (nothing is downloaded)")
     return ModelConfig.from_hf_folder(folder)
 
@@ -62,7 +64,7 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int 
     float32 copy of a bfloat16 model, so what fits in bfloat16 loads."""
     config = load_model_config(model)
     torch.manual_seed(seed)
-    if model == TINY_PRESET:
+    if model in PRESETS:
         with torch.device(device), _default_dtype(dtype):
             net = CausalLM(config)
         _init_random(net, std=0.02)

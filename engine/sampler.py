@@ -21,7 +21,10 @@ log = logging.getLogger("ac_observe.engine.sampler")
 
 
 def _column(values, device, dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":  # pinned and non-blocking: no host sync on the step's path
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
 
 
 def sample(logits: torch.Tensor, seqs) -> tuple[torch.Tensor, list[int]]:
@@ -36,7 +39,8 @@ def sample(logits: torch.Tensor, seqs) -> tuple[torch.Tensor, list[int]]:
     top_k = _column([p.top_k or V for p in params], device, torch.long).clamp_(1, V)
     top_p = _column([p.top_p for p in params], device, torch.float32)
 
-    scaled = logits[rows] / temperature[:, None]                      # [R, V]
+    index = _column(rows, device, torch.long)
+    scaled = logits.index_select(0, index) / temperature[:, None]     # [R, V]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(V, device=device)
     sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
@@ -46,13 +50,11 @@ def sample(logits: torch.Tensor, seqs) -> tuple[torch.Tensor, list[int]]:
     drop[:, 0] = False
     sorted_probs.masked_fill_(drop, 0.0)
 
-    race = torch.empty_like(sorted_probs)
+    race = torch.empty_like(sorted_probs).exponential_()  # seeded rows drawn again below
     failed = []
-    unseeded = []
     for r, i in enumerate(rows):
         seq = seqs[i]
         if seq.params.seed is None:
-            unseeded.append(r)
             continue
         try:
             if seq.generator is None:
@@ -62,12 +64,9 @@ def sample(logits: torch.Tensor, seqs) -> tuple[torch.Tensor, list[int]]:
             log.warning("sampling failed for request %s: %s", seq.request_id, exc)
             failed.append(i)
             race[r].fill_(1.0)
-    if unseeded:
-        race[unseeded] = torch.empty(len(unseeded), V, device=device).exponential_()
     choice = (sorted_probs / race).argmax(dim=-1)
     sampled = order.gather(1, choice[:, None])[:, 0]
     total = sorted_probs.sum(dim=-1)
     valid = torch.isfinite(total) & (total > 0)
-    index = _column(rows, device, torch.long)
-    greedy[index] = torch.where(valid, sampled, greedy[index])
+    greedy.index_copy_(0, index, torch.where(valid, sampled, greedy.index_select(0, index)))
     return greedy, failed

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ac_observe.engine.config import TINY_PRESET, ModelConfig
+from ac_observe.engine.config import RANDOM_1B_PRESET, TINY_PRESET, ModelConfig
 
 REPLACEMENT = "\ufffd"
 
@@ -77,7 +77,7 @@ def _with_system(messages: list[dict], system: str | None):
 
 
 def load_tokenizer(model: str, config: ModelConfig):
-    if model == TINY_PRESET:
+    if model in (TINY_PRESET, RANDOM_1B_PRESET):
         return ByteTokenizer()
     return HFTokenizer(Path(model), config)
 
