@@ -15,7 +15,6 @@ without bound.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import stat
 import time
@@ -25,11 +24,13 @@ from pathlib import Path
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
-from ac_observe.collectors.base import Collector, new_family, register
+from ac_observe.collectors.base import (Collector, CollectorUnavailable, new_family,
+                                        register)
 from ac_observe.metrics import (COUNTER, ENGINE_METRICS, ENGINE_RESTARTS, HISTOGRAM, LANES,
                                 REQUEST_STATUSES)
 from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_DB_BYTES, MAX_INFO_BYTES,
-                                         open_dir_nofollow, parse_db_file_name,
+                                         UnsafeDirectory, open_dir_nofollow,
+                                         open_trusted_dir, parse_db_file_name,
                                          parse_engine_info, parse_sample_key, pid_alive,
                                          read_regular_file, remove_engine_dir, scan_entries,
                                          used_size, value_at)
@@ -76,11 +77,16 @@ class _FileIndex:
                      dir_fd=dir_fd)
         try:
             info = os.fstat(fd)
-            version = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            if not stat.S_ISREG(info.st_mode):
+                raise BadEngine(f"{name} is not a regular file")
+            header = os.pread(fd, 4, 0)
+            # What the file is now: a rejection stands only while none of this changes
+            # (the header too: on tmpfs, mmap writes leave size and mtime as they were).
+            version = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, header)
             if self.rejected and self.rejected[0] == version:
                 raise BadEngine(self.rejected[1])
             try:
-                data = self._read_used(fd, info, name)
+                data = self._read_used(fd, info, header)
             except ValueError as exc:
                 self.rejected = (version, f"{name}: {exc}")
                 raise BadEngine(self.rejected[1]) from None
@@ -89,16 +95,16 @@ class _FileIndex:
         self.rejected = None
         return [(key, value_at(data, at)) for at, key in self.entries]
 
-    def _read_used(self, fd: int, info: os.stat_result, name: str) -> bytes:
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        used = used_size(os.pread(fd, 4, 0))
+    def _read_used(self, fd: int, info: os.stat_result, header: bytes) -> bytes:
+        if len(header) < 4 or header == b"\0\0\0\0":
+            return b""  # created, not yet initialised by its writer: empty for now
+        used = used_size(header)
         if used > min(info.st_size, MAX_DB_BYTES):
             raise ValueError(f"claims {used} bytes; it holds {info.st_size} (limit "
                              f"{MAX_DB_BYTES})")
         data = os.pread(fd, used, 0)
-        # A new file under that name (an inode number can be reused): start over. Files of
-        # one writer share their first entry, so it tells a replacement apart cheaply.
+        # A new file under that name starts over (an inode number can be reused, so
+        # another engine's file is also told apart by its first key).
         identity = (info.st_dev, info.st_ino, bytes(data[8:8 + _FIRST_ENTRY_BYTES]))
         if identity != self.identity or used < self.used:
             self.identity, self.used, self.entries = identity, 8, []
@@ -123,7 +129,7 @@ class _EngineReader:
     """Everything remembered about one engine directory between cycles."""
     files: dict[str, _FileIndex] = field(default_factory=dict)
     keys: dict[str, _Entry | str] = field(default_factory=dict)  # str: why it is skipped
-    engine_id: str = ""
+    identity: tuple = ()   # (engine_id, engine, model) the checked keys were checked against
     restarts: int = 0
 
 
@@ -139,17 +145,25 @@ class EngineCollector(Collector):
     def collect(self):
         now = time.time()
         try:
-            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            # The daemon may run as root and removes gone engines' files: it reads a root
+            # no other user can redirect (see open_trusted_dir), never one it was lured to.
+            root_fd = open_trusted_dir(self.root, "telemetry root")
         except FileNotFoundError:
             self.engines, self._readers = {}, {}
             return []
+        except UnsafeDirectory as exc:
+            raise CollectorUnavailable(f"{exc}; point --telemetry-root at a directory "
+                                       "owned by root or this user") from None
         try:
             root_owner = os.fstat(root_fd).st_uid
-            names = sorted(os.listdir(root_fd))[:MAX_ENGINE_DIRS]
             families: dict[str, Metric] = {}
             seen: dict[str, EngineState] = {}
             served: dict[str, str] = {}  # engine label -> directory serving it
-            for name in names:
+            for name in sorted(os.listdir(root_fd)):
+                if len(seen) >= MAX_ENGINE_DIRS:
+                    log.warning("more than %d engine directories: the rest are not read",
+                                MAX_ENGINE_DIRS)
+                    break
                 reader = self._readers.setdefault(name, _EngineReader())
                 try:
                     state, samples = self._read_engine(root_fd, root_owner, name, reader, now)
@@ -197,19 +211,22 @@ class EngineCollector(Collector):
             heartbeat = info_stat.st_mtime
             alive = now - heartbeat <= self.stale_seconds
             if not alive and now - heartbeat > self.stale_seconds + self.grace_seconds:
-                info = _read_info_or_none(dir_fd)
-                self._forget(root_fd, name, info)
+                self._forget(root_fd, name, _read_info_or_none(dir_fd))
                 return None, None
             try:
                 info = parse_engine_info(read_regular_file(dir_fd, ENGINE_INFO_FILE,
                                                            MAX_INFO_BYTES))
-            except (OSError, ValueError) as exc:
+            except ValueError as exc:
                 raise BadEngine(str(exc)) from None
-            engine_id = info.get("engine_id", str(info["pid"]))
-            if reader.engine_id and engine_id != reader.engine_id:
-                reader.restarts += 1  # a new engine in the same directory
-            reader.engine_id = engine_id
+            identity = (info.get("engine_id", str(info["pid"])), info["engine"], info["model"])
+            if reader.identity != identity:
+                if reader.identity and identity[0] != reader.identity[0]:
+                    reader.restarts += 1  # a new engine in the same directory
+                reader.identity = identity
+                reader.keys.clear()  # keys are checked against engine.json's labels
             samples, warning = self._read_samples(dir_fd, info, reader)
+        except OSError as exc:  # unreadable in any way: this engine's problem alone
+            raise BadEngine(f"cannot read: {exc.strerror or exc}") from None
         finally:
             os.close(dir_fd)
         return EngineState(name, info, alive, heartbeat, "", warning, reader.restarts), samples
@@ -246,8 +263,6 @@ class EngineCollector(Collector):
                 entries = index.read(dir_fd, name)
             except FileNotFoundError:
                 continue  # removed under us (a dead pid's gauges)
-            except OSError as exc:
-                raise BadEngine(f"{name}: {exc.strerror}") from None
             for key, value in entries:
                 totals[key] = totals.get(key, 0.0) + value
             if len(totals) > MAX_SERIES_PER_ENGINE:
@@ -268,16 +283,19 @@ class EngineCollector(Collector):
         return samples, (f"{skipped} entries skipped, e.g. {why}" if skipped else "")
 
     def _forget(self, root_fd: int, name: str, info: dict | None) -> None:
-        """Past the grace period: drop its series; remove its files once its process is gone."""
-        pid = info["pid"] if info else None
-        if pid is not None and pid_alive(pid):
-            return  # alive but silent (stopped, or another pid namespace): hide, keep files
+        """Past the grace period: drop its series; remove its files once its process is
+        gone. Only a directory whose engine.json is ours, naming a dead process, and that
+        no engine holds (its lock) is ever touched."""
+        if info is None or pid_alive(info["pid"]):
+            return  # not ours to judge, or alive but silent (stopped, another pid namespace)
         try:
             left = remove_engine_dir(root_fd, name)
         except OSError as exc:
             log.warning("cannot remove telemetry of %s: %s", name, exc)
             return
-        log.info("removed telemetry of vanished engine %s (pid %s)%s", name, pid,
+        if left is None:
+            return  # an engine holds it again
+        log.info("removed telemetry of vanished engine %s (pid %s)%s", name, info["pid"],
                  f"; left {len(left)} other file(s) in place" if left else "")
 
     def status(self) -> list[dict]:
@@ -298,6 +316,15 @@ def _read_info_or_none(dir_fd: int) -> dict | None:
         return None
 
 
+def _bound_texts(spec) -> frozenset[str]:
+    """The `le` values the writer puts in a histogram's keys, exactly as it spells them."""
+    return frozenset([repr(float(b)) for b in spec.buckets] + ["+Inf"])
+
+
+_LE_TEXTS = {spec.family: _bound_texts(spec) for spec in ENGINE_METRICS
+             if spec.type == HISTOGRAM}
+
+
 def _check_key(key: str, expected: dict[str, str]) -> _Entry | str:
     """The entry a key stands for if it is a series of the contract, else why not."""
     try:
@@ -310,12 +337,9 @@ def _check_key(key: str, expected: dict[str, str]) -> _Entry | str:
     le = labels.pop("le", None)
     if spec.type == HISTOGRAM:
         if sample == f"{family}_bucket" and le is not None:
-            try:
-                le = float(le)
-            except ValueError:
-                return f"{family}: le={le[:20]!r} is not a number"
-            if le not in spec.buckets and not math.isinf(le):
-                return f"{family}: le={le} is not one of its buckets"
+            if le not in _LE_TEXTS[family]:  # one spelling per bound: no duplicate buckets
+                return f"{family}: le={le[:20]!r} is not one of its buckets"
+            le = float(le)
         elif sample != f"{family}_sum" or le is not None:
             return f"{sample[:80]!r} is not a sample of {family}"
     elif le is not None or sample != (spec.name if spec.type == COUNTER else family):

@@ -19,12 +19,14 @@ a reason, never anything that could harm another engine's data.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
 import re
 import stat
 import struct
+import time
 from pathlib import Path
 
 ENGINE_INFO_FILE = "engine.json"
@@ -274,75 +276,137 @@ def unsafe_reason(info: os.stat_result, trusted_uids: set[int]) -> str | None:
     return None
 
 
-def check_ancestors(path: Path) -> None:
-    """Every directory from / to `path` is owned by root or by us and no other user can
-    replace its entries (as OpenSSH's StrictModes checks); else UnsafeDirectory."""
+MAX_SYMLINK_HOPS = 40
+
+
+def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
+                     create: bool = False) -> int:
+    """A descriptor of directory `path`, reached from / one component at a time with
+    O_NOFOLLOW (as systemd's chase() does), so nothing can be swapped in along the way:
+    every directory passed is owned by root or by us and no other user can replace its
+    entries (OpenSSH's StrictModes), and a symlink is followed only when root or we own
+    it. With `create`, missing directories are made (0700), only ever inside trusted ones.
+    Else UnsafeDirectory naming the culprit."""
     trusted = {0, os.geteuid()}
-    current = Path(os.path.abspath(path))
-    for directory in [current, *current.parents]:
-        reason = unsafe_reason(os.lstat(directory), trusted)
-        if reason and not (reason == "is a symlink" and directory != current):
-            raise UnsafeDirectory(f"telemetry directory {path}: {directory} {reason}")
-
-
-def make_private_dirs(path: Path) -> None:
-    """Create `path` and any missing parents, each 0700."""
-    missing = []
-    current = Path(os.path.abspath(path))
-    while not os.path.lexists(current):
-        missing.append(current)
-        current = current.parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:
-            pass  # created concurrently: checked below like any existing one
-
-
-def open_engine_dir(path: str | os.PathLike) -> int:
-    """A descriptor of the engine's own telemetry directory, created 0700 if missing.
-
-    Refuses (UnsafeDirectory) a directory another user owns or could tamper with, a
-    symlink, and a directory holding files that are not ac-observe telemetry.
-    """
-    path = Path(path)
-    make_private_dirs(path)
-    check_ancestors(path)
-    fd = os.open(path, _DIR_FLAGS)
+    pending = [part for part in str(os.path.abspath(path)).split("/") if part]
+    walked = Path("/")
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    hops = 0
     try:
-        reason = unsafe_reason(os.fstat(fd), {os.geteuid()})
-        if reason:
-            raise UnsafeDirectory(f"telemetry directory {path} {reason}")
-        foreign = sorted(name for name in os.listdir(fd) if not is_format_file(name))
-        if foreign:
-            raise UnsafeDirectory(
-                f"telemetry directory {path} holds files that are not ac-observe telemetry "
-                f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): give the "
-                "engine a directory of its own (an empty or new one)")
+        while True:
+            reason = unsafe_reason(os.fstat(fd), trusted)
+            if reason:
+                raise UnsafeDirectory(f"{what} {path}: {walked} {reason}")
+            if not pending:
+                return fd
+            name = pending.pop(0)
+            if name == ".":
+                continue
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create or name == "..":
+                    raise
+                try:
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass  # made meanwhile: opened and checked like any other
+                pending.insert(0, name)
+                continue
+            except OSError as exc:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(info.st_mode):
+                    raise exc
+                if info.st_uid not in trusted:
+                    raise UnsafeDirectory(f"{what} {path}: {walked / name} is a symlink owned "
+                                          f"by uid {info.st_uid}") from None
+                hops += 1
+                if hops > MAX_SYMLINK_HOPS:
+                    raise UnsafeDirectory(f"{what} {path}: too many symlinks") from None
+                target = os.readlink(name, dir_fd=fd)
+                pending[:0] = [part for part in target.split("/") if part]
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd, walked = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), \
+                        Path("/")
+                continue
+            os.close(fd)
+            fd, walked = child, (walked.parent if name == ".." else walked / name)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def open_engine_dir(path: str | os.PathLike, wait_seconds: float = 5.0) -> int:
+    """A descriptor of the engine's own telemetry directory, created 0700 if missing and
+    locked (flock) for as long as it stays open: one engine per directory, and the daemon
+    never removes a directory an engine holds.
+
+    Refuses (UnsafeDirectory) a directory another user owns or could tamper with, one that
+    another live engine holds, and one holding files that are not ac-observe telemetry.
+    """
+    path = Path(path)
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        fd = open_trusted_dir(path, create=True)
+        try:
+            reason = unsafe_reason(os.fstat(fd), {os.geteuid()})
+            if reason:
+                raise UnsafeDirectory(f"telemetry directory {path} {reason}")
+            locked = _try_lock(fd)
+            if locked and os.fstat(fd).st_nlink > 0:
+                foreign = sorted(name for name in os.listdir(fd) if not is_format_file(name))
+                if foreign:
+                    raise UnsafeDirectory(
+                        f"telemetry directory {path} holds files that are not ac-observe "
+                        f"telemetry ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}"
+                        "): give the engine a directory of its own (an empty or new one)")
+                return fd
+            if time.monotonic() > deadline:
+                raise UnsafeDirectory(f"telemetry directory {path} is in use by another "
+                                      "running engine: give this one another --engine-name "
+                                      "or --telemetry-dir")
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # held by another engine, or removed under us by a daemon: again
+        time.sleep(0.05)
 
 
 def open_dir_nofollow(path: str | os.PathLike, dir_fd: int | None = None) -> int:
     return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
 
 
-def remove_dead_gauges(dir_fd: int, pid: int) -> None:
-    """A dead process's live gauges no longer count (prometheus_client's mark_process_dead)."""
-    try:
-        os.unlink(db_file_name("gauge_livesum", pid), dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
+def remove_dead_gauges(dir_fd: int, keep_pid: int) -> None:
+    """Live gauges of processes that are gone no longer count (prometheus_client's
+    mark_process_dead), whichever pid engine.json last named."""
+    for name in os.listdir(dir_fd):
+        parsed = parse_db_file_name(name)
+        if parsed and parsed[0] == "gauge_livesum" and parsed[1] != keep_pid \
+                and not pid_alive(parsed[1]):
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
 
 
-def remove_engine_dir(parent_fd: int, name: str) -> list[str]:
-    """Remove the telemetry files of an engine directory, then the directory if that left
-    it empty. Only names of the format are touched: a user's file survives, and so does
-    its directory. Returns what was left behind."""
+def remove_engine_dir(parent_fd: int, name: str) -> list[str] | None:
+    """Remove the telemetry files of a gone engine's directory, then the directory if that
+    left it empty. Only names of the format are touched: a user's file survives, and so
+    does its directory. None when an engine holds the directory (nothing removed); else
+    what was left behind."""
     fd = open_dir_nofollow(name, parent_fd)
     try:
+        if not _try_lock(fd):
+            return None
         left = []
         for entry in os.listdir(fd):
             if not is_format_file(entry):
@@ -354,11 +418,11 @@ def remove_engine_dir(parent_fd: int, name: str) -> list[str]:
                 pass
             except IsADirectoryError:
                 left.append(entry)
+        if not left:
+            try:
+                os.rmdir(name, dir_fd=parent_fd)  # while locked: no engine has it open
+            except OSError as exc:
+                left.append(f"({exc.strerror})")
+        return left
     finally:
         os.close(fd)
-    if not left:
-        try:
-            os.rmdir(name, dir_fd=parent_fd)
-        except OSError as exc:  # refilled meanwhile: a restarted engine keeps it
-            left.append(f"({exc.strerror})")
-    return left

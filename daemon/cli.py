@@ -225,7 +225,7 @@ def engine(
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
             lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
                    LaneConfig(THROUGHPUT, throughput_seqs)))
-        os.close(open_engine_dir(telemetry))  # refuse an unsafe directory before loading
+        os.close(open_engine_dir(telemetry, wait_seconds=2))  # refuse unsafe or taken dirs
     except (ValueError, OSError) as exc:  # UnsafeDirectory is an OSError
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

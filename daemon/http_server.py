@@ -5,15 +5,19 @@ without a web stack), built to stay up under careless or hostile clients.
   request head must arrive within `read_timeout` (slowloris), the next one on a kept-alive
   connection within `idle_timeout`. Heads are bounded in size; GET and HEAD carry no body.
 - At most `max_requests` handlers run at once (node_exporter's `--web.max-requests`); the
-  rest queue for up to `queue_timeout`, then get 503. Past `max_connections`, new
-  connections get 503 and are closed.
-- The listen backlog is 1024, and every socket is closed when its client goes.
+  rest queue for up to `queue_timeout`, then get 503. At `max_connections` (kept below
+  the descriptor limit, which is raised at start) the server stops accepting and new
+  clients wait in the kernel's backlog (1024) until a connection closes.
+- A client that does not read its answer within `write_timeout` is cut off (the socket
+  and its buffer go at once); every socket is closed when its client goes.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import signal
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +29,20 @@ log = logging.getLogger("ac_observe.daemon.http")
 
 MAX_HEAD_BYTES = 16 << 10
 LISTEN_BACKLOG = 1024
+FD_RESERVE = 256  # for collectors, telemetry files, the handlers' pool
+
+
+def raise_fd_limit() -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard one (capped at 65536); the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass
+    return max(soft if soft != resource.RLIM_INFINITY else 65536, 2 * FD_RESERVE)
 
 
 @dataclass(slots=True)
@@ -92,29 +110,65 @@ class HttpServer:
                  queue_timeout: float = 10.0, write_timeout: float = 30.0):
         self.handler = handler
         self.host, self.port = host, port
-        self.max_connections = max_connections
+        # Connections must never starve the collectors of descriptors: raise the soft
+        # limit as far as allowed, and keep a reserve below it.
+        self.max_connections = min(max_connections, raise_fd_limit() - FD_RESERVE)
         self.read_timeout, self.idle_timeout = read_timeout, idle_timeout
         self.queue_timeout, self.write_timeout = queue_timeout, write_timeout
         self._pool = ThreadPoolExecutor(max_requests, thread_name_prefix="ac-http")
         self._max_requests = max_requests
         self._open: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._room: asyncio.Event | None = None  # set while below max_connections
+        self._connections = 0
         self._slots: asyncio.Semaphore | None = None
 
     async def start(self) -> None:
         """Bind and listen (errors such as a taken port surface here)."""
         self._slots = asyncio.Semaphore(self._max_requests)
-        self._server = await asyncio.start_server(
-            self._connection, self.host, self.port, limit=MAX_HEAD_BYTES,
-            backlog=LISTEN_BACKLOG, reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._room = asyncio.Event()
+        self._room.set()
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._listener = socket.create_server((self.host, self.port), family=family,
+                                              backlog=LISTEN_BACKLOG)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        """Accept while below max_connections; at the limit, stop accepting (new clients
+        wait in the kernel's backlog) rather than take descriptors the daemon needs."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._room.wait()
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE and the like: back off, never spin
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._connections += 1
+            if self._connections >= self.max_connections:
+                self._room.clear()
+            loop.create_task(self._serve_socket(conn))
+
+    async def _serve_socket(self, conn: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_HEAD_BYTES)
+            await self._connection(reader, writer)
+        except OSError:
+            conn.close()
+        finally:
+            self._connections -= 1
+            self._room.set()
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         await stop.wait()
-        self._server.close()
+        self._accepting.cancel()
+        self._listener.close()
         for writer in list(self._open):
-            writer.close()
-        await self._server.wait_closed()
+            writer.transport.abort()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -161,11 +215,6 @@ class HttpServer:
 
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
-        if len(self._open) >= self.max_connections:
-            writer.write(encode_response(Response(503, b'{"error":"too many connections"}'),
-                                         False, False))
-            writer.close()
-            return
         self._open.add(writer)
         try:
             timeout = self.read_timeout
@@ -191,8 +240,13 @@ class HttpServer:
                     return
                 timeout = self.idle_timeout
         finally:
+            # A client that does not read its answer is cut off, not waited for: its
+            # socket and buffer go now (and counted as open until then).
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()
+            else:
+                writer.close()
             self._open.discard(writer)
-            writer.close()
 
     async def _dispatch(self, request: Request) -> Response:
         try:
@@ -216,4 +270,5 @@ class HttpServer:
             await asyncio.wait_for(writer.drain(), self.write_timeout)
             return True
         except (asyncio.TimeoutError, ConnectionError):
+            writer.transport.abort()
             return False

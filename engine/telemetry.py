@@ -20,10 +20,9 @@ import time
 
 from ac_observe.metrics import (COUNTER, ENGINE_METRICS, GAUGE, HISTOGRAM, LANES,
                                 OTHER_SKELETON, REQUEST_STATUSES, MetricSpec)
-from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_INFO_BYTES, TELEMETRY_FORMAT,
-                                         ValueFile, db_file_name, open_engine_dir,
-                                         parse_engine_info, pid_alive, read_regular_file,
-                                         remove_dead_gauges, sample_key)
+from ac_observe.telemetry_format import (ENGINE_INFO_FILE, TELEMETRY_FORMAT, ValueFile,
+                                         db_file_name, open_engine_dir, remove_dead_gauges,
+                                         sample_key)
 
 _FILE_KINDS = {COUNTER: "counter", HISTOGRAM: "histogram", GAUGE: "gauge_livesum"}
 
@@ -37,8 +36,9 @@ def _float_text(value: float) -> str:
 
 class TelemetryWriter:
     """NOTE: every file is opened relative to the engine directory's descriptor, which
-    `open_engine_dir` checked (ours, private, holding only telemetry): nothing another user
-    plants there is followed."""
+    `open_engine_dir` checked (ours, private, holding only telemetry) and locked for as
+    long as this writer lives: nothing another user plants there is followed, no other
+    engine writes there, and no daemon removes it."""
 
     def __init__(self, directory: str | os.PathLike, info: dict, engine: str, model: str,
                  specs: tuple[MetricSpec, ...] = ENGINE_METRICS, heartbeat_seconds: float = 1.0):
@@ -74,13 +74,7 @@ class TelemetryWriter:
                 pass  # removed by a daemon that judged us gone; nothing to refresh
 
     def _reap_dead_predecessor(self) -> None:
-        try:
-            info = parse_engine_info(read_regular_file(self._dir_fd, ENGINE_INFO_FILE,
-                                                       MAX_INFO_BYTES))
-        except (OSError, ValueError):
-            return
-        if info["pid"] != os.getpid() and not pid_alive(info["pid"]):
-            remove_dead_gauges(self._dir_fd, info["pid"])
+        remove_dead_gauges(self._dir_fd, keep_pid=os.getpid())
 
     def _write_info(self, info: dict) -> None:
         tmp = f".{ENGINE_INFO_FILE}.{os.getpid()}.{secrets.token_hex(8)}"
@@ -178,6 +172,7 @@ class TelemetryWriter:
 
     def close(self) -> None:
         self._closed.set()
+        self._heartbeat.join()  # it uses the directory's descriptor, closed below
         with self._lock:
             for value_file in self._files.values():
                 value_file.close()

@@ -26,13 +26,14 @@ def test_300_concurrent_scrapes_and_500_idle_connections(start_daemon):
         async with httpx.AsyncClient(base_url=daemon.url, timeout=30, limits=limits) as client:
             return await asyncio.gather(*(client.get("/metrics") for _ in range(n)))
 
+    baseline = _fds(daemon.proc.pid)
     started = time.monotonic()
     responses = asyncio.run(scrape_all(300))
     assert time.monotonic() - started < 10
     assert [r.status_code for r in responses] == [200] * 300
     assert all(b"ac_collector_up" in r.content for r in responses)
 
-    baseline = _fds(daemon.proc.pid)
+    wait_for(lambda: _fds(daemon.proc.pid) <= baseline, 10, "the scrapes' sockets to close")
     idle = []
     try:
         for _ in range(500):  # connected, never sending a byte
@@ -135,3 +136,35 @@ def test_off_loopback_without_a_token_refuses_to_start(tmp_path, host):
                   str(free_port()), env={**os.environ, "AC_OBSERVE_TOKEN": ""})
     assert out.returncode == 2 and "token" in out.stderr
     assert AC_OBSERVE  # the installed script ran
+
+
+def test_clients_that_never_read_are_cut_off_and_connections_stay_bounded():
+    from ac_observe.daemon.http_server import HttpServer, Response
+
+    body = b"x" * (4 << 20)
+    server = HttpServer(lambda request: Response(200, body, "text/plain"), "127.0.0.1", 0,
+                        write_timeout=0.5, max_connections=8, read_timeout=1.0)
+    stop = server.start_in_thread()
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    clients = []
+    try:
+        for _ in range(20):  # pipelined requests, answers never read
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+            clients.append(sock)
+        time.sleep(0.3)
+        assert server._connections <= 8  # the rest wait in the backlog, unaccepted
+        # Cut off after the write timeout (or the read timeout for those still queued):
+        # only the test's own 20 client sockets remain open in this process.
+        wait_for(lambda: fds() <= before + 20, 15, "the server to drop stuck clients")
+        fresh = socket.create_connection(("127.0.0.1", server.port))
+        fresh.sendall(b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert fresh.recv(20).startswith(b"HTTP/1.1 200")
+        fresh.close()
+    finally:
+        for sock in clients:
+            sock.close()
+        stop()

@@ -147,8 +147,11 @@ def _bare_venv(path: Path) -> Path:
 
 
 def _pip(python: Path, *args: str) -> None:
+    # --ignore-installed: the packages of this venv, visible through the .pth file, must
+    # not count as already installed there.
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
-                    "--disable-pip-version-check", *args], check=True, capture_output=True)
+                    "--ignore-installed", "--disable-pip-version-check", *args], check=True,
+                   capture_output=True)
 
 
 def test_installs_beside_python_daemon_wheel_and_editable(tmp_path):

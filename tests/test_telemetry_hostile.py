@@ -54,7 +54,24 @@ def test_foreign_directories_and_planted_symlinks_never_redirect_a_root_engine()
             "engine.json", f".engine.json.{pid}", f"counter_{pid}.db"))
         script = (f"mkdir -p {root}/e1 && chmod 777 {root}/e1 && {links} "
                   f"ln -s {base} {root}/e2")
+        # And a symlink of nobody's, in the shared directory, to an empty directory of root's.
+        empty = base / "empty-root-dir"
+        empty.mkdir(mode=0o755)
+        script += f" && ln -s {empty} {shared}/ac-observe-1"
         subprocess.run(["runuser", "-u", "nobody", "--", "/bin/sh", "-c", script], check=True)
+        with pytest.raises(UnsafeDirectory, match="symlink owned by uid 65534"):
+            _writer(shared / "ac-observe-1" / "e1", "e")
+        assert list(empty.iterdir()) == []
+        # A root daemon told to read that root refuses it rather than clean up inside it.
+        from types import SimpleNamespace
+
+        from ac_observe.collectors.base import CollectorUnavailable
+        from ac_observe.collectors.engine import EngineCollector
+        for lured in (root, shared / "ac-observe-1"):
+            collector = EngineCollector(SimpleNamespace(
+                telemetry_root=lured, engine_stale_seconds=0, engine_grace_seconds=0))
+            with pytest.raises(CollectorUnavailable, match="uid 65534"):
+                collector.collect()
         root = shared / "ac-observe-0" / "telemetry"
         for target in (root / "e1", root / "e2", root / "e3"):
             with pytest.raises(UnsafeDirectory) as refused:
@@ -83,6 +100,30 @@ def test_engine_refuses_a_directory_holding_other_files(tmp_path):
     assert out.returncode != 0
     assert "notes.txt" in out.stdout + out.stderr
     assert (project / "notes.txt").read_text() == "mine"
+
+
+def test_one_engine_per_directory_and_the_daemon_never_removes_a_held_one(tmp_path):
+    from types import SimpleNamespace
+
+    from ac_observe.collectors.engine import EngineCollector
+    first = _writer(tmp_path / "root" / "e1", "e1")
+    try:
+        with pytest.raises(UnsafeDirectory, match="in use by another running engine"):
+            TelemetryWriter(tmp_path / "root" / "e1", {}, engine="e1", model="m")
+        # Its heartbeat looks long gone and engine.json names a dead pid: still held.
+        info = json.loads((tmp_path / "root" / "e1" / "engine.json").read_text())
+        (tmp_path / "root" / "e1" / "engine.json").write_text(json.dumps(
+            {**info, "pid": 2 ** 31 - 1}))
+        os.utime(tmp_path / "root" / "e1" / "engine.json", (0, 0))
+        collector = EngineCollector(SimpleNamespace(telemetry_root=tmp_path / "root",
+                                                    engine_stale_seconds=1,
+                                                    engine_grace_seconds=1))
+        collector.collect()
+        assert (tmp_path / "root" / "e1" / "engine.json").exists()
+    finally:
+        first.close()
+    collector.collect()  # released: now it goes
+    assert not (tmp_path / "root" / "e1").exists()
 
 
 def test_a_users_file_survives_the_engines_death_and_the_grace(start_daemon, tmp_path):
@@ -156,7 +197,10 @@ VARIANTS = {
     "key of the wrong shape": (lambda d: _bad_db(d, "[1, 2, 3]"), "not [family"),
     "le=abc": (lambda d: _bad_db(d, sample_key(
         "ac_inference_latency_seconds", "ac_inference_latency_seconds_bucket",
-        {**LABELS, "le": "abc"}, "h")), "not a number"),
+        {**LABELS, "le": "abc"}, "h")), "not one of its buckets"),
+    "le=3 beside le=3.0": (lambda d: _bad_db(d, sample_key(
+        "ac_skeleton_complexity", "ac_skeleton_complexity_bucket",
+        {"engine": "bad", "model": "m", "le": "3"}, "h")), "not one of its buckets"),
     "engine.json not UTF-8": (lambda d: _info(d, b'{"engine": "\xff\xfe"}'), "not UTF-8"),
     "engine.json a directory": (_info_dir, "not a regular file"),
     "engine.json a list": (lambda d: _info(d, b"[1, 2]"), "holds a list"),
