@@ -11,7 +11,7 @@ import math
 import re
 
 from ac_observe.metrics import FRIENDLY, Friendly
-from ac_observe.daemon.windows import Windows
+from ac_observe.daemon.windows import WindowView, Windows
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 MAX_DURATION_SECONDS = 366 * 86400.0
@@ -78,46 +78,59 @@ def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
     return previous_bound
 
 
+def samples_read(friendly: Friendly) -> set[str]:
+    """The sample names a friendly name's answer reads."""
+    if friendly.kind == "histogram":
+        return {friendly.source.family + suffix for suffix in ("_bucket", "_sum", "_count")}
+    return {spec.name for spec in friendly.families()}
+
+
 class QueryEngine:
+    """NOTE: `answer` computes on a WindowView, a copy taken under the daemon's lock, so
+    it runs without holding it; `query` takes the view itself (no lock: tests, tools)."""
+
     def __init__(self, windows: Windows, interval_seconds: float):
         self.windows = windows
         self.interval = interval_seconds
 
     def query(self, name: str, window_seconds: float, label_filter: dict[str, str],
               now: float) -> dict:
-        friendly = FRIENDLY.get(name)
-        if friendly is None:
-            raise KeyError(name)
-        since = now - window_seconds
+        friendly = _friendly(name)
+        view = self.windows.view(samples_read(friendly), now - window_seconds)
+        return self.answer(view, friendly, window_seconds, now - window_seconds, label_filter)
+
+    def answer(self, view: WindowView, friendly: Friendly, window_seconds: float,
+               since: float, label_filter: dict[str, str]) -> dict:
         handler = {"gauge": self._gauge, "histogram": self._histogram, "rate": self._rate,
                    "ratio": self._ratio}[friendly.kind]
-        series = [s for s in handler(friendly, since) if _matches(s["labels"], label_filter)]
+        series = [s for s in handler(view, friendly, since)
+                  if _matches(s["labels"], label_filter)]
         series.sort(key=lambda s: sorted(s["labels"].items()))
-        return {"metric": name, "unit": friendly.unit, "kind": friendly.kind,
+        return {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
                 "source": friendly.source.name, "window_seconds": window_seconds,
                 "series": series}
 
-    def _points(self, key, since):
+    def _points(self, view: WindowView, key, since: float):
         """Points in the window; a series born inside the window starts from zero."""
-        points = self.windows.points(key, since)
-        if points and self._born_inside(key, since):
+        points = view.points(key)
+        if points and self._born_inside(view, key, since):
             points.insert(0, (points[0][0] - self.interval, 0.0))
         return points
 
-    def _born_inside(self, key, since: float) -> bool:
+    def _born_inside(self, view: WindowView, key, since: float) -> bool:
         """First seen after the window opened, while the daemon was already watching."""
-        first_seen = self.windows.points(key, -math.inf)[0][0]
-        return first_seen > since and first_seen > self.windows.earliest_time + 0.5 * self.interval
+        first_seen = view.first_seen[key]
+        return first_seen > since and first_seen > view.earliest_time + 0.5 * self.interval
 
-    def _gauge(self, friendly: Friendly, since: float):
-        for key in self.windows.keys(friendly.source.name):
-            values = [v * friendly.scale for _, v in self.windows.points(key, since)]
+    def _gauge(self, view: WindowView, friendly: Friendly, since: float):
+        for key in view.keys(friendly.source.name):
+            values = [v * friendly.scale for _, v in view.points(key)]
             if values:
                 yield {"labels": dict(key[1]), **summarize(values)}
 
-    def _rate(self, friendly: Friendly, since: float):
-        for key in self.windows.keys(friendly.source.name):
-            points = self._points(key, since)
+    def _rate(self, view: WindowView, friendly: Friendly, since: float):
+        for key in view.keys(friendly.source.name):
+            points = self._points(view, key, since)
             rates = [(b - a if b >= a else b) / (tb - ta)
                      for (ta, a), (tb, b) in zip(points, points[1:]) if tb > ta]
             if rates:
@@ -126,11 +139,11 @@ class QueryEngine:
                 yield {"labels": dict(key[1]), **summarize([r * friendly.scale for r in rates],
                                                            mean * friendly.scale)}
 
-    def _ratio(self, friendly: Friendly, since: float):
-        for key in self.windows.keys(friendly.source.name):
+    def _ratio(self, view: WindowView, friendly: Friendly, since: float):
+        for key in view.keys(friendly.source.name):
             den_key = (friendly.denominator.name, key[1])
-            num = dict(self._points(key, since))
-            den = self._points(den_key, since)
+            num = dict(self._points(view, key, since))
+            den = self._points(view, den_key, since)
             pairs = [(t, num[t], d) for t, d in den if t in num]
             ratios = []
             for (_, n0, d0), (_, n1, d1) in zip(pairs, pairs[1:]):
@@ -142,21 +155,22 @@ class QueryEngine:
                 yield {"labels": dict(key[1]),
                        **summarize(ratios, friendly.scale * total_num / total_den)}
 
-    def _histogram(self, friendly: Friendly, since: float):
+    def _histogram(self, view: WindowView, friendly: Friendly, since: float):
         groups: dict[tuple, list] = {}
         family = friendly.source.family
-        for key in self.windows.keys(family + "_bucket"):
+        for key in view.keys(family + "_bucket"):
             labels = tuple(item for item in key[1] if item[0] != "le")
             bound = float(dict(key[1])["le"])
             groups.setdefault(labels, []).append((bound, key))
         for labels, bucket_keys in groups.items():
             bucket_keys.sort()
-            buckets = [(bound, increase(self._points(key, since))) for bound, key in bucket_keys]
+            buckets = [(bound, increase(self._points(view, key, since)))
+                       for bound, key in bucket_keys]
             count = buckets[-1][1]
             if count <= 0:
                 continue
-            sum_points = self._points((family + "_sum", labels), since)
-            count_points = self._points((family + "_count", labels), since)
+            sum_points = self._points(view, (family + "_sum", labels), since)
+            count_points = self._points(view, (family + "_count", labels), since)
             scale = friendly.scale
             first = next(i for i, (_, c) in enumerate(buckets) if c > 0)
             last = next(i for i, (_, c) in enumerate(buckets) if c >= count)
@@ -183,6 +197,13 @@ def _last_interval_mean(sum_points, count_points) -> float:
         if delta > 0:
             return (sums[later] - sums[earlier]) / delta
     return None
+
+
+def _friendly(name: str) -> Friendly:
+    friendly = FRIENDLY.get(name)
+    if friendly is None:
+        raise KeyError(name)
+    return friendly
 
 
 def _scaled(value, scale):

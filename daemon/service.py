@@ -18,7 +18,7 @@ from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, build, new_family
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.exposition import Renderer
-from ac_observe.daemon.query import QueryEngine
+from ac_observe.daemon.query import QueryEngine, samples_read
 from ac_observe.daemon.runner import CollectorRunner
 from ac_observe.daemon.windows import Windows
 
@@ -146,10 +146,13 @@ class Daemon:
 
     def query(self, metric: str, window_seconds: float, labels: dict[str, str],
               now: float | None = None) -> dict:
-        """NOTE: holds the lock the cycle appends under, so an answer reads one state."""
+        """NOTE: the view is copied under the lock the cycle appends under, so an answer
+        reads one state; the answer is computed after the lock is released."""
+        friendly = m.FRIENDLY[metric]
+        since = (time.time() if now is None else now) - window_seconds
         with self._lock:
-            return self.queries.query(metric, window_seconds, labels,
-                                      time.time() if now is None else now)
+            view = self.windows.view(samples_read(friendly), since)
+        return self.queries.answer(view, friendly, window_seconds, since, labels)
 
     def status(self) -> dict:
         engines = []

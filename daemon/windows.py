@@ -3,9 +3,14 @@
 One ring of cycle timestamps is shared by all series; each series keeps a parallel ring
 of float64 values (NaN where it was absent), so a cycle costs one store per series and
 memory is 8 bytes x cycles x series. Only families a friendly name reads are kept.
+
+NOTE: not thread-safe by itself; the daemon appends and takes views under one lock. A
+query computes on a `WindowView` (copies of the rings it needs, inside its window, made
+with array slices) after the lock is released, so a long query never stalls a cycle.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from array import array
 
@@ -21,6 +26,8 @@ class Windows:
         self.times = array("d", [NAN]) * capacity
         self.cycle = 0  # cycles recorded so far
         self.series: dict[SeriesKey, array] = {}
+        self.by_sample: dict[str, set[SeriesKey]] = {}
+        self.first_seen: dict[SeriesKey, float] = {}
         self._last_seen: dict[SeriesKey, int] = {}
 
     def append(self, timestamp: float, samples: dict[SeriesKey, float]) -> None:
@@ -33,33 +40,73 @@ class Windows:
             ring = self.series.get(key)
             if ring is None:
                 ring = self.series[key] = array("d", [NAN]) * self.capacity
+                self.by_sample.setdefault(key[0], set()).add(key)
+                self.first_seen[key] = timestamp
             ring[index] = value
             self._last_seen[key] = self.cycle
         self.cycle += 1
         if self.cycle % self.capacity == 0:  # drop series absent for a whole window
             horizon = self.cycle - self.capacity
             for key in [k for k, seen in self._last_seen.items() if seen < horizon]:
-                del self.series[key], self._last_seen[key]
+                del self.series[key], self._last_seen[key], self.first_seen[key]
+                self.by_sample[key[0]].discard(key)
 
     @property
     def earliest_time(self) -> float:
         """Timestamp of the oldest cycle still held (NaN before the first)."""
         return self.times[self.cycle % self.capacity if self.cycle > self.capacity else 0]
 
+    def view(self, sample_names, since: float) -> "WindowView":
+        """Copies of the series of `sample_names` over the cycles at or after `since`."""
+        count = min(self.cycle, self.capacity)
+        start = self.cycle - count
+        # Cycle times only grow: find the first cycle inside the window by bisection.
+        ordered = _Ordered(self.times, start, count, self.capacity)
+        first = start + bisect.bisect_left(ordered, since)
+        times = self._slice(self.times, first)
+        series = {key: self._slice(self.series[key], first)
+                  for name in sample_names for key in self.by_sample.get(name, ())}
+        return WindowView(times, series, {k: self.first_seen[k] for k in series},
+                          self.earliest_time)
+
+    def _slice(self, ring: array, first: int) -> array:
+        """ring's values from cycle `first` to the latest, oldest first (C-speed copies)."""
+        begin, end = first % self.capacity, self.cycle % self.capacity
+        if first >= self.cycle:
+            return array("d")
+        if begin < end:
+            return ring[begin:end]
+        return ring[begin:] + ring[:end]
+
+
+class _Ordered:
+    """The ring's cycle times, oldest first, as a sequence bisect can search."""
+    __slots__ = ("times", "start", "count", "capacity")
+
+    def __init__(self, times, start, count, capacity):
+        self.times, self.start, self.count, self.capacity = times, start, count, capacity
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> float:
+        return self.times[(self.start + i) % self.capacity]
+
+
+class WindowView:
+    """A query's own copy of the windows: what it reads, frozen."""
+    __slots__ = ("times", "series", "first_seen", "earliest_time")
+
+    def __init__(self, times: array, series: dict, first_seen: dict, earliest_time: float):
+        self.times, self.series = times, series
+        self.first_seen, self.earliest_time = first_seen, earliest_time
+
     def keys(self, sample_name: str) -> list[SeriesKey]:
         return [key for key in self.series if key[0] == sample_name]
 
-    def points(self, key: SeriesKey, since: float) -> list[tuple[float, float]]:
-        """(timestamp, value) pairs at or after `since`, oldest first, absent cycles skipped."""
-        ring = self.series.get(key)
-        if ring is None:
+    def points(self, key: SeriesKey) -> list[tuple[float, float]]:
+        """(timestamp, value) pairs in the window, oldest first, absent cycles skipped."""
+        values = self.series.get(key)
+        if values is None:
             return []
-        count = min(self.cycle, self.capacity)
-        start = self.cycle - count
-        out = []
-        for cycle in range(start, self.cycle):
-            index = cycle % self.capacity
-            t, v = self.times[index], ring[index]
-            if t >= since and not math.isnan(v):
-                out.append((t, v))
-        return out
+        return [(t, v) for t, v in zip(self.times, values) if not math.isnan(v)]
