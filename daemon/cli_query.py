@@ -89,8 +89,9 @@ def _table(result: dict) -> Table:
     for series in series_list[1:]:
         common = {k: v for k, v in common.items() if series["labels"].get(k) == v}
     shared = " ".join(f"{k}={v}" for k, v in sorted(common.items()))
-    table = Table(title=f"{result['metric']} ({unit}) over {result['window_seconds']:g}s"
-                        + (f"\n{shared}" if shared else ""))
+    # Label values are data, never Rich markup (a model may be named "qwen[/]").
+    table = Table(title=escape(f"{result['metric']} ({unit}) over {result['window_seconds']:g}s"
+                               + (f"\n{shared}" if shared else "")))
     # A histogram has no extremes, only the buckets that bound them.
     columns = HISTOGRAM_COLUMNS if result["kind"] == "histogram" else STAT_COLUMNS
     table.add_column("series")
@@ -100,7 +101,7 @@ def _table(result: dict) -> Table:
     for series in series_list:
         name = ",".join(f"{k}={v}" for k, v in sorted(series["labels"].items())
                         if k not in common) or "all"
-        table.add_row(name, *(format_value(series[c], unit) for c in columns),
+        table.add_row(escape(name), *(format_value(series[c], unit) for c in columns),
                       str(series["samples"]))
     if not result["series"]:
         table.caption = "no data in this window yet"
@@ -171,10 +172,11 @@ def show_status(obj: dict, as_json: bool) -> int:
     for column in ("collector", "state", "reason", "errors", "last run"):
         table.add_column(column)
     for c in status["collectors"]:
-        table.add_row(c["name"], "[green]up[/green]" if c["up"] else "[red]down[/red]",
-                      c["reason"], str(c["errors_total"]), f"{c['duration_seconds'] * 1e3:.1f} ms")
+        table.add_row(escape(c["name"]), "[green]up[/green]" if c["up"] else "[red]down[/red]",
+                      escape(c["reason"]), str(c["errors_total"]),
+                      f"{c['duration_seconds'] * 1e3:.1f} ms")
     console.print(table)
-    table = Table(title=f"engines under {status['telemetry_root']}")
+    table = Table(title=escape(f"engines under {status['telemetry_root']}"))
     for column in ("engine", "model", "pid", "api", "state", "heartbeat", "restarts"):
         table.add_column(column)
     for e in status["engines"]:
@@ -185,7 +187,7 @@ def show_status(obj: dict, as_json: bool) -> int:
             if e.get("warning"):
                 state += f" ({escape(e['warning'])})"
         age = e.get("heartbeat_age_seconds")
-        table.add_row(str(e["engine"]), str(e["model"]), str(e["pid"]), str(e["api_address"]),
+        table.add_row(*(escape(str(e[k])) for k in ("engine", "model", "pid", "api_address")),
                       state, "-" if age is None else f"{age}s ago", str(e.get("restarts", 0)))
     if not status["engines"]:
         table.caption = "no engine found"

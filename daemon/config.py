@@ -37,8 +37,10 @@ class DaemonConfig:
         self.telemetry_root = Path(self.telemetry_root)
         if self.interval_seconds <= 0 or self.window_seconds < self.interval_seconds:
             raise ValueError("interval must be > 0 and the window at least one interval")
-        if self.token is not None and not self.token.strip():
-            raise ValueError("the bearer token is empty or blank: it would let anyone in")
+        if self.token is not None:
+            self.token = self.token.strip()  # as a presented token is read
+            if not self.token:
+                raise ValueError("the bearer token is empty or blank: it would let anyone in")
         if not is_loopback(self.host) and not self.token:
             raise ValueError(f"binding {self.host} exposes the daemon beyond this host: "
                              "set a bearer token (--token or AC_OBSERVE_TOKEN)")

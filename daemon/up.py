@@ -22,11 +22,13 @@ MAX_BACKOFF_SECONDS = 30.0
 HEALTHY_AFTER_SECONDS = 30.0  # a child that ran this long starts its next backoff afresh
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+    if os.getppid() != parent:  # `up` died before prctl took effect
+        os._exit(1)
 
 
 @dataclass(slots=True)
@@ -41,8 +43,9 @@ class Child:
     restart_at: float | None = None
 
     def start(self) -> None:
+        parent = os.getpid()
         self.proc = subprocess.Popen([sys.executable, "-m", "ac_observe.daemon.cli", *self.args],
-                                     env=self.env, preexec_fn=_die_with_parent)
+                                     env=self.env, preexec_fn=lambda: _die_with_parent(parent))
         self.started, self.restart_at = time.monotonic(), None
 
     def check(self, now: float) -> None:

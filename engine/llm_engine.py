@@ -294,6 +294,9 @@ class Engine:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():  # stuck in a step: leave its state to it
+                log.error("the engine thread did not stop within 30 s")
+                return
         with self._lock:
             self._process_aborts()
         if self.stats.writer:

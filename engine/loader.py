@@ -5,7 +5,6 @@ Nothing is ever downloaded: a model is a preset name or a path on disk.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,32 +48,20 @@ def load_model_config(model: str) -> ModelConfig:
     return ModelConfig.from_hf_folder(folder)
 
 
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
     """The model with its weights created directly in `dtype` on `device`: never a
     float32 copy of a bfloat16 model, so what fits in bfloat16 loads."""
     config = load_model_config(model)
     torch.manual_seed(seed)
-    if model in PRESETS:
-        with torch.device(device), _default_dtype(dtype):
-            net = CausalLM(config)
-        _init_random(net, std=0.02)
-        return net.eval()
-    with torch.device("meta"), _default_dtype(dtype):  # shapes only: no memory yet
-        net = CausalLM(config)
+    with torch.device("meta"):  # shapes only: no memory yet
+        net = CausalLM(config).to(dtype)
     net = net.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty makes a tensor per registration: tie again
         net.lm_head.weight = net.model.embed_tokens.weight
-    load_hf_weights(net, Path(model))  # fills every parameter (it checks)
+    if model in PRESETS:
+        _init_random(net, std=0.02)
+    else:
+        load_hf_weights(net, Path(model))  # fills every parameter (it checks)
     return net.eval()
 
 

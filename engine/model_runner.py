@@ -88,6 +88,10 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_pool)
         self.model.precompute_rotations(config.max_model_len or mc.max_position_embeddings,
                                         self.dtype, self.device)
+        if self.device.type == "cuda":
+            # Weights, pool and tables were made on the default stream; the lanes' streams
+            # do not wait on it by themselves.
+            torch.cuda.synchronize(self.device)
         self.streams = ({lane.name: torch.cuda.Stream(self.device) for lane in config.lanes}
                         if self.device.type == "cuda" else {})
         # CPU decode keeps each lane's batch KV contiguous (see engine/workspace.py) by
@@ -232,6 +236,13 @@ class ModelRunner:
         return next_tokens, seconds
 
     def _discard(self, lane: str) -> None:
+        """After a failed step: nothing of it may still run when its blocks are reused."""
+        stream = self.streams.get(lane)
+        if stream is not None:
+            try:
+                stream.synchronize()
+            except RuntimeError:
+                pass  # the device itself failed: the error is already being reported
         if lane in self.workspaces:
             self.workspaces[lane].clear()  # it may hold half a step
 

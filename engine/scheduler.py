@@ -149,8 +149,11 @@ class Scheduler:
         return ScheduledBatch(lane.name, False, scheduled) if scheduled else None
 
     def _pick_victim(self, exclude: Sequence, scheduled: list[Sequence]) -> Sequence | None:
-        """The most recently admitted running request: the other lane's first, then this one's."""
-        for lane in sorted(self.lanes.values(), key=lambda l: l.name == exclude.lane):
+        """The most recently admitted running throughput request; a low_latency one only
+        to make room for another low_latency request (throughput never preempts it)."""
+        lanes = [self.lanes[THROUGHPUT]] + (
+            [self.lanes[LOW_LATENCY]] if exclude.lane == LOW_LATENCY else [])
+        for lane in lanes:
             for seq in reversed(lane.running):
                 if seq is not exclude and seq not in scheduled:
                     return seq

@@ -286,3 +286,27 @@ def test_overlapping_lanes_never_preempt_a_sequence_already_in_the_round():
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * BLOCK >= len(seq)
     assert scheduler.num_preemptions == 1 and bulk[1].status is SequenceStatus.WAITING
+
+
+def test_throughput_never_preempts_low_latency_and_low_latency_preempts_throughput_first():
+    from ac_observe.engine.block_manager import BlockManager
+    from ac_observe.engine.scheduler import Scheduler
+    from ac_observe.engine.sequence import Sequence, SequenceStatus
+
+    blocks = BlockManager(num_blocks=3, block_size=BLOCK)
+    scheduler = Scheduler(EngineConfig(overlap_lanes="off"), blocks, max_model_len=1024)
+    low = Sequence("low", list(range(3, 3 + BLOCK)), SamplingParams(max_tokens=8),
+                   lane="low_latency")
+    bulk = [Sequence(f"t{i}", list(range(40 + i, 40 + i + BLOCK)),
+                     SamplingParams(max_tokens=8)) for i in range(2)]
+    for seq in [low, *bulk]:
+        scheduler.add(seq)
+        batch = scheduler._schedule_prefill(scheduler.lanes[seq.lane])  # 1 block each
+        for s in batch.seqs:
+            s.num_computed_tokens = len(s)
+            s.token_ids.append(5)  # each now needs a 2nd block
+    throughput = scheduler._schedule_decode(scheduler.lanes["throughput"])
+    assert low.status is SequenceStatus.RUNNING  # not the victim of throughput's need
+    assert throughput.seqs == [bulk[0]] and bulk[1].status is SequenceStatus.WAITING
+    urgent = scheduler._schedule_decode(scheduler.lanes["low_latency"])
+    assert urgent.seqs == [low] and bulk[0].status is SequenceStatus.WAITING
