@@ -33,18 +33,22 @@ def activation_bytes(mc, num_tokens: int, element: int) -> int:
     return 2 * num_tokens * per_token * element
 
 
-def kv_pool_bytes_from_free(total: int, free: int, utilization: float,
+FREE_MARGIN_BYTES = 256 << 20
+
+
+def kv_pool_bytes_from_free(total: int, free: int, utilization: float, ours: int,
                             activations: int) -> int:
     """The KV pool a GPU affords, vLLM's way: this engine may hold `utilization` of the
-    device's memory; what is in use now (the loaded weights, and other processes) and a
-    step's activations come off that."""
-    budget = int(total * utilization) - (total - free) - activations
+    device's memory (a per-instance share: two engines at 0.45 share a GPU); what it holds
+    already (the weights) and a step's activations come off that. It never takes more
+    than is free now, less a margin, whatever other processes hold."""
+    budget = min(int(total * utilization) - ours, free - FREE_MARGIN_BYTES) - activations
     if budget <= 0:
         raise RuntimeError(
             f"no GPU memory left for the KV cache: {utilization:.0%} of {total >> 20} MiB is "
-            f"{int(total * utilization) >> 20} MiB, {(total - free) >> 20} MiB are in use and "
-            f"a step needs ~{activations >> 20} MiB; raise --gpu-memory-utilization, free the "
-            "GPU, or set --kv-memory-mb")
+            f"{int(total * utilization) >> 20} MiB, this engine holds {ours >> 20} MiB, "
+            f"{free >> 20} MiB are free and a step needs ~{activations >> 20} MiB; raise "
+            "--gpu-memory-utilization, free the GPU, or set --kv-memory-mb")
     return budget
 
 
@@ -108,10 +112,17 @@ class ModelRunner:
             return config.kv_cache_memory_bytes
         if self.device.type != "cuda":
             return CPU_KV_POOL_BYTES
+        torch.cuda.empty_cache()  # what loading left cached is not in use
         free, total = torch.cuda.mem_get_info(self.device)
-        return kv_pool_bytes_from_free(
-            total, free, config.gpu_memory_utilization,
+        budget = kv_pool_bytes_from_free(
+            total, free, config.gpu_memory_utilization, torch.cuda.memory_reserved(self.device),
             activation_bytes(self.model.config, config.max_num_batched_tokens, element))
+        # No more than every lane's batch at full context could ever hold.
+        mc = self.model.config
+        useful_tokens = sum(lane.max_num_seqs for lane in config.lanes) * (
+            config.max_model_len or mc.max_position_embeddings)
+        slot = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * element
+        return min(budget, useful_tokens * slot)
 
     def prepare_prefill(self, seqs) -> tuple:
         """Inputs of a prefill step: every sequence's new tokens packed one after another.

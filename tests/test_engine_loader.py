@@ -55,12 +55,17 @@ def test_float32_build_still_creates_float32_weights():
 
 
 def test_kv_pool_from_gpu_memory_utilization():
-    gib = 1 << 30
-    # 80 GiB card, 0.9 of it ours: 72 GiB, minus 17 GiB in use (weights) and 2 GiB steps.
-    assert kv_pool_bytes_from_free(80 * gib, 63 * gib, 0.9, 2 * gib) == 53 * gib
-    # Another process holding 60 GiB leaves nothing: a clear error, not a crash later.
+    gib, margin = 1 << 30, 256 << 20
+    # 80 GiB card, 0.9 of it ours: 72 GiB, minus our 17 GiB of weights and 2 GiB of steps.
+    assert kv_pool_bytes_from_free(80 * gib, 63 * gib, 0.9, 17 * gib, 2 * gib) == 53 * gib
+    # Two engines at 0.45: the second's share is its own, not cut by the first's.
+    assert kv_pool_bytes_from_free(80 * gib, 43 * gib, 0.45, 1 * gib, 1 * gib) == 34 * gib
+    # But never more than is free now: another process holds 60 GiB.
+    assert kv_pool_bytes_from_free(80 * gib, 20 * gib, 0.9, 2 * gib, 1 * gib) == \
+        20 * gib - margin - 1 * gib
+    # Nothing left: a clear error, not a crash later.
     with pytest.raises(RuntimeError, match="gpu-memory-utilization"):
-        kv_pool_bytes_from_free(80 * gib, 3 * gib, 0.9, 2 * gib)
+        kv_pool_bytes_from_free(80 * gib, 3 * gib, 0.9, 2 * gib, 3 * gib)
     tiny = ModelConfig.tiny()
     assert activation_bytes(tiny, 4096, 4) == 2 * 4096 * (
         4 * 256 + 3 * 688 + (8 + 2 * 2) * 32) * 4
