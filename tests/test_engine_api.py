@@ -87,16 +87,21 @@ def test_anthropic_stream_event_sequence_and_final_trace(engine_server):
 
 def test_stop_sequence_is_reported_and_cut(engine_server):
     client = _anthropic(engine_server)
-    base = client.messages.create(model="tiny", max_tokens=30, extra_body={"temperature": 0},
-                                  messages=[{"role": "user", "content": "abc"}])
-    text = base.content[0].text
-    stop = next((text[i:i + 2] for i in range(3, len(text) - 2)
-                 if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()), None)
-    if stop is None:
-        pytest.skip("the random model produced no usable stop string")
+    # The random model writes mostly bytes that are not text: take the first prompt whose
+    # greedy answer holds a printable pair of characters past its start to stop on.
+    for prompt in ("abc", "hello", "<q>1</q>", "<a><b>x</b></a>", "# Title", "{\"k\": 1}"):
+        base = client.messages.create(model="tiny", max_tokens=30,
+                                      extra_body={"temperature": 0},
+                                      messages=[{"role": "user", "content": prompt}])
+        text = base.content[0].text
+        stop = next((text[i:i + 2] for i in range(3, len(text) - 2)
+                     if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()), None)
+        if stop is not None:
+            break
+    assert stop is not None, "no prompt gave a printable answer to stop on"
     cut = client.messages.create(model="tiny", max_tokens=30, extra_body={"temperature": 0},
                                  stop_sequences=[stop],
-                                 messages=[{"role": "user", "content": "abc"}])
+                                 messages=[{"role": "user", "content": prompt}])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[:text.index(stop)]
 
