@@ -260,25 +260,33 @@ def test_a_colliding_hash_never_shares_kv_across_different_prefixes(monkeypatch)
     assert plain_stats.hit_blocks == 0
 
 
-def test_overlapping_lanes_never_preempt_a_sequence_already_in_the_round():
-    """With both lanes scheduled in one round, the throughput lane's need for a block
-    preempts its own newest request, never the low_latency one already batched."""
+def _one_block_each(num_blocks: int):
+    """A scheduler over `num_blocks` blocks holding one low_latency and two throughput
+    requests, each prefilled into one block and now needing a second one."""
     from ac_observe.engine.block_manager import BlockManager
     from ac_observe.engine.scheduler import Scheduler
-    from ac_observe.engine.sequence import Sequence, SequenceStatus
+    from ac_observe.engine.sequence import Sequence
 
-    blocks = BlockManager(num_blocks=4, block_size=BLOCK)
-    scheduler = Scheduler(EngineConfig(), blocks, max_model_len=1024)
+    scheduler = Scheduler(EngineConfig(), BlockManager(num_blocks, BLOCK), max_model_len=1024)
     low = Sequence("low", list(range(3, 3 + BLOCK)), SamplingParams(max_tokens=8),
                    lane="low_latency")
     bulk = [Sequence(f"t{i}", list(range(40 + i, 40 + i + BLOCK)),
                      SamplingParams(max_tokens=8)) for i in range(2)]
     for seq in [low, *bulk]:
         scheduler.add(seq)
-    for batch in scheduler.schedule_lanes():  # the three prefills: 1 block each
-        for seq in batch.seqs:
-            seq.num_computed_tokens = len(seq)
-            seq.token_ids.append(5)  # each now needs a 2nd block: 3 wanted, 1 free
+        batch = scheduler._schedule_prefill(scheduler.lanes[seq.lane])
+        for prefilled in batch.seqs:
+            prefilled.num_computed_tokens = len(prefilled)
+            prefilled.token_ids.append(5)
+    return scheduler, low, bulk
+
+
+def test_overlapping_lanes_never_preempt_a_sequence_already_in_the_round():
+    """With both lanes scheduled in one round, the throughput lane's need for a block
+    preempts its own newest request, never the low_latency one already batched."""
+    from ac_observe.engine.sequence import SequenceStatus
+
+    scheduler, low, bulk = _one_block_each(num_blocks=4)  # 3 want a block, 1 is free
     batches = scheduler.schedule_lanes()
     batched = [seq for batch in batches for seq in batch.seqs]
     assert low in batched and low.status is SequenceStatus.RUNNING
@@ -289,22 +297,9 @@ def test_overlapping_lanes_never_preempt_a_sequence_already_in_the_round():
 
 
 def test_throughput_never_preempts_low_latency_and_low_latency_preempts_throughput_first():
-    from ac_observe.engine.block_manager import BlockManager
-    from ac_observe.engine.scheduler import Scheduler
-    from ac_observe.engine.sequence import Sequence, SequenceStatus
+    from ac_observe.engine.sequence import SequenceStatus
 
-    blocks = BlockManager(num_blocks=3, block_size=BLOCK)
-    scheduler = Scheduler(EngineConfig(overlap_lanes="off"), blocks, max_model_len=1024)
-    low = Sequence("low", list(range(3, 3 + BLOCK)), SamplingParams(max_tokens=8),
-                   lane="low_latency")
-    bulk = [Sequence(f"t{i}", list(range(40 + i, 40 + i + BLOCK)),
-                     SamplingParams(max_tokens=8)) for i in range(2)]
-    for seq in [low, *bulk]:
-        scheduler.add(seq)
-        batch = scheduler._schedule_prefill(scheduler.lanes[seq.lane])  # 1 block each
-        for s in batch.seqs:
-            s.num_computed_tokens = len(s)
-            s.token_ids.append(5)  # each now needs a 2nd block
+    scheduler, low, bulk = _one_block_each(num_blocks=3)  # 3 want a block, none is free
     throughput = scheduler._schedule_decode(scheduler.lanes["throughput"])
     assert low.status is SequenceStatus.RUNNING  # not the victim of throughput's need
     assert throughput.seqs == [bulk[0]] and bulk[1].status is SequenceStatus.WAITING
