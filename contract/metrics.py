@@ -23,11 +23,13 @@ DEFAULT_ENGINE_PORT = 8000
 DEFAULT_DAEMON_PORT = 9410  # dcgm-exporter already takes 9400
 OTHER_SKELETON = "other"
 
-# Latency buckets in seconds: sub-millisecond CPU steps up to multi-minute queues.
-LATENCY_BUCKETS_SECONDS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25,
-    0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
-)
+# Latency buckets in seconds: three per doubling (ratio 2^(1/3) ~ 1.26) from 1 ms to ~66 s,
+# 0.25 and 0.5 ms below, 2 and 4 min above; 54 bounds with +Inf. A quantile interpolated
+# inside a bucket is off by at most the bucket's width (26 % in the worst case) and, for
+# latencies that spread over several buckets, by a few percent (tests/test_daemon_query.py:
+# p50/p95/p99 within 10 % from 1 ms to 10 s).
+LATENCY_BUCKETS_SECONDS = (0.00025, 0.0005) + tuple(
+    float(f"{0.001 * 2 ** (k / 3):.6g}") for k in range(49)) + (120.0, 240.0)
 STEP_BUCKETS_SECONDS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32,
     0.64, 1.28, 2.56, 5.12,
@@ -84,8 +86,16 @@ def _step(name, help_text):
 
 
 INFERENCE_LATENCY = _latency("ac_inference_latency_seconds",
-                             "Request arrival to first token ready (time to first token).")
-QUEUE_TIME = _latency("ac_queue_time_seconds", "Request arrival to first scheduled.")
+                             "Request arrival at the server to first token ready (time to "
+                             "first token).")
+QUEUE_TIME = _latency("ac_queue_time_seconds",
+                      "Entry in the engine's waiting queue to first scheduled.")
+FRONTEND = _latency("ac_frontend_seconds",
+                    "Request arrival at the server to its entry in the engine's queue "
+                    "(HTTP, validation, tokenization).")
+FIRST_TEXT = _latency("ac_time_to_first_text_seconds",
+                      "Request arrival to the first non-empty text sent (later than the first "
+                      "token when its bytes do not yet form a character).")
 PREFILL_GPU = _step("ac_prefill_gpu_seconds",
                     "Device time of one prefill step (CUDA events; host clock on CPU).")
 DECODE_STEP_GPU = _step("ac_decode_step_gpu_seconds",
@@ -132,7 +142,7 @@ STREAM_BUSY = _engine("ac_cuda_stream_busy_seconds_total", COUNTER,
                       "seconds")
 
 ENGINE_METRICS = (
-    INFERENCE_LATENCY, QUEUE_TIME, PREFILL_GPU, DECODE_STEP_GPU, INTER_TOKEN_LATENCY,
+    INFERENCE_LATENCY, FRONTEND, QUEUE_TIME, FIRST_TEXT, PREFILL_GPU, DECODE_STEP_GPU, INTER_TOKEN_LATENCY,
     E2E_LATENCY, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, KV_QUERY_BLOCKS, KV_HIT_BLOCKS,
     KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_USAGE, KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS,
     REQUESTS_RUNNING, REQUESTS_WAITING, SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY,
@@ -258,9 +268,13 @@ class Friendly:
 
 FRIENDLY = {f.name: f for f in (
     Friendly("inference_latency_ns", HISTOGRAM_KIND, INFERENCE_LATENCY, "ns", 1e9,
-             "Time to first token (arrival to first token ready, queue included)."),
+             "Time to first token (arrival at the server to first token ready)."),
     Friendly("queue_time_ns", HISTOGRAM_KIND, QUEUE_TIME, "ns", 1e9,
-             "Arrival to first scheduled."),
+             "Engine queue to first scheduled."),
+    Friendly("frontend_ns", HISTOGRAM_KIND, FRONTEND, "ns", 1e9,
+             "Arrival to the engine's queue (HTTP, validation, tokenization)."),
+    Friendly("time_to_first_text_ns", HISTOGRAM_KIND, FIRST_TEXT, "ns", 1e9,
+             "Arrival to the first visible text."),
     Friendly("e2e_latency_ms", HISTOGRAM_KIND, E2E_LATENCY, "ms", 1e3, "Arrival to finish."),
     Friendly("inter_token_latency_ms", HISTOGRAM_KIND, INTER_TOKEN_LATENCY, "ms", 1e3,
              "Time between output tokens."),

@@ -1,6 +1,6 @@
 """Answers `metric over a window` from the daemon's in-memory windows.
 
-Per series: min / mean / p50 / p95 / max / last, in the friendly name's unit. Histograms
+Per series: min / mean / p50 / p95 / p99 / max / last, in the friendly name's unit. Histograms
 are answered from bucket increases over the window (Prometheus `histogram_quantile`
 interpolation) and have no exact extremes: `min_bucket_le` / `max_bucket_le` bound them
 instead. Counters follow `increase()` semantics (a drop is a reset).
@@ -52,7 +52,8 @@ def quantile(sorted_values: list[float], q: float) -> float:
 def summarize(values: list[float], mean: float | None = None) -> dict:
     ordered = sorted(values)
     return {"min": ordered[0], "mean": sum(values) / len(values) if mean is None else mean,
-            "p50": quantile(ordered, 0.5), "p95": quantile(ordered, 0.95), "max": ordered[-1],
+            "p50": quantile(ordered, 0.5), "p95": quantile(ordered, 0.95),
+            "p99": quantile(ordered, 0.99), "max": ordered[-1],
             "last": values[-1], "samples": len(values)}
 
 
@@ -184,6 +185,7 @@ class QueryEngine:
                    "mean": scale * increase(sum_points) / count,
                    "p50": scale * bucket_quantile(0.5, buckets),
                    "p95": scale * bucket_quantile(0.95, buckets),
+                   "p99": scale * bucket_quantile(0.99, buckets),
                    "last": _scaled(_last_interval_mean(sum_points, count_points), scale),
                    "samples": int(count)}
 

@@ -40,7 +40,8 @@ def openai_error(status: int, message: str, param: str | None = None) -> dict:
 def trace_detail_json(trace: TraceDetail | None) -> dict:
     if trace is None:
         return {}
-    return {"prefill_ms": round(trace.prefill_ms, 3), "decode_ms": round(trace.decode_ms, 3),
+    return {"frontend_ms": round(trace.frontend_ns / 1e6, 3),
+            "prefill_ms": round(trace.prefill_ms, 3), "decode_ms": round(trace.decode_ms, 3),
             "kv_hit_blocks": trace.kv_hit_blocks, "kv_query_blocks": trace.kv_query_blocks,
             "skeleton_depth": trace.skeleton_depth, "stream": trace.stream}
 
@@ -48,9 +49,12 @@ def trace_detail_json(trace: TraceDetail | None) -> dict:
 def trace_headers(trace: TraceDetail | None) -> dict[str, str]:
     """The trace headers of a generation response (zeros when nothing ran).
 
-    x-ac-model-latency-ns: time to first token, from the request's arrival at the engine to
-    its first token being ready, queue time included (`ac_inference_latency_seconds`, the
-    seed's `inference_latency_ns`); x-ac-queue-time-ns: arrival to first scheduled.
+    x-ac-model-latency-ns: time to first token, from the request's arrival at the server
+    (before its body was read, parsed and tokenized) to its first token being ready
+    (`ac_inference_latency_seconds`, the seed's `inference_latency_ns`) = front-end
+    (`frontend_ms` in the detail) + queue (x-ac-queue-time-ns: the engine's queue to first
+    scheduled) + the steps until the first token. A non-streaming answer, sent at the end,
+    also carries x-ac-first-text-ns (arrival to the first non-empty text).
     """
     return {
         "x-ac-model-latency-ns": str(trace.ttft_ns if trace else 0),
@@ -59,12 +63,19 @@ def trace_headers(trace: TraceDetail | None) -> dict[str, str]:
     }
 
 
+def final_trace_headers(trace: TraceDetail | None) -> dict[str, str]:
+    """Trace headers of an answer sent whole, once everything is known."""
+    return {**trace_headers(trace),
+            "x-ac-first-text-ns": str(trace.first_text_ns if trace else 0)}
+
+
 def trace_metadata(trace: TraceDetail | None) -> dict:
     """The same figures for the body of a stream's last event (headers left long before)."""
     if trace is None:
         return {}
     return {"model_latency_ns": trace.ttft_ns, "queue_time_ns": trace.queue_ns,
-            "e2e_ns": trace.e2e_ns, **trace_detail_json(trace)}
+            "first_text_ns": trace.first_text_ns, "e2e_ns": trace.e2e_ns,
+            **trace_detail_json(trace)}
 
 
 def anthropic_usage(out: RequestOutput) -> dict:

@@ -1,21 +1,44 @@
 """Request bodies of the Anthropic Messages and OpenAI Chat Completions APIs (pydantic).
 
-Strict types: a wrong type is a 400 naming the field, never a silent coercion. Unknown
-fields are accepted and ignored, as clients and load generators send many.
+Strict types: a wrong type is a 400 naming the field, never a silent coercion. A field
+the engine does not honour is a 400 naming it, never accepted and ignored: what a request
+says is what runs. Accepted without effect, because they only label a request:
+Anthropic `metadata.user_id`, OpenAI `user`, and `cache_control` on a text block (prefix
+caching is automatic). vLLM's sampling extensions, which serving benchmarks send, are
+honoured on both routes: `ignore_eos`, `min_tokens`, `stop_token_ids`, `top_k`.
 """
 from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_STRICT = ConfigDict(strict=True, extra="allow")
+_STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 class ContentBlock(BaseModel):
-    model_config = _STRICT
+    # Extra keys are judged in check_text_blocks, which can say "image not supported"
+    # rather than complain about an image's `source`.
+    model_config = ConfigDict(strict=True, extra="allow")
     type: str
     text: Optional[str] = None
+    cache_control: Optional[dict] = None  # a caching hint: the prefix cache is automatic
+
+
+class SamplingExtensions(BaseModel):
+    """vLLM's extensions to both APIs, as benchmark clients (guidellm, vLLM's benchmark,
+    aiperf) send them to get fixed-length outputs."""
+    model_config = _STRICT
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, value):
+        if value and any(t < 0 for t in value):
+            raise ValueError("token ids are not negative")
+        return value
 
 
 def check_text_blocks(blocks: list[ContentBlock]) -> list[ContentBlock]:
@@ -24,6 +47,11 @@ def check_text_blocks(blocks: list[ContentBlock]) -> list[ContentBlock]:
             raise ValueError("a text block needs a 'text' string")
         if block.type in ("image", "document", "image_url", "input_audio"):
             raise ValueError(f"{block.type} content is not supported by this text-only model")
+        if block.type != "text":
+            raise ValueError(f"{block.type[:40]!r} content is not supported by this engine")
+        if block.model_extra:
+            raise ValueError(f"{sorted(block.model_extra)[0][:40]!r} in a text block is not "
+                             "supported by this engine")
     return blocks
 
 
@@ -43,7 +71,7 @@ class Metadata(BaseModel):
     user_id: Optional[str] = None
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(SamplingExtensions):
     model_config = _STRICT
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int
@@ -99,7 +127,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SamplingExtensions):
     model_config = _STRICT
     model: str = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
@@ -107,11 +135,26 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: Optional[int] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
     n: int = Field(default=1, ge=1, le=1)
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # int64, as vLLM
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = Field(default=None, max_length=256)  # an identifier, no effect
+    # Sent at their neutral values by some clients; anything else would change sampling.
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logprobs: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _neutral_only(self):
+        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                              ("logprobs", False)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise ValueError(f"{name}: only {neutral} is supported by this engine")
+        return self
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from typing import Callable
 
@@ -27,12 +28,14 @@ class BodyLimitAndIdsMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        arrival_ns = time.monotonic_ns()  # latencies count from here: before body and parsing
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         request_id = new_request_id()
         match = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1").strip())
         trace_id = match.group(1) if match else uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"], state["trace_id"] = request_id, trace_id
+        state["arrival_ns"] = arrival_ns
         ids = [(b"request-id", request_id.encode()), (b"x-ac-trace-id", trace_id.encode())]
         generation = scope["path"] in GENERATION_PATHS
 

@@ -37,8 +37,10 @@ __all__ = ["Engine", "RequestOutput", "TraceDetail", "QueueFullError", "NeverFit
 @dataclass(slots=True)
 class TraceDetail:
     """What a client sees of one request's path through the engine (trace headers)."""
+    frontend_ns: int
     queue_ns: int
     ttft_ns: int
+    first_text_ns: int     # arrival to the first non-empty text (0 until there is one)
     e2e_ns: int
     prefill_ms: float
     decode_ms: float
@@ -196,20 +198,23 @@ class Engine:
     def add_request(self, prompt: str | list[int] | None = None, *,
                     messages: list[dict] | None = None, system=None,
                     params: SamplingParams | None = None, lane: str = DEFAULT_LANE,
-                    request_id: str | None = None,
+                    request_id: str | None = None, arrival_ns: int | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
         """Queue a request: a prompt (text or token ids) or chat messages.
 
-        Raises QueueFullError (waiting queue full), NeverFitsError (larger than the whole
-        KV pool) or ValueError (empty, or longer than the context) without queueing it.
+        `arrival_ns` (time.monotonic_ns) is when the request reached the server; every
+        latency counts from there (default: now). Raises QueueFullError (waiting queue
+        full), NeverFitsError (larger than the whole KV pool) or ValueError (empty, longer
+        than the context) without queueing it.
         """
+        arrival_ns = arrival_ns or time.monotonic_ns()
         params = params or SamplingParams()
         token_ids, skeleton = self._tokenize(prompt, messages, system)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens; the model's context holds "
                              f"{self.max_model_len} including at least one generated token")
         request_id = request_id or f"req_{os.getpid():x}_{next(self._ids):08x}"
-        seq = Sequence(request_id, token_ids, params, lane)
+        seq = Sequence(request_id, token_ids, params, lane, arrival_ns)
         seq.skeleton = skeleton
         handle = RequestHandle(self, request_id)
         deliver = on_output or handle._deliver
@@ -217,6 +222,7 @@ class Engine:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             try:
+                seq.timeline.queued_ns = time.monotonic_ns()
                 self.scheduler.add(seq)
             except (QueueFullError, NeverFitsError):
                 self.stats.on_rejected(lane if lane in self.scheduler.lanes else DEFAULT_LANE)
@@ -422,7 +428,9 @@ class Engine:
 
     def _emit(self, request: _Request, token_id: int, first: bool) -> None:
         seq, params = request.seq, request.seq.params
-        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        # The sampler never picks these before min_tokens (see engine/sampler.py).
+        is_eos = (token_id in self.eos_token_ids and not params.ignore_eos) or \
+            token_id in params.stop_token_ids
         reason = None
         if is_eos:
             reason = FinishReason.STOP
@@ -446,6 +454,9 @@ class Engine:
                                                        len(text) - request.stop_hold)
         new_text = text[request.emitted_chars:end]
         request.emitted_chars = end
+        if new_text and not seq.timeline.first_text_ns:
+            seq.timeline.first_text_ns = seq.timeline.last_token_ns
+            self.stats.on_first_text(seq)
         if reason is not None:
             self._finish(request, reason, token_id, new_text, stop_sequence)
         else:
@@ -469,7 +480,9 @@ class Engine:
         if with_trace:
             timeline = seq.timeline
             trace = TraceDetail(
-                queue_ns=timeline.queue_ns, ttft_ns=timeline.ttft_ns, e2e_ns=timeline.e2e_ns,
+                frontend_ns=timeline.frontend_ns, queue_ns=timeline.queue_ns,
+                ttft_ns=timeline.ttft_ns, first_text_ns=timeline.first_text_latency_ns,
+                e2e_ns=timeline.e2e_ns,
                 prefill_ms=timeline.prefill_seconds * 1e3,
                 decode_ms=timeline.decode_seconds * 1e3,
                 kv_hit_blocks=seq.kv_hit_blocks, kv_query_blocks=seq.kv_query_blocks,

@@ -216,7 +216,8 @@ class ModelRunner:
                 if last_rows is not None:
                     hidden = hidden.index_select(0, last_rows)
                 logits = self.model.compute_logits(hidden).float()
-                step.token_ids, step.failed_rows = sample(logits, batch.seqs)
+                step.token_ids, step.failed_rows = sample(
+                    logits, batch.seqs, self.model.config.eos_token_ids)
                 if stream is not None:
                     step.token_ids = step.token_ids.to("cpu", non_blocking=True)
                     step.end_event.record(stream)

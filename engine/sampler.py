@@ -27,8 +27,27 @@ def _column(values, device, dtype) -> torch.Tensor:
     return host
 
 
-def sample(logits: torch.Tensor, seqs) -> tuple[torch.Tensor, list[int]]:
+def _ban_early_stops(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
+    """Rows short of their min_tokens cannot pick a token that would end them (EOS unless
+    ignored, and their stop_token_ids), as vLLM's min_tokens does."""
+    rows, cols = [], []
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        if params.min_tokens and seq.num_output_tokens < params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                   else set(eos_token_ids))
+            banned = [t for t in banned if 0 <= t < logits.shape[-1]]
+            rows += [row] * len(banned)
+            cols += banned
+    if not rows:
+        return logits
+    index = (_column(rows, logits.device, torch.long), _column(cols, logits.device, torch.long))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def sample(logits: torch.Tensor, seqs, eos_token_ids=()) -> tuple[torch.Tensor, list[int]]:
     """logits: [B, V] float32 -> (token ids [B], rows whose sampling failed)."""
+    logits = _ban_early_stops(logits, seqs, eos_token_ids)
     greedy = logits.argmax(dim=-1)
     rows = [i for i, seq in enumerate(seqs) if seq.params.temperature >= MIN_TEMPERATURE]
     if not rows:

@@ -30,7 +30,9 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    ignore_eos: bool = False          # EOS does not end the request (stop_token_ids still do)
+    min_tokens: int = 0               # EOS and stop_token_ids are not sampled before this many
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -43,22 +45,37 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 64:
             raise ValueError("seed must fit in 64 bits")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
 
 
 @dataclass(slots=True)
 class Timeline:
-    """Host monotonic instants (ns) of one request, plus its device-timed work."""
+    """Host monotonic instants (ns) of one request, plus its device-timed work.
+
+    NOTE: arrival is when the server received the request (before parsing, validation and
+    tokenization), so time to first token = front-end + queue + the first steps."""
     arrival_ns: int = field(default_factory=time.monotonic_ns)
+    queued_ns: int = 0             # entered the engine's waiting queue
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
+    first_text_ns: int = 0         # first non-empty text delivered
     last_token_ns: int = 0
     finished_ns: int = 0
     prefill_seconds: float = 0.0   # device time of the prefill step(s) that included it
     decode_seconds: float = 0.0    # device time of the decode steps that included it
 
     @property
+    def frontend_ns(self) -> int:
+        return self.queued_ns - self.arrival_ns if self.queued_ns else 0
+
+    @property
     def queue_ns(self) -> int:
-        return self.first_scheduled_ns - self.arrival_ns if self.first_scheduled_ns else 0
+        return self.first_scheduled_ns - self.queued_ns if self.first_scheduled_ns else 0
+
+    @property
+    def first_text_latency_ns(self) -> int:
+        return self.first_text_ns - self.arrival_ns if self.first_text_ns else 0
 
     @property
     def ttft_ns(self) -> int:
@@ -79,7 +96,7 @@ class Sequence:
                  "kv_query_blocks", "num_hashed_blocks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 lane: str = DEFAULT_LANE):
+                 lane: str = DEFAULT_LANE, arrival_ns: int | None = None):
         if not prompt_token_ids:
             raise ValueError("prompt must hold at least one token")
         self.request_id = request_id
@@ -93,7 +110,7 @@ class Sequence:
         self.num_cached_tokens = 0      # prompt tokens served from the prefix cache
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        self.timeline = Timeline()
+        self.timeline = Timeline() if arrival_ns is None else Timeline(arrival_ns)
         self.generator = None           # torch.Generator for seeded sampling
         self.skeleton = None            # engine.skeleton.Skeleton of the request, if known
         self.kv_hit_blocks = 0

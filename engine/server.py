@@ -121,11 +121,7 @@ async def messages(body: MessagesRequest, request: Request):
     """Anthropic Messages: one JSON message, or its SSE event sequence."""
     engine = _service(request).ready()
     _check_max_tokens(engine, body.max_tokens, "max_tokens")
-    params = SamplingParams(
-        max_tokens=body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=body.top_p or 1.0, top_k=body.top_k or 0,
-        stop=tuple(body.stop_sequences or ()))
+    params = _sampling(body, body.max_tokens, tuple(body.stop_sequences or ()))
     request_id = request.state.request_id
     queue = await _submit(engine, request, params, request_id,
                           messages=[m.model_dump() for m in body.messages],
@@ -160,10 +156,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_max_tokens(engine, max_tokens, "max_completion_tokens"
                           if body.max_completion_tokens else "max_tokens")
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    params = SamplingParams(
-        max_tokens=max_tokens or 256,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=body.top_p or 1.0, seed=body.seed, stop=stops)
+    params = _sampling(body, max_tokens or 256, stops, seed=body.seed)
     request_id = request.state.request_id
     messages = [{"role": m.role, "content": m.model_dump()["content"] or ""}
                 for m in body.messages]
@@ -218,6 +211,20 @@ def _system(system):
     return [block.model_dump() for block in system]
 
 
+def _sampling(body, max_tokens: int, stops: tuple[str, ...], seed: int | None = None):
+    """SamplingParams of either API's body (the same fields mean the same on both)."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0, top_k=body.top_k or 0, seed=seed, stop=stops,
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()))
+    except ValueError as exc:  # settings that contradict each other
+        field = str(exc).split(" ", 1)[0]
+        raise APIError(400, f"{field}: {exc}", param=field) from None
+
+
 def _lane(request: Request) -> str:
     lane = request.headers.get(LANE_HEADER, DEFAULT_LANE).strip().lower()
     if lane not in LANES:
@@ -243,7 +250,8 @@ async def _submit(engine: Engine, request: Request, params: SamplingParams, requ
 
     try:
         await asyncio.to_thread(engine.add_request, params=params, lane=lane,
-                                request_id=request_id, on_output=on_output, **prompt)
+                                request_id=request_id, arrival_ns=request.state.arrival_ns,
+                                on_output=on_output, **prompt)
     except QueueFullError as exc:
         raise APIError(429, f"{exc}; retry shortly", headers={"retry-after": "1"}) from None
     except NeverFitsError as exc:
@@ -291,7 +299,7 @@ async def _complete(first, queue, request, engine, request_id, render) -> JSONRe
     """A non-streaming answer: wait for the finish, then one body with the trace headers."""
     out = await _collect(first, queue, request, engine, request_id)
     _raise_if_failed(out)
-    return JSONResponse(render(out), headers=fmt.trace_headers(out.trace))
+    return JSONResponse(render(out), headers=fmt.final_trace_headers(out.trace))
 
 
 def _failure_message(out: RequestOutput) -> str:
@@ -332,6 +340,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         field = ".".join(loc) or "body"
         param = param or field
         msg = err.get("msg", "invalid value")
+        if err.get("type") == "extra_forbidden":  # never accepted and then ignored
+            msg = "not supported by this engine"
         parts.append(f"{field}: {msg.removeprefix('Value error, ')}")
     return "; ".join(parts), param
 

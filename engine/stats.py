@@ -53,7 +53,10 @@ class EngineStats:
             self.writer.inc(m.REQUESTS, stream=lane, status="rejected")
 
     def on_accepted(self, seq: Sequence) -> None:
-        if self.writer and seq.skeleton is not None:
+        if not self.writer:
+            return
+        self.writer.observe(m.FRONTEND, seq.timeline.frontend_ns * NS, stream=seq.lane)
+        if seq.skeleton is not None:
             self.writer.observe(m.SKELETON_COMPLEXITY, float(seq.skeleton.depth))
             self.writer.inc(m.SKELETON_REQUESTS,
                             skeleton=self.skeleton_labels.label(seq.skeleton.skeleton_id))
@@ -87,6 +90,11 @@ class EngineStats:
         else:
             self.writer.observe(m.INTER_TOKEN_LATENCY,
                                 (timeline.last_token_ns - previous_token_ns) * NS,
+                                stream=seq.lane)
+
+    def on_first_text(self, seq: Sequence) -> None:
+        if self.writer:
+            self.writer.observe(m.FIRST_TEXT, seq.timeline.first_text_latency_ns * NS,
                                 stream=seq.lane)
 
     def on_finished(self, seq: Sequence) -> None:

@@ -156,6 +156,17 @@ def test_every_engine_family_by_value(tmp_path):
             for bound, count in _buckets(spec, values).items():
                 assert _value(final, f"{spec.family}_bucket", stream=lane,
                               le=_le(bound)) == count, (spec.name, lane, bound)
+        # Front-end time: once per request that entered the queue (R and D included).
+        frontend = len(names) + 1  # R (throughput, aborted) and D (low_latency, failed)
+        assert _value(final, "ac_frontend_seconds_count", stream=lane) == frontend
+        # First visible text: once per request whose text is not empty, at the time its
+        # trace says.
+        texts = [outs[k].trace.first_text_ns for k in names if outs[k].new_text]
+        assert all(t > 0 for t in texts)
+        assert _value(final, "ac_time_to_first_text_seconds_count", stream=lane) == len(texts)
+        assert _value(final, "ac_time_to_first_text_seconds_sum", stream=lane) == \
+            pytest.approx(sum(texts) * 1e-9, abs=1e-9)
+        assert all(outs[k].trace.first_text_ns == 0 for k in names if not outs[k].new_text)
         # Queue time: once per first admission, D included (it was admitted, then failed).
         queue_count = len(names) + (lane == LOW)
         assert _value(final, "ac_queue_time_seconds_count", stream=lane) == queue_count
