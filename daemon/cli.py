@@ -62,6 +62,15 @@ def status(ctx: typer.Context,
 
 
 @app.command()
+def top(ctx: typer.Context,
+        window: str = typer.Option("60s", help="Window of the figures: 30s, 60s, 5m, 15m, "
+                                               "1h (w cycles through them).")) -> None:
+    """One live screen per engine and lane: TTFT, ITL, KV hit rate, stream use, queue."""
+    from ac_observe.daemon.cli_top import run_top
+    raise typer.Exit(run_top(ctx.obj, window))
+
+
+@app.command()
 def daemon(
     host: str = typer.Option("127.0.0.1", help="Interface to bind; off loopback needs a token."),
     port: int = typer.Option(DEFAULT_DAEMON_PORT, help="HTTP port (dcgm-exporter has 9400)."),

@@ -10,9 +10,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-STAT_COLUMNS = ("min", "mean", "p50", "p95", "max", "last")
-HISTOGRAM_COLUMNS = ("min_bucket_le", "mean", "p50", "p95", "max_bucket_le", "last")
-COLUMN_TITLES = {"min_bucket_le": "min≤", "max_bucket_le": "max≤"}
+from ac_observe.daemon.cli_render import metric_table
 
 
 class DaemonError(RuntimeError):
@@ -64,50 +62,6 @@ def _fail(console: Console, message: str) -> int:
     return 1
 
 
-def format_value(value, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == "ns":
-        return f"{value:,.0f}"
-    if unit == "%":
-        return f"{value:.1f}%"
-    if unit == "ms":
-        return f"{value:.3f}"
-    if unit == "B":
-        for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
-            if abs(value) < 1024 or suffix == "TiB":
-                return f"{value:.1f} {suffix}" if suffix != "B" else f"{value:.0f} B"
-            value /= 1024
-    return f"{value:.4g}"
-
-
-def _table(result: dict) -> Table:
-    unit = result["unit"]
-    series_list = result["series"]
-    # Labels shared by every series go in the title; the rows show only what differs.
-    common = dict(series_list[0]["labels"]) if series_list else {}
-    for series in series_list[1:]:
-        common = {k: v for k, v in common.items() if series["labels"].get(k) == v}
-    shared = " ".join(f"{k}={v}" for k, v in sorted(common.items()))
-    # Label values are data, never Rich markup (a model may be named "qwen[/]").
-    table = Table(title=escape(f"{result['metric']} ({unit}) over {result['window_seconds']:g}s"
-                               + (f"\n{shared}" if shared else "")))
-    # A histogram has no extremes, only the buckets that bound them.
-    columns = HISTOGRAM_COLUMNS if result["kind"] == "histogram" else STAT_COLUMNS
-    table.add_column("series")
-    for key in columns:
-        table.add_column(COLUMN_TITLES.get(key, key), justify="right")
-    table.add_column("n", justify="right")
-    for series in series_list:
-        name = ",".join(f"{k}={v}" for k, v in sorted(series["labels"].items())
-                        if k not in common) or "all"
-        table.add_row(escape(name), *(format_value(series[c], unit) for c in columns),
-                      str(series["samples"]))
-    if not result["series"]:
-        table.caption = "no data in this window yet"
-    return table
-
-
 def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
                 watch: bool) -> int:
     console = Console()
@@ -123,12 +77,14 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
                     return 0
                 time.sleep(2)
         if not watch:
-            console.print(_table(fetch()))
+            console.print(metric_table(fetch(), console.width), end="", soft_wrap=True)
             return 0
-        with Live(_table(fetch()), console=console, refresh_per_second=2) as live:
+        # Redrawn in place (no flicker), resized with the terminal.
+        with Live(metric_table(fetch(), console.width), console=console,
+                  refresh_per_second=4, auto_refresh=False) as live:
             while True:
                 time.sleep(2)
-                live.update(_table(fetch()))
+                live.update(metric_table(fetch(), console.width), refresh=True)
     except KeyboardInterrupt:
         return 0
     except DaemonError as exc:

@@ -104,8 +104,11 @@ class QueryEngine:
                since: float, label_filter: dict[str, str]) -> dict:
         handler = {"gauge": self._gauge, "histogram": self._histogram, "rate": self._rate,
                    "ratio": self._ratio}[friendly.kind]
-        series = [s for s in handler(view, friendly, since)
-                  if _matches(s["labels"], label_filter)]
+        series = []
+        for stats, events in handler(view, friendly, since):
+            if _matches(stats["labels"], label_filter):
+                stats["trend"] = trend(events, since, window_seconds, friendly.scale)
+                series.append(stats)
         series.sort(key=lambda s: sorted(s["labels"].items()))
         return {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
                 "source": friendly.source.name, "window_seconds": window_seconds,
@@ -125,9 +128,11 @@ class QueryEngine:
 
     def _gauge(self, view: WindowView, friendly: Friendly, since: float):
         for key in view.keys(friendly.source.name):
-            values = [v * friendly.scale for _, v in view.points(key)]
-            if values:
-                yield {"labels": dict(key[1]), **summarize(values)}
+            points = view.points(key)
+            if points:
+                yield ({"labels": dict(key[1]),
+                        **summarize([v * friendly.scale for _, v in points])},
+                       [(t, v, 1.0) for t, v in points])
 
     def _rate(self, view: WindowView, friendly: Friendly, since: float):
         for key in view.keys(friendly.source.name):
@@ -137,8 +142,11 @@ class QueryEngine:
             if rates:
                 span = points[-1][0] - points[0][0]
                 mean = increase(points) / span if span > 0 else None
-                yield {"labels": dict(key[1]), **summarize([r * friendly.scale for r in rates],
-                                                           mean * friendly.scale)}
+                events = [(tb, b - a if b >= a else b, tb - ta)
+                          for (ta, a), (tb, b) in zip(points, points[1:]) if tb > ta]
+                yield ({"labels": dict(key[1]),
+                        **summarize([r * friendly.scale for r in rates],
+                                    mean * friendly.scale)}, events)
 
     def _ratio(self, view: WindowView, friendly: Friendly, since: float):
         for key in view.keys(friendly.source.name):
@@ -146,15 +154,16 @@ class QueryEngine:
             num = dict(self._points(view, key, since))
             den = self._points(view, den_key, since)
             pairs = [(t, num[t], d) for t, d in den if t in num]
-            ratios = []
-            for (_, n0, d0), (_, n1, d1) in zip(pairs, pairs[1:]):
+            ratios, events = [], []
+            for (_, n0, d0), (t1, n1, d1) in zip(pairs, pairs[1:]):
                 if d1 > d0 and n1 >= n0:
                     ratios.append(friendly.scale * (n1 - n0) / (d1 - d0))
+                    events.append((t1, n1 - n0, d1 - d0))
             if ratios:
                 total_den = increase([(t, d) for t, _, d in pairs])
                 total_num = increase([(t, n) for t, n, _ in pairs])
-                yield {"labels": dict(key[1]),
-                       **summarize(ratios, friendly.scale * total_num / total_den)}
+                yield ({"labels": dict(key[1]),
+                        **summarize(ratios, friendly.scale * total_num / total_den)}, events)
 
     def _histogram(self, view: WindowView, friendly: Friendly, since: float):
         groups: dict[tuple, list] = {}
@@ -172,33 +181,49 @@ class QueryEngine:
                 continue
             sum_points = self._points(view, (family + "_sum", labels), since)
             count_points = self._points(view, (family + "_count", labels), since)
+            means = _interval_means(sum_points, count_points)  # the last one is "last"
             scale = friendly.scale
             first = next(i for i, (_, c) in enumerate(buckets) if c > 0)
             last = next(i for i, (_, c) in enumerate(buckets) if c >= count)
-            yield {"labels": dict(labels),
-                   # A histogram keeps no extremes: what it knows is the upper edge of the
-                   # lowest and of the highest occupied bucket (min <= the one, max <= the
-                   # other; +Inf past the last finite bucket).
-                   "min": None, "max": None,
-                   "min_bucket_le": scale * buckets[first][0],
-                   "max_bucket_le": scale * buckets[last][0],
-                   "mean": scale * increase(sum_points) / count,
-                   "p50": scale * bucket_quantile(0.5, buckets),
-                   "p95": scale * bucket_quantile(0.95, buckets),
-                   "p99": scale * bucket_quantile(0.99, buckets),
-                   "last": _scaled(_last_interval_mean(sum_points, count_points), scale),
-                   "samples": int(count)}
+            yield ({"labels": dict(labels),
+                    # A histogram keeps no extremes: what it knows is the upper edge of the
+                    # lowest and of the highest occupied bucket (min <= the one, max <= the
+                    # other; +Inf past the last finite bucket).
+                    "min": None, "max": None,
+                    "min_bucket_le": scale * buckets[first][0],
+                    "max_bucket_le": scale * buckets[last][0],
+                    "mean": scale * increase(sum_points) / count,
+                    "p50": scale * bucket_quantile(0.5, buckets),
+                    "p95": scale * bucket_quantile(0.95, buckets),
+                    "p99": scale * bucket_quantile(0.99, buckets),
+                    "last": scale * means[-1][1] / means[-1][2] if means else None,
+                    "samples": int(count)}, means)
 
 
-def _last_interval_mean(sum_points, count_points) -> float:
-    """Mean of the observations in the latest interval that had any."""
-    sums, counts = dict(sum_points), dict(count_points)
-    times = [t for t, _ in count_points if t in sums]
-    for later, earlier in zip(reversed(times), list(reversed(times))[1:]):
-        delta = counts[later] - counts[earlier]
-        if delta > 0:
-            return (sums[later] - sums[earlier]) / delta
-    return None
+TREND_SLOTS = 24
+
+
+def trend(events, since: float, window_seconds: float, scale: float) -> list:
+    """The window cut into TREND_SLOTS equal slots, oldest first: Σ numerator / Σ
+    denominator of the events (time, numerator, denominator) ending in each slot, scaled
+    (None where none did). A gauge's events are (t, value, 1): its mean per slot; a rate's
+    (t, increase, seconds); a ratio's (t, Δhits, Δlookups); a histogram's (t, Δsum, Δcount)."""
+    num, den = [0.0] * TREND_SLOTS, [0.0] * TREND_SLOTS
+    for t, numerator, denominator in events:
+        if t < since:
+            continue
+        slot = min(TREND_SLOTS - 1, int((t - since) / window_seconds * TREND_SLOTS))
+        num[slot] += numerator
+        den[slot] += denominator
+    return [scale * n / d if d > 0 else None for n, d in zip(num, den)]
+
+
+def _interval_means(sum_points, count_points) -> list[tuple[float, float, float]]:
+    """(time, Δsum, Δcount) of every interval in which a histogram had observations."""
+    sums = dict(sum_points)
+    pairs = [(t, sums[t], c) for t, c in count_points if t in sums]
+    return [(t1, s1 - s0, c1 - c0) for (_, s0, c0), (t1, s1, c1) in zip(pairs, pairs[1:])
+            if c1 > c0]
 
 
 def _friendly(name: str) -> Friendly:
@@ -206,10 +231,6 @@ def _friendly(name: str) -> Friendly:
     if friendly is None:
         raise KeyError(name)
     return friendly
-
-
-def _scaled(value, scale):
-    return None if value is None else value * scale
 
 
 def describe_friendly() -> list[dict]:

@@ -5,12 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# System packages the tests drive for real: promtool (Debian `prometheus`) and gcc.
+# System packages the tests drive for real: promtool (Debian `prometheus`), gcc, and tmux
+# (the CLI is tested in a real terminal).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  if ! command -v promtool >/dev/null || ! command -v gcc >/dev/null; then
+  if ! command -v promtool >/dev/null || ! command -v gcc >/dev/null \
+      || ! command -v tmux >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      prometheus gcc libc6-dev >/dev/null
+      prometheus gcc libc6-dev tmux >/dev/null
   fi
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv

@@ -1,0 +1,139 @@
+"""How the CLI shows figures: numbers scaled for reading, sparklines, and tables that fit
+any terminal from 60 columns up without cutting a number or a label.
+
+NOTE: output goes through a rich Console, so NO_COLOR and pipes (no terminal) give plain
+text without escape codes; `--json` never comes here and stays raw.
+"""
+from __future__ import annotations
+
+import math
+
+from rich.text import Text
+
+SPARK = "▁▂▃▄▅▆▇█"
+STAT_COLUMNS = ("min", "mean", "p50", "p95", "max", "last")
+HISTOGRAM_COLUMNS = ("min_bucket_le", "mean", "p50", "p95", "max_bucket_le", "last")
+COLUMN_TITLES = {"min_bucket_le": "min≤", "max_bucket_le": "max≤"}
+_TIME_STEPS = ((1e9, "s"), (1e6, "ms"), (1e3, "µs"), (1.0, "ns"))
+_TIME_IN_NS = {"ns": 1.0, "ms": 1e6, "s": 1e9}
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_DECIMAL = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+_SHORT_UNITS = {"levels": "lvl", "requests": "req"}  # cells stay narrow
+
+
+def _three(value: float) -> str:
+    """Three significant digits, never in exponent form for the ranges shown here."""
+    if value == 0:
+        return "0"
+    digits = max(0, 2 - int(math.floor(math.log10(abs(value)))))
+    text = f"{value:.{digits}f}"
+    if float(text) >= 1000 and digits == 0:  # rounding crossed into four digits
+        return f"{value:.0f}"
+    return text
+
+
+def human(value, unit: str) -> str:
+    """A figure in its metric's unit, scaled for reading: 9.87 ms, 41.2%, 1.50 GiB."""
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "∞"
+    if unit in _TIME_IN_NS:
+        ns = value * _TIME_IN_NS[unit]
+        for size, name in _TIME_STEPS:
+            if abs(ns) >= size or name == "ns":
+                return f"{_three(ns / size)} {name}"
+    if unit == "%":
+        return f"{_three(value)}%"
+    if unit == "B":
+        for name in _BINARY:
+            if abs(value) < 1024 or name == _BINARY[-1]:
+                return f"{_three(value)} {name}"
+            value /= 1024
+    if unit == "Hz":
+        for size, prefix in _DECIMAL:
+            if abs(value) >= size:
+                return f"{_three(value / size)} {prefix}Hz"
+        return f"{_three(value)} Hz"
+    unit = _SHORT_UNITS.get(unit, unit)
+    for size, prefix in _DECIMAL:
+        if abs(value) >= size:
+            return f"{_three(value / size)}{prefix} {unit}".rstrip()
+    return f"{_three(value)} {unit}".rstrip()
+
+
+def sparkline(values: list, width: int | None = None) -> str:
+    """Block characters from the lowest value to the highest; a gap where there was none.
+    With `width` the slots are merged (averaged) down to that many characters."""
+    if width is not None and width < len(values):
+        per = len(values) / width
+        merged = []
+        for i in range(width):
+            part = [v for v in values[int(i * per):int((i + 1) * per)] if v is not None]
+            merged.append(sum(part) / len(part) if part else None)
+        values = merged
+    present = [v for v in values if v is not None and math.isfinite(v)]
+    if not present:
+        return " " * len(values)
+    low, high = min(present), max(present)
+    out = []
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append(" ")
+        elif high == low:
+            out.append(SPARK[len(SPARK) // 2])
+        else:
+            out.append(SPARK[round((v - low) / (high - low) * (len(SPARK) - 1))])
+    return "".join(out)
+
+
+def metric_table(result: dict, width: int) -> Text:
+    """A query answer as lines of at most `width` columns (60 and up): one line per series
+    when its labels fit beside the numbers, else the labels (and trend) on a line of their
+    own above them. Numbers are never cut, labels never abbreviated."""
+    unit, series_list = result["unit"], result["series"]
+    columns = HISTOGRAM_COLUMNS if result["kind"] == "histogram" else STAT_COLUMNS
+    common = dict(series_list[0]["labels"]) if series_list else {}
+    for series in series_list[1:]:
+        common = {k: v for k, v in common.items() if series["labels"].get(k) == v}
+    out = Text()
+    out.append(f"{result['metric']} over {result['window_seconds']:g}s", style="bold")
+    out.append(f"  (unit {unit}, scaled for reading)\n", style="dim")
+    if common:
+        out.append(" ".join(f"{k}={v}" for k, v in sorted(common.items())) + "\n")
+    if not series_list:
+        out.append("no data in this window yet\n", style="dim")
+        return out
+    rows = []
+    for series in series_list:
+        label = ",".join(f"{k}={v}" for k, v in sorted(series["labels"].items())
+                         if k not in common) or "all"
+        cells = [human(series.get(c), unit) for c in columns] + [str(series["samples"])]
+        rows.append((label, cells, series.get("trend") or []))
+    titles = [COLUMN_TITLES.get(c, c) for c in columns] + ["n"]
+    widths = [max(len(t), *(len(cells[i]) for _, cells, _ in rows))
+              for i, t in enumerate(titles)]
+    sep = "  " if sum(widths) + 2 * (len(widths) - 1) <= width else " "
+    numbers = sum(widths) + len(sep) * (len(widths) - 1)
+    label_width = max(len("series"), *(len(label) for label, _, _ in rows))
+    spark = 24 if numbers + label_width + 28 <= width else 12
+    one_line = label_width + 2 + numbers + 2 + spark <= width
+
+    def number_line(cells) -> str:
+        return sep.join(cell.rjust(w) for cell, w in zip(cells, widths))
+
+    header = number_line(titles)
+    if one_line:
+        out.append(f"{'series'.ljust(label_width)}  {header}  {'trend'}\n", style="bold")
+        for label, cells, values in rows:
+            out.append(f"{label.ljust(label_width)}  {number_line(cells)}  ")
+            out.append(sparkline(values, spark) + "\n", style="cyan")
+        return out
+    out.append(f"{header}\n", style="bold")
+    for label, cells, values in rows:
+        out.append(label, style="bold")  # whole: the terminal wraps it, never cuts it
+        gap = width - len(label) - spark
+        out.append(" " * gap if gap >= 2 else "\n")
+        out.append(sparkline(values, spark) + "\n", style="cyan")
+        out.append(f"{number_line(cells)}\n")
+    return out

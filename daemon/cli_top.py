@@ -1,0 +1,135 @@
+"""`ac-observe top`: one live screen of the headline figures per engine and lane, every
+second, from the daemon's query API (so it works over the token-protected API too).
+
+Keys: w cycles the window, q quits; Ctrl-C quits. It leaves the terminal as it found it,
+and when the daemon goes away it says so in one line. Without a terminal it prints one
+snapshot and exits.
+"""
+from __future__ import annotations
+
+import os
+import select
+import sys
+import termios
+import time
+import tty
+
+from rich import box
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ac_observe.daemon.cli_query import DaemonError, get_json
+from ac_observe.daemon.cli_render import human
+
+WINDOWS = ("30s", "60s", "5m", "15m", "1h")
+# (key in a snapshot, friendly name, statistic)
+FIGURES = (
+    ("ttft_p50", "inference_latency_ns", "p50"), ("ttft_p95", "inference_latency_ns", "p95"),
+    ("itl_p95", "inter_token_latency_ms", "p95"), ("util", "cuda_stream_utilization", "mean"),
+    ("running", "requests_running", "last"), ("waiting", "requests_waiting", "last"),
+    ("hit", "kv_cache_hit_rate", "mean"), ("usage", "kv_cache_usage", "last"),
+    ("skeleton", "skeleton_complexity", "p50"),
+    ("gpu_util", "gpu_utilization", "last"), ("sm", "gpu_sm_occupancy", "last"),
+)
+
+
+def snapshot(obj: dict, window: str) -> dict:
+    """{figure: {(engine, lane) | engine | gpu: formatted value}}, plus collectors."""
+    figures = {}
+    for key, metric, stat in FIGURES:
+        answer = get_json(obj, "/api/v1/query", "series", metric=metric, window=window)
+        by = {}
+        for series in answer["series"]:
+            labels = series["labels"]
+            where = labels.get("gpu") or (labels.get("engine"), labels.get("stream"))
+            if where == (labels.get("engine"), None):
+                where = labels.get("engine")
+            by[where] = human(series[stat], answer["unit"])
+        figures[key] = by
+    status = get_json(obj, "/api/v1/status", "collectors")
+    return {"figures": figures, "collectors": status["collectors"],
+            "engines": status["engines"], "window": window}
+
+
+def render(snap: dict, url: str) -> Group:
+    figures = snap["figures"]
+    title = Text(f"ac-observe top {time.strftime('%H:%M:%S')}  window {snap['window']}  "
+                 f"[w] window [q] quit\n{url}", style="bold")
+    lanes = Table(title="lanes", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("engine", "lane", "TTFT p50", "TTFT p95", "ITL p95", "stream", "run",
+                   "wait"):
+        lanes.add_column(column, justify="left" if column in ("engine", "lane") else "right",
+                         no_wrap=column != "engine", overflow="fold")
+    keys = sorted(k for k in set().union(*(figures[f] for f in ("ttft_p50", "util",
+                                                                 "running")))
+                  if isinstance(k, tuple))
+    for engine, lane in keys:
+        cell = lambda f: figures[f].get((engine, lane), "-")  # noqa: E731
+        lanes.add_row(engine, lane, cell("ttft_p50"), cell("ttft_p95"), cell("itl_p95"),
+                      cell("util"), cell("running"), cell("waiting"))
+    engines = Table(title="engines", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("engine", "KV hit", "KV used", "skeleton p50", "state"):
+        engines.add_column(column, justify="left" if column in ("engine", "state")
+                           else "right", overflow="fold")
+    for e in snap["engines"]:
+        name = str(e.get("engine"))
+        state = "bad: " + e["error"] if e.get("error") else ("alive" if e["alive"] else "gone")
+        engines.add_row(name, figures["hit"].get(name, "-"), figures["usage"].get(name, "-"),
+                        figures["skeleton"].get(name, "-"), state)
+    parts = [title, lanes, engines]
+    gpus = sorted(set(figures["gpu_util"]) | set(figures["sm"]))
+    if gpus:
+        table = Table(title="GPUs", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in ("gpu", "utilisation", "SM occupancy"):
+            table.add_column(column, justify="right")
+        for gpu in gpus:
+            table.add_row(str(gpu), figures["gpu_util"].get(gpu, "-"),
+                          figures["sm"].get(gpu, "-"))
+        parts.append(table)
+    collectors = "  ".join(f"{c['name']} {'up' if c['up'] else 'down'}"
+                           for c in snap["collectors"])
+    parts.append(Text(f"collectors: {collectors}"))
+    return Group(*parts)
+
+
+def run_top(obj: dict, window: str) -> int:
+    console = Console()
+    if window not in WINDOWS:
+        window = WINDOWS[1]
+    try:
+        if not console.is_terminal or not sys.stdin.isatty():
+            console.print(render(snapshot(obj, window), obj["url"]))
+            return 0
+        return _live(console, obj, window)
+    except KeyboardInterrupt:
+        return 0
+    except DaemonError as exc:  # printed after the screen is given back
+        Console(stderr=True, soft_wrap=True).print(
+            f"ac-observe top: {exc}", highlight=False, markup=False)
+        return 1
+
+
+def _live(console: Console, obj: dict, window: str) -> int:
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)  # keys arrive one by one, unechoed
+    try:
+        with Live(console=console, screen=True, auto_refresh=False) as live:
+            due = 0.0
+            while True:
+                now = time.monotonic()
+                if now >= due:
+                    live.update(render(snapshot(obj, window), obj["url"]), refresh=True)
+                    due = now + 1.0
+                ready, _, _ = select.select([fd], [], [], max(0.0, due - time.monotonic()))
+                if ready:
+                    key = os.read(fd, 1).lower()
+                    if key == b"q":
+                        return 0
+                    if key == b"w":
+                        window = WINDOWS[(WINDOWS.index(window) + 1) % len(WINDOWS)]
+                        due = 0.0
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)

@@ -1,0 +1,191 @@
+"""The CLI as a person meets it: in a real terminal (tmux) at 80 and 120 columns, in pipes,
+with NO_COLOR, and `ac-observe top` live."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+import uuid
+
+import httpx
+import pytest
+
+from ac_observe import metrics as m
+from ac_observe.daemon.cli_render import human
+from ac_observe.engine.telemetry import TelemetryWriter
+from support.servers import AC_OBSERVE, EngineServer, run_cli, wait_for
+
+HEADLINE = ("inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",
+            "cuda_stream_utilization")
+NUMBER = re.compile(r"^(-|∞|\d+(\.\d+)?(k|M|G)?( ?(ns|µs|ms|s|%|lvl|req|B|KiB|MiB|GiB))?)$")
+ESCAPE = "\x1b["
+
+
+class Tmux:
+    """A detached tmux session of a given size running one shell command."""
+
+    def __init__(self, command: str, columns: int, rows: int = 50, env: dict | None = None):
+        self.name = f"ac-{uuid.uuid4().hex[:8]}"
+        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", str(columns),
+                        "-y", str(rows), f"{exports}{command}; sleep 600"], check=True)
+
+    def screen(self, escapes: bool = False) -> str:
+        args = ["tmux", "capture-pane", "-p", "-t", self.name] + (["-e"] if escapes else [])
+        return subprocess.run(args, capture_output=True, text=True, check=True).stdout
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """A daemon and an engine that served traffic on both lanes, then went quiet."""
+    from support.servers import DaemonProcess
+    root = tmp_path_factory.mktemp("terminal") / "telemetry"
+    root.mkdir()
+    daemon = DaemonProcess(root, "--collectors", "engine").wait_ready()
+    engine = EngineServer(root / "e1", "--engine-name", "e1").wait_ready()
+    system = "<rules>Answer briefly.</rules> " * 10
+    for i in range(24):
+        response = httpx.post(engine.url + "/v1/messages", timeout=60,
+                              headers={"x-ac-stream": m.LANES[i % 2]}, json={
+                                  "model": "tiny", "max_tokens": 6, "system": system,
+                                  "messages": [{"role": "user",
+                                                "content": f"# Q{i}\n- <b>{i}</b>"}]})
+        assert response.status_code == 200
+    time.sleep(2.5)
+    yield daemon
+    engine.stop()
+    daemon.stop()
+
+
+def _data_lines(screen: str) -> list[list[str]]:
+    """The number rows of a metric table: cells split on runs of spaces."""
+    rows = []
+    for line in screen.splitlines():
+        cells = [c for c in re.split(r"\s{2,}|(?<=\S) (?=\d|-|∞)", line.strip()) if c]
+        numeric = [c for c in cells if c[:1].isdigit() or c in ("-", "∞")]
+        if len(numeric) >= 6:
+            rows.append(numeric)
+    return rows
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_tables_fit_with_complete_numbers_and_whole_labels(live, columns):
+    for metric in HEADLINE:
+        tmux = Tmux(f"{AC_OBSERVE} --daemon {live.url} --metric {metric} --window 5m", columns)
+        try:
+            screen = wait_for(lambda: (s := tmux.screen()) and "over 300s" in s and
+                              ("stream=" in s or "all" in s) and s, 20, metric)
+        finally:
+            tmux.close()
+        assert "…" not in screen, screen
+        rows = _data_lines(screen)
+        assert rows, screen
+        for row in rows:
+            for cell in row:
+                assert NUMBER.match(cell), (metric, columns, cell, screen)
+            assert any(re.search(r"\d", c) for c in row)
+        if metric in ("inference_latency_ns", "cuda_stream_utilization"):
+            for lane in m.LANES:  # label values whole, never cut
+                assert f"stream={lane}" in screen, screen
+        if metric == "inference_latency_ns":
+            assert re.search(r"\d+(\.\d+)? ms", screen), screen  # ns scaled to ms
+
+
+def test_piped_output_is_plain_and_no_color_is_respected(live):
+    piped = run_cli("--daemon", live.url, "--metric", "inference_latency_ns", "--window", "5m")
+    assert piped.returncode == 0 and ESCAPE not in piped.stdout and "ms" in piped.stdout
+    top = run_cli("--daemon", live.url, "top", "--window", "5m")
+    assert top.returncode == 0 and ESCAPE not in top.stdout and "low_latency" in top.stdout
+    colours = {}
+    for no_color in ("", "1"):  # in colour by default (the check is not blind), then not
+        tmux = Tmux(f"{AC_OBSERVE} --daemon {live.url} --metric kv_cache_hit_rate "
+                    "--window 5m", 100, env={"NO_COLOR": no_color} if no_color else {})
+        try:
+            screen = wait_for(lambda: (s := tmux.screen(escapes=True)) and "over 300s" in s
+                              and "%" in s and s, 20, "the table")
+        finally:
+            tmux.close()
+        codes = [c for sgr in re.findall(r"\x1b\[([0-9;]*)m", screen) for c in sgr.split(";")]
+        # Colour codes; 39 and 49 only reset to the terminal's defaults.
+        colours[no_color] = [c for c in codes if re.fullmatch(r"3[0-8]|4[0-8]|9\d|10\d", c)]
+    assert colours[""] and not colours["1"], colours
+
+
+def test_a_rising_series_draws_a_rising_sparkline(start_daemon, tmp_path):
+    root = tmp_path / "telemetry"
+    daemon = start_daemon(root, "--collectors", "engine", "--interval", "0.5s")
+    writer = TelemetryWriter(root / "e1", {"started_at": time.time()}, engine="e1", model="m")
+    try:
+        for step in range(24):  # KV usage climbing for 12 s
+            writer.set(m.KV_USAGE, step / 24)
+            time.sleep(0.5)
+        answer = json.loads(run_cli("--daemon", daemon.url, "--metric", "kv_cache_usage",
+                                    "--window", "12s", "--json").stdout)
+        out = run_cli("--daemon", daemon.url, "--metric", "kv_cache_usage", "--window", "12s",
+                      env={**os.environ, "COLUMNS": "120"})
+    finally:
+        writer.close()
+    trend = [v for v in answer["series"][0]["trend"] if v is not None]
+    assert trend == sorted(trend) and len(set(trend)) > 5
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("all")]
+    spark = [c for c in row.split()[-1] if c in "▁▂▃▄▅▆▇█"]
+    levels = ["▁▂▃▄▅▆▇█".index(c) for c in spark]
+    assert levels == sorted(levels) and len(set(levels)) >= 4, row
+
+
+def test_top_shows_the_figures_of_the_json_answers_and_exits_cleanly(live, tmp_path):
+    exit_file = tmp_path / "exit"
+    stty = tmp_path / "stty"
+    tmux = Tmux(f"stty -g > {stty}.before; {AC_OBSERVE} --daemon {live.url} top "
+                f"--window 5m; echo $? > {exit_file}; stty -g > {stty}.after", 80, 40)
+    try:
+        screen = wait_for(lambda: (s := tmux.screen()) and "lanes" in s and "engines" in s
+                          and "low_latency" in s and s, 30, "top's screen")
+        ttft = json.loads(run_cli("--daemon", live.url, "--metric", "inference_latency_ns",
+                                  "--window", "5m", "--json").stdout)
+        hits = json.loads(run_cli("--daemon", live.url, "--metric", "kv_cache_hit_rate",
+                                  "--window", "5m", "--json").stdout)
+        for series in ttft["series"]:
+            lane = series["labels"]["stream"]
+            (line,) = [row for row in screen.splitlines() if f" {lane} " in f" {row} "]
+            assert human(series["p50"], "ns") in line and human(series["p95"], "ns") in line
+        (line,) = [row for row in screen.splitlines() if row.strip().startswith("e1") and
+                   "alive" in row]
+        assert human(hits["series"][0]["mean"], "%") in line
+        assert "window 5m" in screen
+        tmux.keys("w")  # the window changes on a key
+        wait_for(lambda: "window 15m" in tmux.screen(), 10, "the next window")
+        tmux.keys("C-c")
+        wait_for(lambda: exit_file.exists() and exit_file.read_text().strip(), 10, "exit")
+        assert exit_file.read_text().strip() == "0"
+        wait_for(lambda: (stty.parent / "stty.after").exists(), 10, "stty")
+        assert (stty.parent / "stty.after").read_text() == \
+            (stty.parent / "stty.before").read_text()  # the terminal is as it was
+    finally:
+        tmux.close()
+
+
+def test_top_says_in_one_line_when_the_daemon_goes_away(start_daemon, tmp_path):
+    daemon = start_daemon(None, "--collectors", "engine")
+    out_file = tmp_path / "out"
+    tmux = Tmux(f"{AC_OBSERVE} --daemon {daemon.url} top 2> {out_file}; echo $? >> {out_file}",
+                80, 30)
+    try:
+        wait_for(lambda: "lanes" in tmux.screen(), 30, "top's screen")
+        daemon.stop()
+        wait_for(lambda: out_file.exists() and out_file.read_text().strip().endswith("1"), 15,
+                 "top to exit")
+    finally:
+        tmux.close()
+    lines = out_file.read_text().strip().splitlines()
+    assert len(lines) == 2 and "cannot reach the ac-observe daemon" in lines[0], lines
+    assert "Traceback" not in out_file.read_text()
