@@ -16,7 +16,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from ac_observe.metrics import COUNTER, GAUGE, HISTOGRAM, MetricSpec
 
 REGISTRY: dict[str, Callable[..., "Collector"]] = {}
-BUILTIN = ("engine", "nvml")
+BUILTIN = ("engine", "nvml", "ebpf")
 _FAMILY_CLASSES = {COUNTER: CounterMetricFamily, GAUGE: GaugeMetricFamily,
                    HISTOGRAM: HistogramMetricFamily}
 

@@ -35,6 +35,10 @@ STEP_BUCKETS_SECONDS = (
     0.64, 1.28, 2.56, 5.12,
 )
 SKELETON_DEPTH_BUCKETS = tuple(float(d) for d in range(1, 17))
+# The eBPF collector's histograms are log2 in the kernel (a slot per power of two of the
+# nanoseconds), so their buckets are those powers of two, 2^8 ns (256 ns) to 2^35 ns (34 s).
+LOG2_FIRST_EXPONENT = 8
+LOG2_BUCKETS_SECONDS = tuple(2.0 ** k / 1e9 for k in range(LOG2_FIRST_EXPONENT, 36))
 
 # A base unit in a family's name is its last word (before _total for counters).
 # (Ratios too, but for ac_cuda_stream_utilization, a name users already rely on.)
@@ -188,11 +192,13 @@ CUDA_KERNEL_LAUNCHES = _ebpf("ac_cuda_kernel_launches_total", COUNTER, "CUDA ker
 CUDA_GRAPH_LAUNCHES = _ebpf("ac_cuda_graph_launches_total", COUNTER, "CUDA graph launches.",
                             (), "launches")
 CUDA_LAUNCH_CALL = _ebpf("ac_cuda_launch_call_seconds", HISTOGRAM,
-                         "Host time inside a launch call.", (), "seconds", STEP_BUCKETS_SECONDS)
+                         "Host time inside a kernel or graph launch call.", (), "seconds",
+                         LOG2_BUCKETS_SECONDS)
 CUDA_SYNC_WAIT = _ebpf("ac_cuda_sync_wait_seconds", HISTOGRAM,
-                       "Host time blocked in a CUDA sync.", ("api",), "seconds",
-                       LATENCY_BUCKETS_SECONDS)
-CUDA_MEMCPY_BYTES = _ebpf("ac_cuda_memcpy_bytes_total", COUNTER, "Bytes copied by cudaMemcpy*.",
+                       "Host time blocked in a CUDA stream, event or device synchronisation.",
+                       ("api",), "seconds", LOG2_BUCKETS_SECONDS)
+CUDA_MEMCPY_BYTES = _ebpf("ac_cuda_memcpy_bytes_total", COUNTER,
+                          "Bytes copied by cuMemcpy*/cudaMemcpy* by direction.",
                           ("direction",), "bytes")
 
 EBPF_METRICS = (CUDA_KERNEL_LAUNCHES, CUDA_GRAPH_LAUNCHES, CUDA_LAUNCH_CALL, CUDA_SYNC_WAIT,
@@ -319,6 +325,14 @@ FRIENDLY = {f.name: f for f in (
              "Tensor cores active (GPM, Hopper+)."),
     Friendly("gpu_dram_active", GAUGE_KIND, GPU_DRAM_ACTIVE, "%", 100.0,
              "DRAM bandwidth used (GPM, Hopper+)."),
+    Friendly("kernel_launch_rate", RATE_KIND, CUDA_KERNEL_LAUNCHES, "1/s", 1.0,
+             "CUDA kernel launches per second, per process and stream (eBPF)."),
+    Friendly("graph_launch_rate", RATE_KIND, CUDA_GRAPH_LAUNCHES, "1/s", 1.0,
+             "CUDA graph launches per second, per process (eBPF)."),
+    Friendly("sync_wait_ns", HISTOGRAM_KIND, CUDA_SYNC_WAIT, "ns", 1e9,
+             "Host time blocked in CUDA synchronisation, per process and API (eBPF)."),
+    Friendly("memcpy_bytes_rate", RATE_KIND, CUDA_MEMCPY_BYTES, "B/s", 1.0,
+             "Bytes copied per second by direction (eBPF)."),
 )}
 
 

@@ -192,7 +192,8 @@ class ValueFile:
 
 _INFO_FIELDS = {"engine": str, "model": str, "pid": int, "telemetry_format": str}
 _OPTIONAL_FIELDS = {"engine_id": str, "api_address": str, "started_at": (int, float),
-                    "device": str, "num_kv_blocks": int, "block_size": int}
+                    "device": str, "num_kv_blocks": int, "block_size": int,
+                    "cuda_streams": dict}  # lane -> CUDA stream handle, on a GPU
 
 
 def parse_engine_info(raw: bytes) -> dict:
@@ -211,6 +212,10 @@ def parse_engine_info(raw: bytes) -> dict:
     for name, typ in _OPTIONAL_FIELDS.items():
         if name in info and (not isinstance(info[name], typ) or isinstance(info[name], bool)):
             raise ValueError(f"engine.json: {name!r} has the wrong type")
+    streams = info.get("cuda_streams", {})
+    if len(streams) > 8 or not all(isinstance(k, str) and isinstance(v, int)
+                                   and not isinstance(v, bool) for k, v in streams.items()):
+        raise ValueError("engine.json: 'cuda_streams' must map lane names to stream handles")
     if not 0 < info["pid"] <= MAX_PID:
         raise ValueError(f"engine.json: pid {info['pid']} is out of range")
     if info["telemetry_format"] != TELEMETRY_FORMAT:

@@ -80,7 +80,14 @@ def daemon(
     token_file: Path = typer.Option(None, help="File holding the bearer token."),
     interval: str = typer.Option("1s", help="Collection interval."),
     window: str = typer.Option("1h", help="In-memory history for queries."),
-    collectors: str = typer.Option("engine,nvml", help="Enabled collectors, comma-separated."),
+    collectors: str = typer.Option("engine,nvml,ebpf",
+                                   help="Enabled collectors, comma-separated."),
+    ebpf_probes: str = typer.Option("", help="eBPF probe groups (default all): launch, graph, "
+                                             "sync, memcpy, launch_latency."),
+    ebpf_pids: str = typer.Option("", help="eBPF: only these pids (default every CUDA "
+                                           "process)."),
+    ebpf_comm: str = typer.Option("", help="eBPF: only processes whose name matches this "
+                                           "regex."),
     collector_timeout: str = typer.Option("2s", help="A collector slower than this is down."),
     telemetry_root: str = typer.Option("", help="Where engines write telemetry "
                                                 "(default $AC_OBSERVE_TELEMETRY_DIR)."),
@@ -109,7 +116,9 @@ def daemon(
             collector_timeout_seconds=parse_duration(collector_timeout),
             telemetry_root=telemetry_root or default_telemetry_root(),
             engine_stale_seconds=parse_duration(engine_stale),
-            engine_grace_seconds=parse_duration(engine_grace))
+            engine_grace_seconds=parse_duration(engine_grace),
+            ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,
+            ebpf_pids=tuple(int(p) for p in _names(ebpf_pids)))
         service = Daemon(config)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -129,6 +138,10 @@ def daemon(
         raise typer.Exit(2)
     finally:
         service.close()
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _read_token(token: str | None, token_file: Path | None) -> str | None:

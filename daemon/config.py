@@ -8,7 +8,7 @@ from pathlib import Path
 from ac_observe.metrics import DEFAULT_DAEMON_PORT
 from ac_observe.telemetry_format import default_telemetry_root
 
-DEFAULT_COLLECTORS = ("engine", "nvml")
+DEFAULT_COLLECTORS = ("engine", "nvml", "ebpf")
 
 
 def is_loopback(host: str) -> bool:
@@ -32,6 +32,9 @@ class DaemonConfig:
     telemetry_root: Path = field(default_factory=default_telemetry_root)
     engine_stale_seconds: float = 5.0     # no heartbeat for this long: the engine is gone
     engine_grace_seconds: float = 30.0    # then its series stay this long before they vanish
+    ebpf_probes: tuple[str, ...] = ()     # probe groups (empty: all)
+    ebpf_pids: tuple[int, ...] = ()       # only these processes (empty: every CUDA process)
+    ebpf_comm: str = ""                   # only processes whose name matches this regex
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)

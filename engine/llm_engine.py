@@ -183,6 +183,9 @@ class Engine:
                 "engine_id": uuid.uuid4().hex, "api_address": config.api_address,
                 "started_at": time.time(), "device": str(self.runner.device),
                 "num_kv_blocks": self.block_manager.num_blocks, "block_size": config.block_size,
+                # The eBPF collector names launches on these streams by lane.
+                "cuda_streams": {lane: stream.cuda_stream
+                                 for lane, stream in self.runner.streams.items()},
             }, engine=config.engine_name, model=self.model_name)
         self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k))
         self.stats.on_state(self.scheduler, self.block_manager)

@@ -16,7 +16,9 @@ random `random-1b` preset. Checks:
  5. event-timed step time against the kernels' own time (torch.profiler), within 10 %;
  6. both lanes' loads at once finish in under 90 % of the time each takes alone (their
     streams really overlap); utilisation summed over the lanes is reported;
- 7. NVML through the collector (GPM SM occupancy non-zero under load on Hopper+);
+ 7. NVML through the collector (GPM SM occupancy non-zero under load on Hopper+); the eBPF
+    collector on the engine: launches per lane and sync waits moving with load (needs root
+    and bcc; the script says when it cannot run);
  8. the ~1B model: tokens/s at batch 1 and 16, decode step time against the memory-bandwidth
     floor (weights + KV read per step / HBM bandwidth measured here).
 With --dry-run the same code runs on the CPU with the tiny preset; the verdicts that only a
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -215,8 +218,9 @@ def lanes_overlap(model: str, device: str) -> None:
             for handle in _load(engine, lanes=lanes, count=4, new_tokens=8):  # warm-up
                 handle.result()
             started = time.perf_counter()
-            outs = [h.result() for h in _load(engine, lanes=lanes, count=32 * len(lanes),
-                                              new_tokens=128)]
+            per_lane, tokens = (32, 128) if device == "cuda" else (4, 16)  # dry run: short
+            outs = [h.result() for h in _load(engine, lanes=lanes, count=per_lane * len(lanes),
+                                              new_tokens=tokens)]
             wall = time.perf_counter() - started
             return wall, {n: t.busy_seconds for n, t in engine.stats.lanes.items()}, outs
 
@@ -265,6 +269,50 @@ def nvml_under_load(model: str, device: str) -> None:
                                                    type("F", (), {"samples": []})).samples]
         check("GPM SM occupancy non-zero under load", any(v > 0 for v in occupancy),
               str(occupancy))
+
+
+def ebpf_on_the_engine(model: str, device: str) -> None:
+    """The eBPF collector attached to this process's CUDA libraries: launches named by lane
+    (engine.json publishes the streams) and sync waits, before and after some load."""
+    from types import SimpleNamespace
+
+    from ac_observe.collectors.base import CollectorUnavailable
+    from ac_observe.collectors.ebpf import EbpfCollector
+    name = "eBPF launches per lane and sync waits move with load"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "telemetry"
+        with Engine(EngineConfig(model=model, device=device, overlap_lanes="on",
+                                 telemetry_dir=str(root / "e1"))) as engine:
+            collector = EbpfCollector(SimpleNamespace(telemetry_root=root))
+            try:
+                before = _ebpf_counts(collector)
+            except CollectorUnavailable as exc:
+                skip(name, f"the collector cannot run here: {exc}")
+                collector.close()
+                return
+            outs = [h.result() for h in _load(engine, count=32, new_tokens=32)]
+            after = _ebpf_counts(collector)
+            collector.close()
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    for key, value in sorted(moved.items()):
+        figure(f"eBPF {key}", value)
+    lanes = [moved.get(("launches", lane), 0) for lane in ("low_latency", "throughput")]
+    check(name, min(lanes) > 0 and sum(v for (kind, _), v in moved.items()
+                                       if kind == "waits") > 0, str(moved), gpu_only=True)
+    no_errors(outs, "eBPF run")
+
+
+def _ebpf_counts(collector) -> dict:
+    counts = {}
+    for family in collector.collect():
+        for sample in family.samples:
+            if sample.labels.get("pid") != str(os.getpid()):
+                continue
+            if sample.name == "ac_cuda_kernel_launches_total":
+                counts[("launches", sample.labels["stream"])] = sample.value
+            elif sample.name == "ac_cuda_sync_wait_seconds_count":
+                counts[("waits", sample.labels["api"])] = sample.value
+    return counts
 
 
 def big_model(model: str, device: str, skip_bench: bool) -> None:
@@ -344,7 +392,8 @@ def main() -> int:
         logits_vs_transformers(folder, device)
         greedy_float64(folder, device)
         two_lanes(folder, device)
-    for run in (no_hidden_syncs, timing_vs_profiler, lanes_overlap, nvml_under_load):
+    for run in (no_hidden_syncs, timing_vs_profiler, lanes_overlap, nvml_under_load,
+                ebpf_on_the_engine):
         run(big, device)
     big_model(big, device, args.skip_bench)
     figure("seconds", round(time.perf_counter() - started, 1))

@@ -5,14 +5,30 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# System packages the tests drive for real: promtool (Debian `prometheus`), gcc, and tmux
-# (the CLI is tested in a real terminal).
+# System packages the tests drive for real: promtool (Debian `prometheus`), gcc, tmux (the
+# CLI is tested in a real terminal), bcc and kernel headers (the eBPF collector).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if ! command -v promtool >/dev/null || ! command -v gcc >/dev/null \
-      || ! command -v tmux >/dev/null; then
+      || ! command -v tmux >/dev/null || [ ! -d /usr/lib/python3/dist-packages/bcc ] \
+      || ! ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      prometheus gcc libc6-dev tmux >/dev/null
+      prometheus gcc libc6-dev tmux python3-bpfcc linux-headers-amd64 >/dev/null
+  fi
+  # bcc compiles against /lib/modules/$(uname -r)/build. A kernel with no headers package
+  # of its own (a VM's) can use Debian's: uprobe programs need no kernel internals.
+  modules=/lib/modules/$(uname -r)
+  if [ ! -e "$modules/build" ]; then
+    headers=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
+    if [ -n "$headers" ]; then
+      mkdir -p "$modules"
+      ln -sfn "$headers" "$modules/build"
+      ln -sfn "${headers%-amd64}-common" "$modules/source"
+    fi
+  fi
+  # bcc removes its uprobes through tracefs.
+  if [ -d /sys/kernel/tracing ] && ! mountpoint -q /sys/kernel/tracing; then
+    mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || true
   fi
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv

@@ -1,7 +1,6 @@
 """Collector isolation in the daemon, and the NVML collector through the real pynvml."""
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -13,8 +12,8 @@ from ac_observe.collectors.base import Collector, CollectorUnavailable
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
 from support.servers import sample_value
+from support.standins import build_nvml
 
-STANDIN = Path(__file__).parent / "standins" / "nvml_standin.c"
 
 
 class Ticker(Collector):
@@ -106,10 +105,7 @@ def test_raising_and_hanging_collectors_are_isolated_and_recover(tmp_path):
 
 @pytest.fixture(scope="module")
 def nvml_standin(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("nvml")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-o",
-                    str(folder / "libnvidia-ml.so.1"), str(STANDIN)], check=True)
-    return folder
+    return build_nvml(tmp_path_factory.mktemp("nvml"))
 
 
 def test_nvml_collector_exports_the_libraries_values_exactly(start_daemon, nvml_standin):

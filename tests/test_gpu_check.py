@@ -25,6 +25,7 @@ def test_gpu_check_dry_run_passes_and_reports_every_check(tmp_path):
     # The GPU-only verdicts ran their code and are reported, not silently absent.
     for name in ("steps synchronise only on their own end event",
                  "event step times within 10 % of kernel time",
-                 "lanes overlap: both together take under 90 % of each alone", "NVML"):
+                 "lanes overlap: both together take under 90 % of each alone", "NVML",
+                 "eBPF launches per lane and sync waits move with load"):
         assert verdicts[name] is None, name
     assert results["figures"]["tokens/s at batch 16"] > 0
