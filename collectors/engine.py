@@ -51,11 +51,14 @@ class BadEngine(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    """One checked key: where its value goes in the exposition."""
+    """One checked key: where its value goes in the exposition, built once per key so a
+    cycle only adds values (NOTE: the label dicts are shared; nobody mutates them)."""
     family: str
     sample: str
     labels: tuple              # in the contract's label order, without le
     le: float | None
+    sample_labels: dict        # the sample's labels, le included for a bucket
+    count_labels: dict         # a bucket's `_count` labels (its labels without le)
 
 
 class _FileIndex:
@@ -353,7 +356,11 @@ def _check_key(key: str, expected: dict[str, str]) -> _Entry | str:
         if (allowed is not None and value not in allowed) or \
                 not 0 < len(value) <= MAX_LABEL_VALUE_CHARS:
             return f"{family}: {label}={value[:40]!r} is not allowed"
-    return _Entry(family, sample, tuple((label, labels[label]) for label in spec.labels), le)
+    ordered = tuple((label, labels[label]) for label in spec.labels)
+    sample_labels = dict(ordered)
+    if le is not None:
+        sample_labels["le"] = floatToGoString(le)
+    return _Entry(family, sample, ordered, le, sample_labels, dict(ordered))
 
 
 def _merge(families: dict[str, Metric], samples: list) -> None:
@@ -365,15 +372,19 @@ def _merge(families: dict[str, Metric], samples: list) -> None:
             spec = _SPECS[entry.family]
             metric = families[entry.family] = Metric(spec.family, spec.help, spec.type)
         if entry.le is None:
-            metric.add_sample(entry.sample, dict(entry.labels), value)
+            metric.add_sample(entry.sample, entry.sample_labels, value)
         else:
-            buckets.setdefault((entry.family, entry.labels), []).append((entry.le, value))
-    for (family, labels), counts in buckets.items():
+            buckets.setdefault((entry.family, entry.labels), []).append((entry.le, value,
+                                                                         entry))
+    for (family, _), counts in buckets.items():
         metric = families[family]
-        counts.sort()
+        counts.sort(key=_by_bound)
         total = 0.0
-        for le, value in counts:
+        for _, value, entry in counts:
             total += value  # stored per bucket; exposed cumulative
-            metric.add_sample(f"{family}_bucket", {**dict(labels), "le": floatToGoString(le)},
-                              total)
-        metric.add_sample(f"{family}_count", dict(labels), total)
+            metric.add_sample(entry.sample, entry.sample_labels, total)
+        metric.add_sample(f"{family}_count", counts[0][2].count_labels, total)
+
+
+def _by_bound(item: tuple) -> float:
+    return item[0]

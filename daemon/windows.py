@@ -33,17 +33,17 @@ class Windows:
     def append(self, timestamp: float, samples: dict[SeriesKey, float]) -> None:
         index = self.cycle % self.capacity
         self.times[index] = timestamp
-        for key, ring in self.series.items():
-            if key not in samples:
-                ring[index] = NAN
+        series, last_seen, cycle = self.series, self._last_seen, self.cycle
+        for key in series.keys() - samples.keys():  # absent this cycle (set difference, in C)
+            series[key][index] = NAN
         for key, value in samples.items():
-            ring = self.series.get(key)
+            ring = series.get(key)
             if ring is None:
-                ring = self.series[key] = array("d", [NAN]) * self.capacity
+                ring = series[key] = array("d", [NAN]) * self.capacity
                 self.by_sample.setdefault(key[0], set()).add(key)
                 self.first_seen[key] = timestamp
             ring[index] = value
-            self._last_seen[key] = self.cycle
+            last_seen[key] = cycle
         self.cycle += 1
         if self.cycle % self.capacity == 0:  # drop series absent for a whole window
             horizon = self.cycle - self.capacity
