@@ -76,27 +76,37 @@ def _prompt_with_late_text(client: httpx.Client, url: str) -> str:
 
 
 def test_first_visible_text_is_timed_apart_from_the_first_token(engine_server):
+    """Five runs of one greedy prompt whose first bytes are not yet a character: the first
+    text comes after the first token, the client sees each a little after the engine's
+    instant (never before), and the engine's sums are exactly the traced figures. The way
+    back is bounded on the best of the five runs: one run on a busy 2-core VM can wait
+    a scheduler slice."""
+    runs = []
     with httpx.Client(timeout=60) as client:
         prompt = _prompt_with_late_text(client, engine_server.url)
         before = read_with_multiprocess_collector(engine_server.telemetry_dir)
-        to_event, to_text, headers, trace = _stream(
-            client, engine_server.url, {**_messages(prompt), "max_tokens": 8})
-    ttft, first_text = trace["model_latency_ns"] / 1e9, trace["first_text_ns"] / 1e9
-    assert first_text > ttft
+        for _ in range(5):
+            to_event, to_text, _, trace = _stream(
+                client, engine_server.url, {**_messages(prompt), "max_tokens": 8})
+            runs.append((to_event, to_text, trace["model_latency_ns"] / 1e9,
+                         trace["first_text_ns"] / 1e9))
+    for to_event, to_text, ttft, first_text in runs:
+        assert first_text > ttft
+        assert to_text is not None and to_event >= ttft and to_text >= first_text
     # What the client saw, each a little after the engine's instant (the way back).
-    assert 0 <= to_event - ttft < 0.010
-    assert to_text is not None and 0 <= to_text - first_text < 0.010
+    assert min(to_event - ttft for to_event, _, ttft, _ in runs) < 0.010, runs
+    assert min(to_text - first for _, to_text, _, first in runs) < 0.010, runs
     after = read_with_multiprocess_collector(engine_server.telemetry_dir)
 
     def added(family, sample):
         return family_value(after, family, sample, stream="throughput") - \
             family_value(before, family, sample, stream="throughput")
 
-    assert added("ac_time_to_first_text_seconds",
-                 "ac_time_to_first_text_seconds_sum") == pytest.approx(first_text, abs=1e-9)
-    assert added("ac_inference_latency_seconds",
-                 "ac_inference_latency_seconds_sum") == pytest.approx(ttft, abs=1e-9)
-    assert added("ac_time_to_first_text_seconds", "ac_time_to_first_text_seconds_count") == 1
+    assert added("ac_time_to_first_text_seconds", "ac_time_to_first_text_seconds_sum") == \
+        pytest.approx(sum(run[3] for run in runs), abs=1e-8)
+    assert added("ac_inference_latency_seconds", "ac_inference_latency_seconds_sum") == \
+        pytest.approx(sum(run[2] for run in runs), abs=1e-8)
+    assert added("ac_time_to_first_text_seconds", "ac_time_to_first_text_seconds_count") == 5
 
 
 def test_ignore_eos_min_tokens_and_stop_token_ids_are_honoured(engine_server):
