@@ -22,6 +22,9 @@ REQUEST_STATUSES = ("ok", "error", "aborted", "rejected")
 DEFAULT_ENGINE_PORT = 8000
 DEFAULT_DAEMON_PORT = 9410  # dcgm-exporter already takes 9400
 OTHER_SKELETON = "other"
+NO_SKELETON = "none"  # requests sent as token ids carry no text, so no skeleton
+# Why a looked-up prefix block missed (ARCHITECTURE.md, "Cache-miss attribution").
+MISS_EVICTED, MISS_COLD, MISS_DIVERGED = MISS_REASONS = ("evicted", "cold", "diverged")
 
 # Latency buckets in seconds: three per doubling (ratio 2^(1/3) ~ 1.26) from 1 ms to ~66 s,
 # 0.25 and 0.5 ms below, 2 and 4 min above; 54 bounds with +Inf. A quantile interpolated
@@ -35,6 +38,9 @@ STEP_BUCKETS_SECONDS = (
     0.64, 1.28, 2.56, 5.12,
 )
 SKELETON_DEPTH_BUCKETS = tuple(float(d) for d in range(1, 17))
+# How long an unused cached block survived before eviction: 10 ms to a day.
+AGE_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                       120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 # The eBPF collector's histograms are log2 in the kernel (a slot per power of two of the
 # nanoseconds), so their buckets are those powers of two, 2^8 ns (256 ns) to 2^35 ns (34 s).
 LOG2_FIRST_EXPONENT = 8
@@ -75,6 +81,7 @@ class MetricSpec:
 
 ENGINE_LABELS = ("engine", "model")
 STREAM_LABELS = ("engine", "model", "stream")
+SKELETON_LABELS = ("engine", "model", "skeleton")
 
 
 def _engine(name, typ, help_text, labels=ENGINE_LABELS, unit="", buckets=()):
@@ -115,16 +122,27 @@ GENERATION_TOKENS = _engine("ac_generation_tokens_total", COUNTER, "Generated to
                             unit="tokens")
 KV_QUERY_BLOCKS = _engine("ac_kv_cache_query_blocks_total", COUNTER,
                           "Full prompt blocks looked up in the prefix cache (recompute "
-                          "excluded).", unit="blocks")
+                          "excluded), by prompt skeleton.", SKELETON_LABELS, "blocks")
 KV_HIT_BLOCKS = _engine("ac_kv_cache_hit_blocks_total", COUNTER,
-                        "Full prompt blocks found in the prefix cache (recompute excluded).",
-                        unit="blocks")
+                        "Full prompt blocks found in the prefix cache (recompute excluded), "
+                        "by prompt skeleton.", SKELETON_LABELS, "blocks")
 KV_QUERY_TOKENS = _engine("ac_kv_cache_query_tokens_total", COUNTER,
-                          "Prompt tokens looked up in the prefix cache (recompute excluded).",
-                          unit="tokens")
+                          "Prompt tokens looked up in the prefix cache (recompute excluded), "
+                          "by prompt skeleton.", SKELETON_LABELS, "tokens")
 KV_HIT_TOKENS = _engine("ac_kv_cache_hit_tokens_total", COUNTER,
-                        "Prompt tokens found in the prefix cache (recompute excluded).",
-                        unit="tokens")
+                        "Prompt tokens found in the prefix cache (recompute excluded), by "
+                        "prompt skeleton.", SKELETON_LABELS, "tokens")
+KV_MISS_BLOCKS = _engine("ac_kv_cache_miss_blocks_total", COUNTER,
+                         "Looked-up prompt blocks that missed, by why: evicted (cached before "
+                         "and reclaimed), cold (never seen, nothing earlier in the prompt hit), "
+                         "diverged (never seen after earlier blocks of the prompt hit).",
+                         ENGINE_LABELS + ("reason",), "blocks")
+KV_MISS_TOKENS = _engine("ac_kv_cache_miss_tokens_total", COUNTER,
+                         "Prompt tokens in looked-up blocks that missed, by why.",
+                         ENGINE_LABELS + ("reason",), "tokens")
+KV_EVICTION_AGE = _engine("ac_kv_cache_eviction_age_seconds", HISTOGRAM,
+                          "How long a cached block had been unused (no request holding it) "
+                          "when it was evicted.", ENGINE_LABELS, "seconds", AGE_BUCKETS_SECONDS)
 KV_USAGE = _engine("ac_kv_cache_usage_ratio", GAUGE, "Fraction of KV blocks held by requests.",
                    unit="ratio")
 KV_BLOCKS = _engine("ac_kv_cache_blocks", GAUGE, "KV blocks in the pool.", unit="blocks")
@@ -148,8 +166,9 @@ STREAM_BUSY = _engine("ac_cuda_stream_busy_seconds_total", COUNTER,
 ENGINE_METRICS = (
     INFERENCE_LATENCY, FRONTEND, QUEUE_TIME, FIRST_TEXT, PREFILL_GPU, DECODE_STEP_GPU, INTER_TOKEN_LATENCY,
     E2E_LATENCY, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, KV_QUERY_BLOCKS, KV_HIT_BLOCKS,
-    KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_USAGE, KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS,
-    REQUESTS_RUNNING, REQUESTS_WAITING, SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY,
+    KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_MISS_BLOCKS, KV_MISS_TOKENS, KV_EVICTION_AGE, KV_USAGE,
+    KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS, REQUESTS_RUNNING, REQUESTS_WAITING,
+    SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY,
 )
 
 GPU_LABELS = ("gpu", "uuid")
@@ -249,7 +268,10 @@ class Friendly:
 
     kind: gauge (samples as they are), histogram (quantiles from bucket increases), rate
     (per second from a counter), ratio (increase of one counter over another's).
-    `scale` turns the family's unit into the one the name promises.
+    `scale` turns the family's unit into the one the name promises. A ratio sums its
+    series over the `summed` labels unless the query filters on one of them, and its
+    denominator over every label the numerator lacks (a share per miss reason is over all
+    of the engine's lookups, whatever their skeleton).
     """
     name: str
     kind: str
@@ -258,6 +280,7 @@ class Friendly:
     scale: float
     help: str
     denominator: MetricSpec | None = None
+    summed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         expected = {GAUGE_KIND: GAUGE, HISTOGRAM_KIND: HISTOGRAM, RATE_KIND: COUNTER,
@@ -267,6 +290,9 @@ class Friendly:
                              f"not {self.source.name} ({self.source.type})")
         if (self.kind == RATIO_KIND) != (self.denominator is not None):
             raise ValueError(f"{self.name}: ratios and only ratios have a denominator")
+        if self.summed and (self.kind != RATIO_KIND
+                            or not set(self.summed) <= set(self.source.labels)):
+            raise ValueError(f"{self.name}: only a ratio sums, over labels it has")
 
     def families(self) -> tuple[MetricSpec, ...]:
         return (self.source,) + ((self.denominator,) if self.denominator else ())
@@ -291,9 +317,16 @@ FRIENDLY = {f.name: f for f in (
     Friendly("skeleton_complexity", HISTOGRAM_KIND, SKELETON_COMPLEXITY, "levels", 1.0,
              "Prompt skeleton depth."),
     Friendly("kv_cache_hit_rate", RATIO_KIND, KV_HIT_BLOCKS, "%", 100.0,
-             "Prefix-cache hits over lookups, in full blocks.", KV_QUERY_BLOCKS),
+             "Prefix-cache hits over lookups, in full blocks (per prompt skeleton with "
+             "--labels skeleton=ID).", KV_QUERY_BLOCKS, ("skeleton",)),
     Friendly("kv_cache_token_hit_rate", RATIO_KIND, KV_HIT_TOKENS, "%", 100.0,
-             "Prompt tokens served from the prefix cache over prompt tokens.", KV_QUERY_TOKENS),
+             "Prompt tokens served from the prefix cache over prompt tokens (per prompt "
+             "skeleton with --labels skeleton=ID).", KV_QUERY_TOKENS, ("skeleton",)),
+    Friendly("kv_cache_miss_reasons", RATIO_KIND, KV_MISS_BLOCKS, "%", 100.0,
+             "Share of looked-up blocks that missed, per reason: evicted (cache too small), "
+             "cold (new traffic), diverged (the prompt's prefix changed).", KV_QUERY_BLOCKS),
+    Friendly("kv_cache_eviction_age_s", HISTOGRAM_KIND, KV_EVICTION_AGE, "s", 1.0,
+             "How long an evicted block had been unused when it was evicted."),
     Friendly("kv_cache_usage", GAUGE_KIND, KV_USAGE, "%", 100.0, "KV blocks held by requests."),
     Friendly("cuda_stream_utilization", GAUGE_KIND, STREAM_UTILIZATION, "%", 100.0,
              "Busy fraction of each lane's stream."),

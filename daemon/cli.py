@@ -213,6 +213,10 @@ def engine(
     gpu_memory_utilization: float = typer.Option(0.9, help="Share of the GPU's memory this "
                                                            "engine may hold (weights, KV)."),
     max_model_len: int = typer.Option(0, help="Context limit (0: the model's)."),
+    evicted_hash_memory: int = typer.Option(0, help="Evicted KV block hashes remembered to "
+                                                    "tell evicted misses from new traffic "
+                                                    "(16-32 bytes each; 0: 4x the pool, at "
+                                                    "least 262144)."),
     max_waiting: int = typer.Option(256, help="Waiting queue limit; beyond it requests get 429."),
     low_latency_seqs: int = typer.Option(4, help="Batch limit of the low_latency lane."),
     throughput_seqs: int = typer.Option(64, help="Batch limit of the throughput lane."),
@@ -244,6 +248,7 @@ def engine(
             block_size=block_size, num_kv_blocks=kv_blocks,
             kv_cache_memory_bytes=kv_memory_mb << 20, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
+            evicted_hash_memory=evicted_hash_memory,
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
             lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
                    LaneConfig(THROUGHPUT, throughput_seqs)))

@@ -105,7 +105,9 @@ class QueryEngine:
         handler = {"gauge": self._gauge, "histogram": self._histogram, "rate": self._rate,
                    "ratio": self._ratio}[friendly.kind]
         series = []
-        for stats, events in handler(view, friendly, since):
+        found = (handler(view, friendly, since, label_filter) if friendly.kind == "ratio"
+                 else handler(view, friendly, since))
+        for stats, events in found:
             if _matches(stats["labels"], label_filter):
                 stats["trend"] = trend(events, since, window_seconds, friendly.scale)
                 series.append(stats)
@@ -148,22 +150,43 @@ class QueryEngine:
                         **summarize([r * friendly.scale for r in rates],
                                     mean * friendly.scale)}, events)
 
-    def _ratio(self, view: WindowView, friendly: Friendly, since: float):
+    def _ratio(self, view: WindowView, friendly: Friendly, since: float,
+               label_filter: dict[str, str]):
+        """Per interval: Σ numerator increase / Σ denominator increase over the series
+        summed together; the mean is the ratio of the sums over the window."""
+        summed = set(friendly.summed) - set(label_filter)
+        groups: dict[tuple, list] = {}
         for key in view.keys(friendly.source.name):
-            den_key = (friendly.denominator.name, key[1])
-            num = dict(self._points(view, key, since))
-            den = self._points(view, den_key, since)
-            pairs = [(t, num[t], d) for t, d in den if t in num]
+            labels = tuple(item for item in key[1] if item[0] not in summed)
+            groups.setdefault(labels, []).append(key)
+        den_labels = set(friendly.denominator.labels)
+        den_keys = list(view.keys(friendly.denominator.name))
+        for labels, keys in groups.items():
+            wanted = {k: v for k, v in labels if k in den_labels}
+            num = self._summed_increases(view, keys, since)
+            den = self._summed_increases(
+                view, [key for key in den_keys if _matches(dict(key[1]), wanted)], since)
             ratios, events = [], []
-            for (_, n0, d0), (t1, n1, d1) in zip(pairs, pairs[1:]):
-                if d1 > d0 and n1 >= n0:
-                    ratios.append(friendly.scale * (n1 - n0) / (d1 - d0))
-                    events.append((t1, n1 - n0, d1 - d0))
+            for t, d in sorted(den.items()):
+                n = num.get(t)
+                if n is not None and d > 0:
+                    ratios.append(friendly.scale * n / d)
+                    events.append((t, n, d))
             if ratios:
-                total_den = increase([(t, d) for t, _, d in pairs])
-                total_num = increase([(t, n) for t, n, _ in pairs])
-                yield ({"labels": dict(key[1]),
+                total_num = sum(n for t, n in num.items() if t in den)
+                total_den = sum(den.values())
+                yield ({"labels": dict(labels),
                         **summarize(ratios, friendly.scale * total_num / total_den)}, events)
+
+    def _summed_increases(self, view: WindowView, keys, since: float) -> dict[float, float]:
+        """Σ over the series of each interval's increase, by the interval's end time (the
+        daemon samples every series of a collection at one time; a reset counts from 0)."""
+        total: dict[float, float] = {}
+        for key in keys:
+            points = self._points(view, key, since)
+            for (_, before), (t, after) in zip(points, points[1:]):
+                total[t] = total.get(t, 0.0) + (after - before if after >= before else after)
+        return total
 
     def _histogram(self, view: WindowView, friendly: Friendly, since: float):
         groups: dict[tuple, list] = {}

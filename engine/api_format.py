@@ -43,6 +43,7 @@ def trace_detail_json(trace: TraceDetail | None) -> dict:
     return {"frontend_ms": round(trace.frontend_ns / 1e6, 3),
             "prefill_ms": round(trace.prefill_ms, 3), "decode_ms": round(trace.decode_ms, 3),
             "kv_hit_blocks": trace.kv_hit_blocks, "kv_query_blocks": trace.kv_query_blocks,
+            "kv_miss_blocks": trace.kv_miss_blocks,
             "skeleton_depth": trace.skeleton_depth, "stream": trace.stream}
 
 

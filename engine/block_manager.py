@@ -9,20 +9,28 @@ NOTE (invariants, checked by `check_invariants`):
 - a hit is never taken on the hash alone: the block's own tokens must equal the prompt's,
   and its recorded parent must be the block just matched, holding the same content as
   when the child was computed (`generation`). A prefix match is thus exact whatever the
-  hash does; sha256 only keeps collisions from costing hits (CVE-2025-25183 in vLLM).
+  hash does; sha256 only keeps collisions from costing hits (CVE-2025-25183 in vLLM);
+- every looked-up block that misses gets one reason (`attribute_misses`): evicted if this
+  exact prefix was cached before (its hash is in the evicted-hash memory, or still cached
+  behind an evicted ancestor), else diverged if an earlier block of the prompt hit, else
+  cold. Blocks a batch-mate is still computing are not cached yet: they count as never seen.
 """
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ac_observe.engine.evicted_hashes import DEFAULT_CAPACITY, EvictedHashes
 from ac_observe.engine.sequence import Sequence
+from ac_observe.metrics import MISS_REASONS
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent", "generation")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent", "generation",
+                 "released_ns")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -31,6 +39,7 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
         self.parent: tuple[int, int] | None = None  # (block id, its generation) before it
         self.generation = 0                         # bumped whenever it takes new content
+        self.released_ns = 0                        # when its last holder let it go
 
 
 @dataclass(slots=True)
@@ -43,9 +52,10 @@ class PrefixCacheStats:
     recompute_tokens: int = 0
     recompute_reused_tokens: int = 0
     evictions: int = 0
+    miss_blocks: list[int] = field(default_factory=lambda: [0] * len(MISS_REASONS))
 
     def record(self, num_tokens: int, num_query_blocks: int, num_hit_blocks: int,
-               block_size: int, preempted: bool) -> None:
+               block_size: int, preempted: bool, misses: tuple[int, ...] = ()) -> None:
         if preempted:
             self.recompute_tokens += num_tokens
             self.recompute_reused_tokens += num_hit_blocks * block_size
@@ -54,6 +64,8 @@ class PrefixCacheStats:
         self.hit_blocks += num_hit_blocks
         self.query_tokens += num_tokens
         self.hit_tokens += num_hit_blocks * block_size
+        for i, count in enumerate(misses):
+            self.miss_blocks[i] += count
 
 
 def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
@@ -63,7 +75,8 @@ def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int,
+                 evicted_memory: int = DEFAULT_CAPACITY, clock=time.monotonic_ns):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.block_size = block_size
@@ -71,6 +84,10 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
+        self.evicted = EvictedHashes(evicted_memory)
+        self.clock = clock
+        # Seconds each evicted block had been unused; the stats drain it after every step.
+        self.eviction_ages: list[float] = []
 
     @property
     def num_blocks(self) -> int:
@@ -87,32 +104,58 @@ class BlockManager:
     def fits_ever(self, num_tokens: int) -> bool:
         return (num_tokens + self.block_size - 1) // self.block_size <= self.num_blocks
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[Block], int]:
-        """Leading full blocks already in the cache, and how many blocks were looked up.
+    def _cached_prefix(self, seq: Sequence, attribute: bool
+                       ) -> tuple[list[Block], int, tuple[int, ...]]:
+        """Leading full blocks already in the cache, how many blocks were looked up, and
+        the misses by reason (MISS_REASONS order; only when `attribute`).
 
         The last token is never looked up: its logits are needed, so it is always computed.
+        The prompt blocks' chain hashes are kept on the sequence for `commit`.
         """
         bs = self.block_size
         num_query = (len(seq.token_ids) - 1) // bs
         hits: list[Block] = []
+        # A sequence that waits for room keeps its hashes from the last try (its tokens
+        # only change while it holds blocks, and `free` drops them).
+        known = seq.block_hashes if len(seq.block_hashes) == num_query else None
+        hashes: list[bytes] = []
+        misses = [0] * len(MISS_REASONS)
         parent_hash, parent = None, None
+        matching = True
         for i in range(num_query):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block_hash = chain_hash(parent_hash, tokens)
-            block_id = self.hash_to_block.get(block_hash)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.token_ids != tokens or block.parent != parent:
-                break  # a collision, or a child of content that is gone: never shared
-            hits.append(block)
-            parent_hash, parent = block_hash, (block.block_id, block.generation)
-        return hits, num_query
+            block_hash = known[i] if known else chain_hash(parent_hash, tokens)
+            hashes.append(block_hash)
+            parent_hash = block_hash
+            if matching:
+                block_id = self.hash_to_block.get(block_hash)
+                block = self.blocks[block_id] if block_id is not None else None
+                # A collision, or a child of content that is gone, is never shared.
+                if block is not None and block.token_ids == tokens and block.parent == parent:
+                    hits.append(block)
+                    parent = (block.block_id, block.generation)
+                    continue
+                matching = False
+                if not attribute:
+                    break
+            misses[self._miss_reason(block_hash, bool(hits))] += 1
+        seq.block_hashes = hashes
+        return hits, num_query, tuple(misses)
+
+    def _miss_reason(self, block_hash: bytes, earlier_hit: bool) -> int:
+        if block_hash in self.hash_to_block or block_hash in self.evicted:
+            return 0  # evicted: this exact prefix was cached; (part of) it was reclaimed
+        return 2 if earlier_hit else 1  # diverged | cold
 
     def try_allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
         """Give a waiting sequence its block table, reusing cached prefix blocks."""
         assert not seq.block_table, "sequence already holds blocks"
-        hits, num_query = self._cached_prefix(seq) if use_cache else ([], 0)
+        preempted = seq.num_preemptions > 0
+        if use_cache:
+            hits, num_query, misses = self._cached_prefix(seq, attribute=not preempted)
+        else:
+            hits, num_query, misses = [], 0, ()
+            seq.block_hashes = []
         num_new = seq.num_blocks_needed(self.block_size) - len(hits)
         num_revived = sum(1 for block in hits if block.ref_count == 0)
         if num_new + num_revived > self.num_free_blocks:
@@ -126,12 +169,13 @@ class BlockManager:
         num_hit_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
         seq.num_hashed_blocks = len(hits)
-        preempted = seq.num_preemptions > 0
         if use_cache:
-            self.stats.record(len(seq.token_ids), num_query, len(hits), self.block_size, preempted)
+            self.stats.record(len(seq.token_ids), num_query, len(hits), self.block_size,
+                              preempted, misses)
         if use_cache and not preempted:
             seq.num_cached_tokens = num_hit_tokens
             seq.kv_hit_blocks, seq.kv_query_blocks = len(hits), num_query
+            seq.kv_miss_blocks = misses
         return True
 
     def _take_free_block(self) -> int:
@@ -141,6 +185,8 @@ class BlockManager:
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
                 self.stats.evictions += 1
+                self.evicted.add(block.block_hash)
+                self.eviction_ages.append((self.clock() - block.released_ns) * 1e-9)
             block.block_hash = None
             block.token_ids = ()
             block.parent = None
@@ -164,7 +210,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             parent = self.blocks[seq.block_table[i - 1]] if i else None
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block.block_hash = chain_hash(parent.block_hash if parent else None, tokens)
+            block.block_hash = (seq.block_hashes[i] if i < len(seq.block_hashes) else
+                                chain_hash(parent.block_hash if parent else None, tokens))
             block.token_ids = tokens
             block.parent = (parent.block_id, parent.generation) if parent else None
             # A twin computed in the same step keeps the entry; this copy stays private.
@@ -173,17 +220,20 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block of the sequence; cached blocks stay reusable until evicted."""
+        now = self.clock()
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of KV block {block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
+                block.released_ns = now
                 self.free_queue[block_id] = None
                 if self.hash_to_block.get(block.block_hash) != block_id:
                     # Holds nothing a later prompt can reuse: hand it out first.
                     self.free_queue.move_to_end(block_id, last=False)
         seq.block_table = []
+        seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 

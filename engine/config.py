@@ -126,6 +126,9 @@ class EngineConfig:
     max_waiting: int = 256
     decode_workspace: str = "auto"    # auto (on for CPU) | on | off: see engine/workspace.py
     enable_prefix_caching: bool = True
+    # Evicted block hashes remembered to tell "evicted" misses from new traffic (16-32
+    # bytes each; see engine/evicted_hashes.py). 0: 4x the pool, at least 262144.
+    evicted_hash_memory: int = 0
     # auto (on for CUDA) | on | off: a step runs a batch of every lane with work, launched
     # together so the lanes' streams overlap; off: one lane per step (low_latency first).
     overlap_lanes: str = "auto"
@@ -133,6 +136,7 @@ class EngineConfig:
         LaneConfig(LANES[0], 4), LaneConfig(LANES[1], 64)))
     throughput_share: int = 4         # every Nth step goes to throughput when both have work
     skeleton_top_k: int = 20
+    skeleton_min_count: int = 3       # sightings before a skeleton id earns its own label
     telemetry_dir: str | None = None  # None: no telemetry files
     api_address: str = ""
 
@@ -148,6 +152,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be auto, on or off")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.evicted_hash_memory and self.evicted_hash_memory < 16:
+            raise ValueError("evicted_hash_memory must be 0 (automatic) or at least 16")
+        if self.skeleton_top_k < 0 or self.skeleton_min_count < 1:
+            raise ValueError("skeleton_top_k must be >= 0 and skeleton_min_count >= 1")
         if self.throughput_share < 1:
             raise ValueError("throughput_share must be >= 1")
 

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.evicted_hashes import DEFAULT_CAPACITY as DEFAULT_EVICTED_MEMORY
 from ac_observe.engine.model_runner import ModelRunner
 from ac_observe.engine.scheduler import (NeverFitsError, QueueFullError, ScheduledBatch,
                                          Scheduler)
@@ -25,7 +26,7 @@ from ac_observe.engine.sequence import FinishReason, SamplingParams, Sequence
 from ac_observe.engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
 from ac_observe.engine.stats import EngineStats
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
-from ac_observe.metrics import DEFAULT_LANE
+from ac_observe.metrics import DEFAULT_LANE, MISS_REASONS
 from ac_observe.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger("ac_observe.engine")
@@ -46,6 +47,7 @@ class TraceDetail:
     decode_ms: float
     kv_hit_blocks: int
     kv_query_blocks: int
+    kv_miss_blocks: dict[str, int]  # looked-up blocks that missed, by reason
     skeleton_depth: int
     stream: str
     num_preemptions: int
@@ -173,7 +175,9 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model, model_config)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size,
+            config.evicted_hash_memory or max(DEFAULT_EVICTED_MEMORY, 4 * self.runner.num_blocks))
         self.overlap_lanes = config.overlap_lanes == "on" or (
             config.overlap_lanes == "auto" and self.runner.device.type == "cuda")
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
@@ -187,7 +191,8 @@ class Engine:
                 "cuda_streams": {lane: stream.cuda_stream
                                  for lane, stream in self.runner.streams.items()},
             }, engine=config.engine_name, model=self.model_name)
-        self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k))
+        self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k,
+                                                          config.skeleton_min_count))
         self.stats.on_state(self.scheduler, self.block_manager)
 
     # ----- public API -------------------------------------------------------------------
@@ -346,7 +351,7 @@ class Engine:
                 return False
             for batch in batches:
                 for seq in batch.first_scheduled:
-                    self.stats.on_first_scheduled(seq)
+                    self.stats.on_first_scheduled(seq, self.block_manager.block_size)
         launched = []
         for batch in batches:
             start_ns = time.monotonic_ns()
@@ -489,6 +494,7 @@ class Engine:
                 prefill_ms=timeline.prefill_seconds * 1e3,
                 decode_ms=timeline.decode_seconds * 1e3,
                 kv_hit_blocks=seq.kv_hit_blocks, kv_query_blocks=seq.kv_query_blocks,
+                kv_miss_blocks=dict(zip(MISS_REASONS, seq.kv_miss_blocks)),
                 skeleton_depth=seq.skeleton.depth if seq.skeleton else 0, stream=seq.lane,
                 num_preemptions=seq.num_preemptions)
         return RequestOutput(seq.request_id, new_ids, new_text, False, None, None,

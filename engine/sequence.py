@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ac_observe.metrics import DEFAULT_LANE
+from ac_observe.metrics import DEFAULT_LANE, NO_SKELETON
 
 
 class SequenceStatus(enum.Enum):
@@ -93,7 +93,8 @@ class Sequence:
     __slots__ = ("request_id", "lane", "token_ids", "num_prompt_tokens", "params", "status",
                  "block_table", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
                  "finish_reason", "timeline", "generator", "skeleton", "kv_hit_blocks",
-                 "kv_query_blocks", "num_hashed_blocks")
+                 "kv_query_blocks", "kv_miss_blocks", "num_hashed_blocks", "block_hashes",
+                 "skeleton_label")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  lane: str = DEFAULT_LANE, arrival_ns: int | None = None):
@@ -115,7 +116,10 @@ class Sequence:
         self.skeleton = None            # engine.skeleton.Skeleton of the request, if known
         self.kv_hit_blocks = 0
         self.kv_query_blocks = 0
+        self.kv_miss_blocks: tuple[int, ...] = ()  # misses by reason (metrics.MISS_REASONS)
         self.num_hashed_blocks = 0      # leading blocks of block_table whose hash is known
+        self.block_hashes: list[bytes] = []  # chain hashes of the looked-up prompt blocks
+        self.skeleton_label = NO_SKELETON  # the bounded `skeleton` label of its KV lookups
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -9,20 +9,13 @@ from dataclasses import dataclass, field
 
 from ac_observe import metrics as m
 
-from ac_observe.engine.block_manager import BlockManager, PrefixCacheStats
+from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.scheduler import Scheduler
 from ac_observe.engine.sequence import FinishReason, Sequence
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
 
 NS = 1e-9
 
-_KV_COUNTERS = (
-    ("query_blocks", m.KV_QUERY_BLOCKS),
-    ("hit_blocks", m.KV_HIT_BLOCKS),
-    ("query_tokens", m.KV_QUERY_TOKENS),
-    ("hit_tokens", m.KV_HIT_TOKENS),
-    ("evictions", m.KV_EVICTIONS),
-)
 
 
 @dataclass(slots=True)
@@ -39,7 +32,7 @@ class EngineStats:
     writer: TelemetryWriter | None
     skeleton_labels: SkeletonLabeler
     lanes: dict[str, LaneTotals] = field(default_factory=dict)
-    _kv_exported: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    _evictions_exported: int = 0
     _preemptions_exported: int = 0
 
     def lane(self, name: str) -> LaneTotals:
@@ -57,9 +50,9 @@ class EngineStats:
             return
         self.writer.observe(m.FRONTEND, seq.timeline.frontend_ns * NS, stream=seq.lane)
         if seq.skeleton is not None:
+            seq.skeleton_label = self.skeleton_labels.label(seq.skeleton.skeleton_id)
             self.writer.observe(m.SKELETON_COMPLEXITY, float(seq.skeleton.depth))
-            self.writer.inc(m.SKELETON_REQUESTS,
-                            skeleton=self.skeleton_labels.label(seq.skeleton.skeleton_id))
+            self.writer.inc(m.SKELETON_REQUESTS, skeleton=seq.skeleton_label)
 
     def on_step(self, lane: str, is_prefill: bool, device_seconds: float, start_ns: int,
                 end_ns: int) -> None:
@@ -73,11 +66,23 @@ class EngineStats:
             self.writer.observe(spec, device_seconds, stream=lane)
             self.writer.inc(m.STREAM_BUSY, device_seconds, stream=lane)
 
-    def on_first_scheduled(self, seq: Sequence) -> None:
-        if self.writer:
-            self.writer.observe(m.QUEUE_TIME, seq.timeline.queue_ns * NS,
-                                stream=seq.lane)
-            self.writer.inc(m.PROMPT_TOKENS, seq.num_prompt_tokens)
+    def on_first_scheduled(self, seq: Sequence, block_size: int) -> None:
+        """Admission: queue time, and the prefix-cache lookup of the prompt (a sequence is
+        first scheduled exactly when it first gets blocks; re-admission is recompute)."""
+        if not self.writer:
+            return
+        self.writer.observe(m.QUEUE_TIME, seq.timeline.queue_ns * NS, stream=seq.lane)
+        self.writer.inc(m.PROMPT_TOKENS, seq.num_prompt_tokens)
+        if seq.kv_miss_blocks:  # looked up (empty when prefix caching is off)
+            skeleton = seq.skeleton_label
+            self.writer.inc(m.KV_QUERY_BLOCKS, seq.kv_query_blocks, skeleton=skeleton)
+            self.writer.inc(m.KV_HIT_BLOCKS, seq.kv_hit_blocks, skeleton=skeleton)
+            self.writer.inc(m.KV_QUERY_TOKENS, seq.num_prompt_tokens, skeleton=skeleton)
+            self.writer.inc(m.KV_HIT_TOKENS, seq.kv_hit_blocks * block_size, skeleton=skeleton)
+            for reason, count in zip(m.MISS_REASONS, seq.kv_miss_blocks):
+                if count:
+                    self.writer.inc(m.KV_MISS_BLOCKS, count, reason=reason)
+                    self.writer.inc(m.KV_MISS_TOKENS, count * block_size, reason=reason)
 
     def on_token(self, seq: Sequence, previous_token_ns: int) -> None:
         if not self.writer:
@@ -108,15 +113,17 @@ class EngineStats:
                                 stream=seq.lane)
 
     def on_state(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
-        """After every step: KV counters (as deltas), preemptions, gauges."""
+        """After every step: evictions and their ages, preemptions, gauges."""
         if not self.writer:
+            block_manager.eviction_ages.clear()
             return
-        stats, exported = block_manager.stats, self._kv_exported
-        for attr, metric in _KV_COUNTERS:
-            delta = getattr(stats, attr) - getattr(exported, attr)
-            if delta:
-                self.writer.inc(metric, delta)
-                setattr(exported, attr, getattr(stats, attr))
+        delta = block_manager.stats.evictions - self._evictions_exported
+        if delta:
+            self.writer.inc(m.KV_EVICTIONS, delta)
+            self._evictions_exported = block_manager.stats.evictions
+        if block_manager.eviction_ages:
+            self.writer.observe_many(m.KV_EVICTION_AGE, block_manager.eviction_ages)
+            block_manager.eviction_ages.clear()
         delta = scheduler.num_preemptions - self._preemptions_exported
         if delta:
             self.writer.inc(m.PREEMPTIONS, delta)

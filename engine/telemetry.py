@@ -19,7 +19,7 @@ import threading
 import time
 
 from ac_observe.metrics import (COUNTER, ENGINE_METRICS, GAUGE, HISTOGRAM, LANES,
-                                OTHER_SKELETON, REQUEST_STATUSES, MetricSpec)
+                                MISS_REASONS, OTHER_SKELETON, REQUEST_STATUSES, MetricSpec)
 from ac_observe.telemetry_format import (ENGINE_INFO_FILE, TELEMETRY_FORMAT, ValueFile,
                                          db_file_name, open_engine_dir, remove_dead_gauges,
                                          sample_key)
@@ -104,6 +104,9 @@ class TelemetryWriter:
                         self._touch(spec, stream=lane, status=status)
             elif extra == {"skeleton"}:
                 self._touch(spec, skeleton=OTHER_SKELETON)
+            elif extra == {"reason"}:
+                for reason in MISS_REASONS:
+                    self._touch(spec, reason=reason)
             else:
                 self._touch(spec)
 
@@ -169,6 +172,22 @@ class TelemetryWriter:
             index = bisect.bisect_left(spec.buckets, value)
             self._add(HISTOGRAM, bucket_keys[index], 1.0)
             self._add(HISTOGRAM, sum_key, value)
+
+    def observe_many(self, spec: MetricSpec, values, **labels) -> None:
+        """Add several observations with one write per touched bucket."""
+        counts: dict[int, int] = {}
+        total = 0.0
+        for value in values:
+            index = bisect.bisect_left(spec.buckets, value)
+            counts[index] = counts.get(index, 0) + 1
+            total += value
+        if not counts:
+            return
+        with self._lock:
+            sum_key, bucket_keys = self._sample_keys(spec, labels)
+            for index, count in counts.items():
+                self._add(HISTOGRAM, bucket_keys[index], float(count))
+            self._add(HISTOGRAM, sum_key, total)
 
     def close(self) -> None:
         self._closed.set()

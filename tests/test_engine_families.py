@@ -129,11 +129,30 @@ def test_every_engine_family_by_value(tmp_path):
     assert _value(final, "ac_prompt_tokens_total") == 40 + 52 + 3 * 15 + 100 + 2 * 40
     assert _value(final, "ac_generation_tokens_total") == sum(tokens.values())
     # Lookups: every full block before the last token, first admissions only:
-    # A (40-1)//16 = 2, B 3, D/E/F 0, C 6, G 2, H 2. Hits: B's 2 blocks from A.
-    assert _value(final, "ac_kv_cache_query_blocks_total") == 2 + 3 + 6 + 2 + 2
-    assert _value(final, "ac_kv_cache_hit_blocks_total") == 2
-    assert _value(final, "ac_kv_cache_query_tokens_total") == 40 + 52 + 3 * 15 + 100 + 2 * 40
-    assert _value(final, "ac_kv_cache_hit_tokens_total") == 2 * BLOCK
+    # A (40-1)//16 = 2, B 3, D/E/F 0, C 6, G 2, H 2. Hits: B's 2 blocks from A. Token-id
+    # prompts have no skeleton ("none"); D and E count under "other", F under its id (the
+    # label's third sighting, below).
+    skeleton_id = skeleton_of_text(TAG_PROMPT).skeleton_id
+    kv = {  # skeleton: query blocks, hit blocks, query tokens, hit tokens
+        m.NO_SKELETON: (2 + 3 + 6 + 2 + 2, 2, 40 + 52 + 100 + 2 * 40, 2 * BLOCK),
+        m.OTHER_SKELETON: (0, 0, 2 * 15, 0),
+        skeleton_id: (0, 0, 15, 0),
+    }
+    for skeleton, values in kv.items():
+        for name, value in zip(("query_blocks", "hit_blocks", "query_tokens", "hit_tokens"),
+                               values):
+            assert _value(final, f"ac_kv_cache_{name}_total", skeleton=skeleton) == value, \
+                (skeleton, name)
+    # Misses: A's 2 blocks cold; B's third (after 2 hits) diverged; C's 6, G's 2 and H's 2
+    # cold (never seen). Nothing looked up had been evicted.
+    misses = {m.MISS_COLD: 2 + 6 + 2 + 2, m.MISS_DIVERGED: 1, m.MISS_EVICTED: 0}
+    for reason, count in misses.items():
+        assert _value(final, "ac_kv_cache_miss_blocks_total", reason=reason) == count, reason
+        assert _value(final, "ac_kv_cache_miss_tokens_total", reason=reason) == \
+            count * BLOCK, reason
+    # One eviction age per eviction, all measured after the blocks were released.
+    assert _value(final, "ac_kv_cache_eviction_age_seconds_count") == 2 + 5 + 2 + 1 + 1
+    assert _value(final, "ac_kv_cache_eviction_age_seconds_sum") > 0
     # G+H take 6 blocks: C's unfilled tail, then 5 cached (5); their 4th blocks are the
     # last 2 cached (2). At 64 tokens each needs a 5th: H (25 tokens out) is preempted,
     # freeing 4 full blocks, and G's 5th evicts one of them (1). H comes back with 65
