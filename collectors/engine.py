@@ -26,8 +26,8 @@ from prometheus_client.utils import floatToGoString
 
 from ac_observe.collectors.base import (Collector, CollectorUnavailable, new_family,
                                         register)
-from ac_observe.metrics import (COUNTER, ENGINE_METRICS, ENGINE_RESTARTS, HISTOGRAM, LANES,
-                                MISS_REASONS, REQUEST_STATUSES)
+from ac_observe.metrics import (COUNTER, ENGINE_METRICS, ENGINE_RESTARTS, HISTOGRAM,
+                                LABEL_VALUES)
 from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_DB_BYTES, MAX_INFO_BYTES,
                                          UnsafeDirectory, open_dir_nofollow,
                                          open_trusted_dir, parse_db_file_name,
@@ -42,8 +42,7 @@ MAX_LABEL_VALUE_CHARS = 256
 MAX_ENGINE_DIRS = 1024
 _FIRST_ENTRY_BYTES = 64
 _SPECS = {spec.family: spec for spec in ENGINE_METRICS}
-_ALLOWED_VALUES = {"stream": frozenset(LANES), "status": frozenset(REQUEST_STATUSES),
-                   "reason": frozenset(MISS_REASONS)}
+_ALLOWED_VALUES = {label: frozenset(values) for label, values in LABEL_VALUES.items()}
 
 
 class BadEngine(ValueError):

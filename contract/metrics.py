@@ -25,6 +25,11 @@ OTHER_SKELETON = "other"
 NO_SKELETON = "none"  # requests sent as token ids carry no text, so no skeleton
 # Why a looked-up prefix block missed (ARCHITECTURE.md, "Cache-miss attribution").
 MISS_EVICTED, MISS_COLD, MISS_DIVERGED = MISS_REASONS = ("evicted", "cold", "diverged")
+PHASE_PREFILL, PHASE_DECODE = PHASES = ("prefill", "decode")
+# Sampled kernel time: every profiled op or kernel lands in one of these classes, decided
+# by its name (ARCHITECTURE.md, "Sampled kernel time"); kernel names never become labels.
+KERNEL_CLASSES = ("attention", "gemm", "norm", "rope", "activation", "sampling", "memcpy",
+                  "other")
 
 # Latency buckets in seconds: three per doubling (ratio 2^(1/3) ~ 1.26) from 1 ms to ~66 s,
 # 0.25 and 0.5 ms below, 2 and 4 min above; 54 bounds with +Inf. A quantile interpolated
@@ -37,6 +42,8 @@ STEP_BUCKETS_SECONDS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32,
     0.64, 1.28, 2.56, 5.12,
 )
+# One class's device time in one sampled step: 5 us to ~5 s.
+KERNEL_BUCKETS_SECONDS = (0.000005, 0.00001, 0.000025, 0.00005) + STEP_BUCKETS_SECONDS
 SKELETON_DEPTH_BUCKETS = tuple(float(d) for d in range(1, 17))
 # How long an unused cached block survived before eviction: 10 ms to a day.
 AGE_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -82,6 +89,7 @@ class MetricSpec:
 ENGINE_LABELS = ("engine", "model")
 STREAM_LABELS = ("engine", "model", "stream")
 SKELETON_LABELS = ("engine", "model", "skeleton")
+PHASE_LABELS = ("engine", "model", "stream", "phase")
 
 
 def _engine(name, typ, help_text, labels=ENGINE_LABELS, unit="", buckets=()):
@@ -162,14 +170,30 @@ SKELETON_REQUESTS = _engine("ac_skeleton_requests_total", COUNTER,
 STREAM_BUSY = _engine("ac_cuda_stream_busy_seconds_total", COUNTER,
                       "Time with work executing on the lane's stream.", STREAM_LABELS,
                       "seconds")
+ENGINE_STEPS = _engine("ac_engine_steps_total", COUNTER,
+                      "Model steps run, by lane and phase (prefill or decode).", PHASE_LABELS,
+                      "steps")
+KERNEL_SAMPLED_STEPS = _engine("ac_kernel_sampled_steps_total", COUNTER,
+                               "Steps run under the profiler for ac_kernel_seconds (their "
+                               "share of ac_engine_steps_total is the sampled fraction).",
+                               PHASE_LABELS, "steps")
+KERNEL_SECONDS = _engine("ac_kernel_seconds", HISTOGRAM,
+                         "Device time of one kernel class in one sampled step (CUDA kernel "
+                         "time on a GPU, operator self time on CPU), by lane and phase.",
+                         PHASE_LABELS + ("class",), "seconds", KERNEL_BUCKETS_SECONDS)
 
 ENGINE_METRICS = (
     INFERENCE_LATENCY, FRONTEND, QUEUE_TIME, FIRST_TEXT, PREFILL_GPU, DECODE_STEP_GPU, INTER_TOKEN_LATENCY,
     E2E_LATENCY, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, KV_QUERY_BLOCKS, KV_HIT_BLOCKS,
     KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_MISS_BLOCKS, KV_MISS_TOKENS, KV_EVICTION_AGE, KV_USAGE,
     KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS, REQUESTS_RUNNING, REQUESTS_WAITING,
-    SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY,
+    SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY, ENGINE_STEPS, KERNEL_SAMPLED_STEPS,
+    KERNEL_SECONDS,
 )
+# The closed sets of values an engine may write under these labels (the engine declares
+# them, the daemon refuses any other).
+LABEL_VALUES = {"stream": LANES, "status": REQUEST_STATUSES, "reason": MISS_REASONS,
+                "phase": PHASES, "class": KERNEL_CLASSES}
 
 GPU_LABELS = ("gpu", "uuid")
 
@@ -327,6 +351,12 @@ FRIENDLY = {f.name: f for f in (
              "cold (new traffic), diverged (the prompt's prefix changed).", KV_QUERY_BLOCKS),
     Friendly("kv_cache_eviction_age_s", HISTOGRAM_KIND, KV_EVICTION_AGE, "s", 1.0,
              "How long an evicted block had been unused when it was evicted."),
+    Friendly("kernel_time_ms", HISTOGRAM_KIND, KERNEL_SECONDS, "ms", 1e3,
+             "Device time of each kernel class (attention, gemm, norm, rope, activation, "
+             "sampling, memcpy, other) in a sampled step, per lane and phase."),
+    Friendly("kernel_sampled_fraction", RATIO_KIND, KERNEL_SAMPLED_STEPS, "%", 100.0,
+             "Steps run under the profiler over all steps, per lane (per phase with "
+             "--labels phase=prefill|decode).", ENGINE_STEPS, ("phase",)),
     Friendly("kv_cache_usage", GAUGE_KIND, KV_USAGE, "%", 100.0, "KV blocks held by requests."),
     Friendly("cuda_stream_utilization", GAUGE_KIND, STREAM_UTILIZATION, "%", 100.0,
              "Busy fraction of each lane's stream."),

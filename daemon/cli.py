@@ -217,6 +217,11 @@ def engine(
                                                     "tell evicted misses from new traffic "
                                                     "(16-32 bytes each; 0: 4x the pool, at "
                                                     "least 262144)."),
+    kernel_sample_steps: int = typer.Option(200, help="Run every Nth step of each lane and "
+                                                      "phase under the profiler for "
+                                                      "ac_kernel_seconds (0: off)."),
+    kernel_sample_budget: float = typer.Option(0.005, help="Most of wall time kernel "
+                                                           "sampling may cost (a share)."),
     max_waiting: int = typer.Option(256, help="Waiting queue limit; beyond it requests get 429."),
     low_latency_seqs: int = typer.Option(4, help="Batch limit of the low_latency lane."),
     throughput_seqs: int = typer.Option(64, help="Batch limit of the throughput lane."),
@@ -249,6 +254,7 @@ def engine(
             kv_cache_memory_bytes=kv_memory_mb << 20, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             evicted_hash_memory=evicted_hash_memory,
+            kernel_sample_steps=kernel_sample_steps, kernel_sample_budget=kernel_sample_budget,
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
             lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
                    LaneConfig(THROUGHPUT, throughput_seqs)))

@@ -135,6 +135,10 @@ class EngineConfig:
     lanes: tuple[LaneConfig, ...] = field(default_factory=lambda: (
         LaneConfig(LANES[0], 4), LaneConfig(LANES[1], 64)))
     throughput_share: int = 4         # every Nth step goes to throughput when both have work
+    # Sampled kernel time (engine/kernel_sampler.py): every Nth step of each lane and phase
+    # runs under the profiler (0: never), within a budget of this share of wall time.
+    kernel_sample_steps: int = 200
+    kernel_sample_budget: float = 0.005
     skeleton_top_k: int = 20
     skeleton_min_count: int = 3       # sightings before a skeleton id earns its own label
     telemetry_dir: str | None = None  # None: no telemetry files
@@ -156,6 +160,9 @@ class EngineConfig:
             raise ValueError("evicted_hash_memory must be 0 (automatic) or at least 16")
         if self.skeleton_top_k < 0 or self.skeleton_min_count < 1:
             raise ValueError("skeleton_top_k must be >= 0 and skeleton_min_count >= 1")
+        if self.kernel_sample_steps < 0 or not 0 < self.kernel_sample_budget <= 1:
+            raise ValueError("kernel_sample_steps must be >= 0 (0: off) and "
+                             "kernel_sample_budget in (0, 1]")
         if self.throughput_share < 1:
             raise ValueError("throughput_share must be >= 1")
 

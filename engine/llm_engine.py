@@ -20,13 +20,14 @@ from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.evicted_hashes import DEFAULT_CAPACITY as DEFAULT_EVICTED_MEMORY
 from ac_observe.engine.model_runner import ModelRunner
+from ac_observe.engine.kernel_sampler import KernelSampler
 from ac_observe.engine.scheduler import (NeverFitsError, QueueFullError, ScheduledBatch,
                                          Scheduler)
 from ac_observe.engine.sequence import FinishReason, SamplingParams, Sequence
 from ac_observe.engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
 from ac_observe.engine.stats import EngineStats
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
-from ac_observe.metrics import DEFAULT_LANE, MISS_REASONS
+from ac_observe.metrics import DEFAULT_LANE, MISS_REASONS, PHASE_DECODE, PHASE_PREFILL
 from ac_observe.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger("ac_observe.engine")
@@ -191,6 +192,8 @@ class Engine:
                 "cuda_streams": {lane: stream.cuda_stream
                                  for lane, stream in self.runner.streams.items()},
             }, engine=config.engine_name, model=self.model_name)
+        self.kernel_sampler = KernelSampler(config.kernel_sample_steps,
+                                            config.kernel_sample_budget, self.runner.device)
         self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k,
                                                           config.skeleton_min_count))
         self.stats.on_state(self.scheduler, self.block_manager)
@@ -352,25 +355,33 @@ class Engine:
             for batch in batches:
                 for seq in batch.first_scheduled:
                     self.stats.on_first_scheduled(seq, self.block_manager.block_size)
-        launched = []
-        for batch in batches:
-            start_ns = time.monotonic_ns()
-            try:
-                launched.append((batch, self.runner.launch(batch), start_ns))
-            except Exception:
-                self._fail_batch(batch)
-        for batch, pending, start_ns in launched:
-            try:
-                next_tokens, device_seconds = self.runner.finish(pending)
-            except Exception:
-                self._fail_batch(batch)
-                continue
-            end_ns = time.monotonic_ns()
-            with self._lock:
-                self.stats.on_step(batch.lane, batch.is_prefill, device_seconds, start_ns,
-                                   end_ns)
-                self._postprocess(batch, next_tokens, device_seconds, end_ns)
-                self.stats.on_state(self.scheduler, self.block_manager)
+        keys = [(batch.lane, PHASE_PREFILL if batch.is_prefill else PHASE_DECODE)
+                for batch in batches]
+        sampled = self.kernel_sampler.begin(keys)
+        try:
+            launched = []
+            for batch, key in zip(batches, keys):
+                start_ns = time.monotonic_ns()
+                try:
+                    launched.append((batch, key, self.runner.launch(batch), start_ns))
+                except Exception:
+                    self._fail_batch(batch)
+            for batch, key, pending, start_ns in launched:
+                try:
+                    next_tokens, device_seconds = self.runner.finish(pending)
+                except Exception:
+                    self._fail_batch(batch)
+                    continue
+                end_ns = time.monotonic_ns()
+                with self._lock:
+                    self.stats.on_step(batch.lane, key[1], device_seconds, start_ns, end_ns)
+                    self._postprocess(batch, next_tokens, device_seconds, end_ns)
+                    self.stats.on_state(self.scheduler, self.block_manager)
+        finally:
+            found = self.kernel_sampler.end()
+            if sampled:
+                with self._lock:
+                    self.stats.on_kernel_sample(found)
         return True
 
     def _fail_batch(self, batch: ScheduledBatch) -> None:

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ac_observe.engine.config import ModelConfig
+from ac_observe.engine.kernel_sampler import (SCOPE_ACTIVATION, SCOPE_ATTENTION, SCOPE_GEMM,
+                                              SCOPE_NORM, SCOPE_ROPE, scope)
 
 _COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
@@ -106,9 +108,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype != torch.float64:  # float32 math as transformers does
         return F.rms_norm(x, weight.shape, weight, eps)
     # transformers normalises float64 activations in float32: mirror it exactly.
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    with scope(SCOPE_NORM):
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
 
 
 def weight_left_gemms(x: torch.Tensor) -> bool:
@@ -125,15 +128,17 @@ def weight_left_gemms(x: torch.Tensor) -> bool:
 
 def linear(h: torch.Tensor, weight: torch.Tensor, weight_left: bool) -> torch.Tensor:
     """h @ weight^T: [T, K] -> [T, N]; a transposed view when weight_left."""
-    return torch.mm(weight, h.t()).t() if weight_left else F.linear(h, weight)
+    with scope(SCOPE_GEMM):  # the transposes are part of the GEMM's call
+        return torch.mm(weight, h.t()).t() if weight_left else F.linear(h, weight)
 
 
 def linear_add(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
                weight_left: bool) -> torch.Tensor:
     """x + a @ weight^T in one GEMM: the residual is addmm's input."""
-    if weight_left:
-        return torch.addmm(x.t(), weight, a.t()).t()
-    return torch.addmm(x, a, weight.t())
+    with scope(SCOPE_GEMM):
+        if weight_left:
+            return torch.addmm(x.t(), weight, a.t()).t()
+        return torch.addmm(x, a, weight.t())
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -197,10 +202,17 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """h: [T, D] normalised hidden states -> attention output [T, H * E] (before o_proj)."""
         G, E, H = self.num_kv_heads, self.head_dim, self.num_heads
-        T = h.shape[0]
         # qkv row-major whatever h's layout: RoPE and the cache writes view its rows.
         qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2G) E]
-        rotate_(qkv[:, :(H + G) * E], rotation, H + G)  # queries and keys in one pass
+        with scope(SCOPE_ROPE):
+            rotate_(qkv[:, :(H + G) * E], rotation, H + G)  # queries and keys in one pass
+        with scope(SCOPE_ATTENTION):
+            return self._attend(qkv, meta)
+
+    def _attend(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Write the step's keys and values to the cache, attend -> [T, H * E]."""
+        G, E, H = self.num_kv_heads, self.head_dim, self.num_heads
+        T = qkv.shape[0]
         new_kv = qkv[:, H * E:].view(T, 2, G, E).permute(1, 2, 0, 3)  # [2, G, T, E]
         cache = self.kv_cache
         cache.view(2, G, -1, E).index_copy_(2, meta.write_slots, new_kv)
@@ -264,8 +276,9 @@ class MLP(nn.Module):
     def act(self, h: torch.Tensor, weight_left: bool) -> torch.Tensor:
         """SiLU(gate) * up for h: [T, D] -> [T, I] (before down_proj)."""
         gate_up = linear(h, self.gate_up_proj.weight, weight_left)
-        return F.silu(gate_up[:, :self.intermediate_size]) \
-            .mul_(gate_up[:, self.intermediate_size:])
+        with scope(SCOPE_ACTIVATION):
+            return F.silu(gate_up[:, :self.intermediate_size]) \
+                .mul_(gate_up[:, self.intermediate_size:])
 
 
 class DecoderLayer(nn.Module):
@@ -331,7 +344,8 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] (positions < num_positions) -> hidden states [T, D]
         after the final norm."""
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        rotation = self.rotations(positions, num_positions, x.dtype)
+        with scope(SCOPE_ROPE):
+            rotation = self.rotations(positions, num_positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rotation, meta)
         return self.model.norm(x)

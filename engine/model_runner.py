@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ac_observe.metrics import PHASE_DECODE, PHASE_PREFILL
 from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.kernel_sampler import SCOPE_SAMPLING, scope, step_scope
 from ac_observe.engine.loader import build_model, resolve_dtype
 from ac_observe.engine.model import AttentionMetadata, PrefillSequence, long_tensor
 from ac_observe.engine.sampler import sample
@@ -212,14 +214,17 @@ class ModelRunner:
                     step.start_event, step.end_event = (torch.cuda.Event(enable_timing=True),
                                                         torch.cuda.Event(enable_timing=True))
                     step.start_event.record(stream)
-                hidden = self.model(input_ids, positions, num_positions, meta)
-                if last_rows is not None:
-                    hidden = hidden.index_select(0, last_rows)
-                logits = self.model.compute_logits(hidden).float()
-                step.token_ids, step.failed_rows = sample(
-                    logits, batch.seqs, self.model.config.eos_token_ids)
+                with step_scope(batch.lane, PHASE_PREFILL if batch.is_prefill else PHASE_DECODE):
+                    hidden = self.model(input_ids, positions, num_positions, meta)
+                    if last_rows is not None:
+                        hidden = hidden.index_select(0, last_rows)
+                    logits = self.model.compute_logits(hidden).float()
+                    with scope(SCOPE_SAMPLING):
+                        step.token_ids, step.failed_rows = sample(
+                            logits, batch.seqs, self.model.config.eos_token_ids)
+                    if stream is not None:
+                        step.token_ids = step.token_ids.to("cpu", non_blocking=True)
                 if stream is not None:
-                    step.token_ids = step.token_ids.to("cpu", non_blocking=True)
                     step.end_event.record(stream)
                 else:
                     step.host_end_ns = time.perf_counter_ns()

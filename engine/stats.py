@@ -54,7 +54,7 @@ class EngineStats:
             self.writer.observe(m.SKELETON_COMPLEXITY, float(seq.skeleton.depth))
             self.writer.inc(m.SKELETON_REQUESTS, skeleton=seq.skeleton_label)
 
-    def on_step(self, lane: str, is_prefill: bool, device_seconds: float, start_ns: int,
+    def on_step(self, lane: str, phase: str, device_seconds: float, start_ns: int,
                 end_ns: int) -> None:
         totals = self.lane(lane)
         totals.busy_seconds += device_seconds
@@ -62,9 +62,20 @@ class EngineStats:
         totals.first_step_start_ns = totals.first_step_start_ns or start_ns
         totals.last_step_end_ns = end_ns
         if self.writer:
-            spec = m.PREFILL_GPU if is_prefill else m.DECODE_STEP_GPU
+            spec = m.PREFILL_GPU if phase == m.PHASE_PREFILL else m.DECODE_STEP_GPU
             self.writer.observe(spec, device_seconds, stream=lane)
             self.writer.inc(m.STREAM_BUSY, device_seconds, stream=lane)
+            self.writer.inc(m.ENGINE_STEPS, stream=lane, phase=phase)
+
+    def on_kernel_sample(self, found: dict[tuple[str, str], dict[str, float]]) -> None:
+        """A sampled step's seconds per class, for each of its batches' lane and phase."""
+        if not self.writer:
+            return
+        for (lane, phase), classes in found.items():
+            self.writer.inc(m.KERNEL_SAMPLED_STEPS, stream=lane, phase=phase)
+            for cls, seconds in classes.items():
+                self.writer.observe(m.KERNEL_SECONDS, seconds, stream=lane, phase=phase,
+                                    **{"class": cls})
 
     def on_first_scheduled(self, seq: Sequence, block_size: int) -> None:
         """Admission: queue time, and the prefix-cache lookup of the prompt (a sequence is

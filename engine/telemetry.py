@@ -12,14 +12,15 @@ NOTE: torch-free; the writer is thread-safe (one lock), the engine is single-pro
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import secrets
 import threading
 import time
 
-from ac_observe.metrics import (COUNTER, ENGINE_METRICS, GAUGE, HISTOGRAM, LANES,
-                                MISS_REASONS, OTHER_SKELETON, REQUEST_STATUSES, MetricSpec)
+from ac_observe.metrics import (COUNTER, ENGINE_METRICS, GAUGE, HISTOGRAM, LABEL_VALUES,
+                                OTHER_SKELETON, MetricSpec)
 from ac_observe.telemetry_format import (ENGINE_INFO_FILE, TELEMETRY_FORMAT, ValueFile,
                                          db_file_name, open_engine_dir, remove_dead_gauges,
                                          sample_key)
@@ -92,23 +93,18 @@ class TelemetryWriter:
             raise
 
     def _declare_series(self) -> None:
-        """Write every series a user expects at zero, so types and labels show before traffic."""
+        """Write every series a user expects at zero, so types and labels show before traffic:
+        each closed label set in full, skeletons as their catch-all. Kernel-class histograms
+        are the exception: they appear with the first sampled step (declaring 8 classes x
+        lanes x phases would add ~740 idle lines to every scrape)."""
         for spec in self._specs:
-            extra = set(spec.labels) - {"engine", "model"}
-            if extra == {"stream"}:
-                for lane in LANES:
-                    self._touch(spec, stream=lane)
-            elif extra == {"stream", "status"}:
-                for lane in LANES:
-                    for status in REQUEST_STATUSES:
-                        self._touch(spec, stream=lane, status=status)
-            elif extra == {"skeleton"}:
-                self._touch(spec, skeleton=OTHER_SKELETON)
-            elif extra == {"reason"}:
-                for reason in MISS_REASONS:
-                    self._touch(spec, reason=reason)
-            else:
-                self._touch(spec)
+            extra = [label for label in spec.labels if label not in self._base]
+            if "class" in extra:
+                continue
+            choices = [(OTHER_SKELETON,) if label == "skeleton" else LABEL_VALUES[label]
+                       for label in extra]
+            for values in itertools.product(*choices):
+                self._touch(spec, **dict(zip(extra, values)))
 
     def _touch(self, spec: MetricSpec, **labels) -> None:
         if spec.type == HISTOGRAM:

@@ -14,6 +14,8 @@ random `random-1b` preset. Checks:
  4. a step's path never synchronises the device but for its own end event
     (torch.cuda.set_sync_debug_mode("error"));
  5. event-timed step time against the kernels' own time (torch.profiler), within 10 %;
+    sampled kernel time: each sampled step's seconds per kernel class equal the profiler's
+    own per-class sums, and named classes hold >= 95 % of the kernel time;
  6. both lanes' loads at once finish in under 90 % of the time each takes alone (their
     streams really overlap); utilisation summed over the lanes is reported;
  7. NVML through the collector (GPM SM occupancy non-zero under load on Hopper+); the eBPF
@@ -209,6 +211,44 @@ def timing_vs_profiler(model: str, device: str) -> None:
           gpu_only=True)
 
 
+def kernel_classes(model: str, device: str) -> None:
+    """Sampled kernel time on the real device: every step sampled; the classes of each
+    sampled step equal the profiler's own figures (its FunctionEvent tree and the kernels
+    it links to each op), named classes hold >= 95 % of the kernel time, and the exported
+    seconds are those figures."""
+    from support.kernel_reference import classes_from_function_events
+
+    from ac_observe.engine.kernel_sampler import attribute
+    with Engine(EngineConfig(model=model, device=device, overlap_lanes="off",
+                             kernel_sample_steps=1, kernel_sample_budget=1.0),
+                start=False) as engine:
+        _load(engine, lanes=("throughput",), count=16, new_tokens=12)
+        for _ in range(3):
+            engine.step()  # warm-up: allocator, kernels, the profiler's first start
+        sampler = engine.kernel_sampler
+        worst_gap, worst_other, shares = 0.0, 0.0, {}
+        for _ in range(4):
+            engine.step()
+            prof = sampler.last_profile
+            ours = attribute(prof.kineto_results.events(), sampler.device_kernels)
+            theirs = classes_from_function_events(prof, sampler.device_kernels)
+            for key in set(ours) | set(theirs):
+                a = {c: ns / 1e3 for c, ns in ours.get(key, {}).items()}
+                b = theirs.get(key, {})
+                total = sum(b.values()) or 1.0
+                worst_gap = max(worst_gap, max(abs(a.get(c, 0.0) - b.get(c, 0.0))
+                                               for c in set(a) | set(b)) / total)
+                worst_other = max(worst_other, b.get("other", 0.0) / total)
+                shares = {c: round(us / total, 4) for c, us in sorted(b.items())}
+        engine.run_until_idle()
+    figure("kernel classes of the last sampled step (shares)", shares)
+    figure("kernel classes: largest gap to the profiler, share of step", round(worst_gap, 6))
+    check("kernel classes equal the profiler's own per-class sums", worst_gap <= 1e-4,
+          f"largest gap {worst_gap:.2e} of a step's kernel time")
+    check("named kernel classes cover >= 95 % of a step's kernel time", worst_other <= 0.05,
+          f"other at most {worst_other:.1%}")
+
+
 def lanes_overlap(model: str, device: str) -> None:
     """Each lane's load alone, then both at once: overlapping streams finish both in less
     than the two alone took (utilisation above 100 % by itself could be two spans that
@@ -392,8 +432,8 @@ def main() -> int:
         logits_vs_transformers(folder, device)
         greedy_float64(folder, device)
         two_lanes(folder, device)
-    for run in (no_hidden_syncs, timing_vs_profiler, lanes_overlap, nvml_under_load,
-                ebpf_on_the_engine):
+    for run in (no_hidden_syncs, timing_vs_profiler, kernel_classes, lanes_overlap,
+                nvml_under_load, ebpf_on_the_engine):
         run(big, device)
     big_model(big, device, args.skip_bench)
     figure("seconds", round(time.perf_counter() - started, 1))

@@ -54,7 +54,8 @@ def _buckets(spec, values):
 def test_every_engine_family_by_value(tmp_path):
     root = tmp_path / "telemetry"
     config = EngineConfig(telemetry_dir=str(root / "e1"), engine_name="e1", model_name="m1",
-                          num_kv_blocks=8, max_waiting=2)
+                          num_kv_blocks=8, max_waiting=2, kernel_sample_steps=5,
+                          kernel_sample_budget=1.0)
     outs = {}
     with Engine(config, start=False) as engine:
         # 1. A: 40 tokens on throughput. R is queued beside it, then Z finds the queue full
@@ -208,6 +209,24 @@ def test_every_engine_family_by_value(tmp_path):
         assert step_sum == pytest.approx(busy, rel=1e-9)
         assert _value(final, "ac_cuda_stream_busy_seconds_total", stream=lane) == \
             pytest.approx(busy, rel=1e-9)
+        for phase, count in ((m.PHASE_PREFILL, prefills[lane]), (m.PHASE_DECODE, decodes[lane])):
+            assert _value(final, "ac_engine_steps_total", stream=lane, phase=phase) == count
+    # Kernel sampling every 5th step of a lane and phase (no budget limit): throughput's
+    # 63 decode steps give 12 samples; its 4 prefills and low_latency's 3 prefill attempts
+    # (D's failed) and 3 decodes none. Every sampled decode step ran each of these classes.
+    sampled = {(THROUGHPUT, m.PHASE_DECODE): 12}
+    for lane in m.LANES:
+        for phase in m.PHASES:
+            count = sampled.get((lane, phase), 0)
+            assert _value(final, "ac_kernel_sampled_steps_total", stream=lane,
+                          phase=phase) == count, (lane, phase)
+    classes = ("attention", "gemm", "norm", "rope", "activation", "sampling", "other")
+    for cls in classes:
+        assert _value(final, "ac_kernel_seconds_count", stream=THROUGHPUT,
+                      phase=m.PHASE_DECODE, **{"class": cls}) == 12, cls
+    kernel_sum = sum(_value(final, "ac_kernel_seconds_sum", stream=THROUGHPUT,
+                            phase=m.PHASE_DECODE, **{"class": cls}) for cls in classes)
+    assert 0 < kernel_sum < _value(final, "ac_decode_step_gpu_seconds_sum", stream=THROUGHPUT)
 
     # Skeletons: D, E, F are one skeleton; its id earns a label at its third sighting (F).
     skeleton = skeleton_of_text(TAG_PROMPT)

@@ -40,8 +40,10 @@ def test_timing_invariants_hold_on_every_request_and_lane(tmp_path):
 
 
 def test_telemetry_files_hold_every_engine_metric_with_type_and_labels(tmp_path):
+    # Kernel sampling every 2nd step, unlimited: its families appear with the first sample.
     with Engine(EngineConfig(telemetry_dir=str(tmp_path), engine_name="e1",
-                             model_name="tiny-test", max_waiting=40)) as engine:
+                             model_name="tiny-test", max_waiting=40, kernel_sample_steps=2,
+                             kernel_sample_budget=1.0)) as engine:
         outs = _workload(engine)
         rejected = 0
         for _ in range(60):  # overflow the queue while the engine is busy
