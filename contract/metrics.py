@@ -264,16 +264,24 @@ COLLECTOR_ERRORS = _daemon("ac_collector_errors_total", COUNTER, "Failed collect
 ALERTS_FIRING = _daemon("ac_alerts_firing", GAUGE, "Drift alerts firing.", ("rule", "severity"),
                         "alerts")
 WEBHOOK_DELIVERIES = _daemon("ac_webhook_deliveries_total", COUNTER,
-                             "Webhook delivery attempts by outcome.", ("outcome",), "deliveries")
+                             "Webhook delivery attempts by outcome (delivered, retried, "
+                             "failed: given up at max age, disabled: the receiver said 410) "
+                             "since the daemon started.", ("receiver", "outcome"),
+                             "deliveries")
 WEBHOOK_QUEUE_DEPTH = _daemon("ac_webhook_queue_depth", GAUGE,
-                              "Alerts waiting in the webhook outbox.", (), "deliveries")
+                              "Deliveries waiting in the webhook outbox.", ("receiver",),
+                              "deliveries")
+WEBHOOK_OLDEST_PENDING = _daemon("ac_webhook_oldest_pending_seconds", GAUGE,
+                                 "Age of the oldest delivery waiting in the outbox.",
+                                 ("receiver",), "seconds")
 BUILD_INFO = _daemon("ac_build_info", GAUGE, "ac-observe build.", ("version",))
 ENGINE_RESTARTS = _daemon("ac_engine_restarts_total", COUNTER,
                           "A new engine process taking over an engine's telemetry directory, "
                           "as the daemon saw it.", ("engine",), "restarts")
 
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
-                  ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH, BUILD_INFO,
+                  ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
+                  WEBHOOK_OLDEST_PENDING, BUILD_INFO,
                   ENGINE_RESTARTS)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS

@@ -95,14 +95,23 @@ def daemon(
     engine_grace: str = typer.Option("30s", help="How long a gone engine's series remain."),
     max_requests: int = typer.Option(40, help="HTTP requests handled at once; more wait "
                                               "(up to 10 s) or get 503."),
+    alerting: Path = typer.Option(None, help="Alerting file (YAML): webhook receivers."),
+    store: str = typer.Option(None, envvar="AC_OBSERVE_STORE", help="Store URL, e.g. "
+                              "postgresql+psycopg://user@host/db (default: SQLite in the "
+                              "state directory)."),
+    state_dir: Path = typer.Option(None, help="State directory (default "
+                                              "$AC_OBSERVE_STATE_DIR, else "
+                                              "$XDG_STATE_HOME/ac-observe)."),
     log_level: str = typer.Option("info"),
 ) -> None:
-    """Run the daemon: collectors, /metrics, the query API."""
+    """Run the daemon: collectors, /metrics, the query API, alert webhooks."""
     import logging
 
     from ac_observe.daemon.config import DaemonConfig
     from ac_observe.daemon.http_api import make_server
     from ac_observe.daemon.query import parse_duration
+    from sqlalchemy.exc import SQLAlchemyError
+
     from ac_observe.daemon.service import Daemon, tune_interpreter
     from ac_observe.telemetry_format import default_telemetry_root
 
@@ -118,9 +127,10 @@ def daemon(
             engine_stale_seconds=parse_duration(engine_stale),
             engine_grace_seconds=parse_duration(engine_grace),
             ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,
-            ebpf_pids=tuple(int(p) for p in _names(ebpf_pids)))
+            ebpf_pids=tuple(int(p) for p in _names(ebpf_pids)),
+            alerting_file=alerting, store_url=store, state_dir=state_dir)
         service = Daemon(config)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     server = make_server(service, host, port, config.token, max_requests)
@@ -138,6 +148,64 @@ def daemon(
         raise typer.Exit(2)
     finally:
         service.close()
+
+
+alerts_app = typer.Typer(help="Alert webhooks.", no_args_is_help=True)
+app.add_typer(alerts_app, name="alerts")
+
+
+@alerts_app.command("test")
+def alerts_test(
+    alerting: Path = typer.Option(..., help="Alerting file (YAML) naming the receivers."),
+    receiver: str = typer.Option("", help="Only this receiver (default: all)."),
+    store: str = typer.Option(None, envvar="AC_OBSERVE_STORE", help="Store URL (default: "
+                              "SQLite in the state directory)."),
+    state_dir: Path = typer.Option(None, help="State directory."),
+    wait: float = typer.Option(15.0, help="Seconds to wait for the receivers' answers."),
+) -> None:
+    """Send a signed test delivery to each receiver through the outbox; print what each
+    answered. One still failing stays in the outbox for the daemon to retry."""
+    import socket
+    import time
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ac_observe.daemon.store import PENDING, Store
+    from ac_observe.daemon.webhooks import WebhookSender, load_alerting
+
+    try:
+        receivers = load_alerting(alerting)
+        if receiver:
+            if receiver not in receivers:
+                raise ValueError(f"{alerting}: no receiver named {receiver!r}")
+            receivers = {receiver: receivers[receiver]}
+        if not receivers:
+            raise ValueError(f"{alerting}: no receivers")
+        outbox = Store(store, state_dir)
+    except (ValueError, OSError, SQLAlchemyError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    sender = WebhookSender(outbox, receivers)
+    try:
+        ids = dict(zip(receivers, sender.send_test(host=socket.gethostname())))
+        deadline = time.monotonic() + wait
+        rows = {}
+        while True:
+            sender.run_once()
+            rows = {name: outbox.delivery(i) for name, i in ids.items()}
+            if all(r["state"] != PENDING or r["attempts"] for r in rows.values()) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        failed = 0
+        for name, row in rows.items():
+            answer = row["last_status"] or row["last_error"] or "no answer yet"
+            typer.echo(f"{name}: {row['state']} ({answer}) webhook-id {row['id']}")
+            failed += row["state"] != "delivered"
+    finally:
+        sender.stop()
+        outbox.close()
+    raise typer.Exit(1 if failed else 0)
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -35,6 +35,9 @@ class DaemonConfig:
     ebpf_probes: tuple[str, ...] = ()     # probe groups (empty: all)
     ebpf_pids: tuple[int, ...] = ()       # only these processes (empty: every CUDA process)
     ebpf_comm: str = ""                   # only processes whose name matches this regex
+    alerting_file: Path | None = None     # receivers (and, later, rules): daemon/webhooks.py
+    store_url: str | None = None          # SQLAlchemy URL; None: SQLite in state_dir
+    state_dir: Path | None = None         # None: $AC_OBSERVE_STATE_DIR, $XDG_STATE_HOME/ac-observe
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)

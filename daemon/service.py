@@ -59,6 +59,15 @@ class Daemon:
         self._busy_previous: dict[tuple, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.webhooks = None
+        if config.alerting_file is not None:
+            from ac_observe.daemon.store import Store
+            from ac_observe.daemon.webhooks import WebhookSender, load_alerting
+            receivers = load_alerting(config.alerting_file)  # AlertConfigError: fail fast
+            if receivers:
+                self.store = Store(config.store_url, config.state_dir)
+                self.webhooks = WebhookSender(self.store, receivers,
+                                              external_url=f"http://{config.host}:{config.port}")
 
     # ----- the cycle ----------------------------------------------------------------------
 
@@ -107,7 +116,22 @@ class Daemon:
             errors.add_metric([runner.name], runner.errors_total)
         info = new_family(m.BUILD_INFO)
         info.add_metric([__version__], 1.0)
-        return [up, duration, errors, info]
+        return [up, duration, errors, info] + self._webhook_metrics()
+
+    def _webhook_metrics(self) -> list[Metric]:
+        sender = self.webhooks
+        if sender is None:
+            return []
+        deliveries = new_family(m.WEBHOOK_DELIVERIES)
+        for (receiver, outcome), count in sorted(sender.outcomes.items()):
+            deliveries.add_metric([receiver, outcome], count)
+        depth, oldest = new_family(m.WEBHOOK_QUEUE_DEPTH), new_family(m.WEBHOOK_OLDEST_PENDING)
+        queue = sender.queue  # refreshed by the sender's own thread: no store call here
+        for receiver in sorted(sender.receivers):
+            count, age = queue.get(receiver, (0, 0.0))
+            depth.add_metric([receiver], count)
+            oldest.add_metric([receiver], age)
+        return [deliveries, depth, oldest]
 
     def _watched_samples(self, families: list[Metric]) -> dict:
         samples = {}
@@ -172,6 +196,8 @@ class Daemon:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ac-daemon-loop", daemon=True)
         self._thread.start()
+        if self.webhooks is not None:
+            self.webhooks.start()
 
     def _loop(self) -> None:
         interval = self.config.interval_seconds
@@ -192,5 +218,8 @@ class Daemon:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.webhooks is not None:
+            self.webhooks.stop()
+            self.store.close()
         for runner in self.runners:
             runner.close()

@@ -5,15 +5,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# System packages the tests drive for real: promtool (Debian `prometheus`), gcc, tmux (the
-# CLI is tested in a real terminal), bcc and kernel headers (the eBPF collector).
+# System packages the tests drive for real: promtool (Debian `prometheus`), Alertmanager,
+# PostgreSQL's server, gcc, tmux (the CLI is tested in a real terminal), bcc and kernel
+# headers (the eBPF collector).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if ! command -v promtool >/dev/null || ! command -v gcc >/dev/null \
       || ! command -v tmux >/dev/null || [ ! -d /usr/lib/python3/dist-packages/bcc ] \
+      || ! command -v prometheus-alertmanager >/dev/null \
+      || { ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; } \
       || ! ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1; then
     apt-get update -qq
+    # postgresql: the store's second backend; prometheus-alertmanager: webhook bodies are
+    # compared with the real Alertmanager's.
+    pg=; command -v initdb >/dev/null || pg=postgresql
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      prometheus gcc libc6-dev tmux python3-bpfcc linux-headers-amd64 >/dev/null
+      prometheus prometheus-alertmanager $pg gcc libc6-dev tmux python3-bpfcc \
+      linux-headers-amd64 >/dev/null
   fi
   # bcc compiles against /lib/modules/$(uname -r)/build. A kernel with no headers package
   # of its own (a VM's) can use Debian's: uprobe programs need no kernel internals.

@@ -1,0 +1,217 @@
+"""The daemon's store: SQLite by default (a file in the state directory), PostgreSQL by URL.
+
+Its schema is Alembic's (`daemon/migrations`), brought to the newest revision when the
+store opens, so a daemon upgraded in place migrates its own file. What it holds so far:
+the webhook outbox (one row per delivery: its stable `webhook-id`, the receiver, the body,
+when it is next due) with every delivery attempt, and the receivers a 410 disabled.
+
+NOTE: times are Unix seconds (floats) as the daemon's clock reads them. Every change is
+one transaction, so a delivery written with the alert transition that caused it is
+either there with it or not at all, and a daemon killed at any point loses nothing that
+was committed. Several daemons may share a PostgreSQL store; a delivery is claimed with
+`FOR UPDATE SKIP LOCKED` there, so two senders never post the same attempt.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+PENDING, DELIVERED, FAILED, DISABLED = "pending", "delivered", "failed", "disabled"
+
+metadata = sa.MetaData()
+deliveries = sa.Table(
+    "deliveries", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),           # the webhook-id
+    sa.Column("receiver", sa.String(200), nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),            # firing | resolved | test
+    sa.Column("body", sa.Text, nullable=False),                  # the JSON posted, as sent
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("next_attempt_at", sa.Float, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False, default=0),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("last_status", sa.Integer),
+    sa.Column("last_error", sa.Text),
+    sa.Column("finished_at", sa.Float),
+)
+attempts = sa.Table(
+    "delivery_attempts", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("delivery_id", sa.String(64), sa.ForeignKey("deliveries.id"), nullable=False),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("status", sa.Integer),                             # HTTP status, if any came
+    sa.Column("error", sa.Text),
+    sa.Column("seconds", sa.Float, nullable=False),
+)
+disabled_receivers = sa.Table(
+    "disabled_receivers", metadata,
+    sa.Column("receiver", sa.String(200), primary_key=True),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+)
+
+
+def default_state_dir() -> Path:
+    explicit = os.environ.get("AC_OBSERVE_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "ac-observe"
+
+
+def sqlite_url(state_dir: Path) -> str:
+    return f"sqlite+pysqlite:///{state_dir / 'ac-observe.db'}"
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")   # readers never wait on the writer
+    cursor.execute("PRAGMA synchronous=FULL")   # a committed delivery survives power loss
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
+
+
+def migrate(connection: Connection) -> None:
+    from alembic import command
+    from alembic.config import Config
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    id: str
+    receiver: str
+    kind: str
+    body: str
+    created_at: float
+    attempts: int
+
+
+class Store:
+    def __init__(self, url: str | None = None, state_dir: Path | None = None):
+        if url is None:
+            state_dir = Path(state_dir or default_state_dir())
+            state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            url = sqlite_url(state_dir)
+        self.url = url
+        self.engine: Engine = sa.create_engine(url, future=True, pool_pre_ping=True)
+        self.is_sqlite = self.engine.dialect.name == "sqlite"
+        if self.is_sqlite:
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        with self.engine.begin() as connection:
+            migrate(connection)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def describe(self) -> str:
+        """The URL without its password, for logs and status."""
+        return self.engine.url.render_as_string(hide_password=True)
+
+    # ----- the outbox ---------------------------------------------------------------------
+
+    @staticmethod
+    def enqueue(connection: Connection, receiver: str, kind: str, body: dict,
+                now: float) -> str:
+        """Add a delivery inside the caller's transaction; returns its webhook-id."""
+        delivery_id = "msg_" + secrets.token_hex(12)
+        connection.execute(deliveries.insert().values(
+            id=delivery_id, receiver=receiver, kind=kind,
+            body=json.dumps(body, separators=(",", ":"), sort_keys=True),
+            created_at=now, next_attempt_at=now, attempts=0, state=PENDING))
+        return delivery_id
+
+    def add(self, receiver: str, kind: str, body: dict, now: float) -> str:
+        with self.engine.begin() as connection:
+            return self.enqueue(connection, receiver, kind, body, now)
+
+    def claim_due(self, now: float, receivers: list[str], limit: int = 32,
+                  lease_seconds: float = 60.0) -> list[Delivery]:
+        """Pending deliveries to these receivers due now, each pushed `lease_seconds` ahead
+        as it is claimed (so a sender that dies mid-post leaves it due again after the
+        lease, and two senders never hold one at once)."""
+        query = (sa.select(deliveries).where(deliveries.c.state == PENDING,
+                                             deliveries.c.next_attempt_at <= now,
+                                             deliveries.c.receiver.in_(receivers))
+                 .order_by(deliveries.c.next_attempt_at, deliveries.c.created_at).limit(limit))
+        if not self.is_sqlite:
+            query = query.with_for_update(skip_locked=True)
+        with self.engine.begin() as connection:
+            rows = connection.execute(query).mappings().all()
+            if rows:
+                connection.execute(deliveries.update()
+                                   .where(deliveries.c.id.in_([r["id"] for r in rows]))
+                                   .values(next_attempt_at=now + lease_seconds))
+        return [Delivery(r["id"], r["receiver"], r["kind"], r["body"], r["created_at"],
+                         r["attempts"]) for r in rows]
+
+    def record_attempt(self, delivery: Delivery, at: float, seconds: float,
+                       status: int | None, error: str | None, state: str,
+                       next_attempt_at: float | None = None) -> None:
+        values = {"attempts": delivery.attempts + 1, "last_status": status,
+                  "last_error": error, "state": state}
+        if state == PENDING:
+            values["next_attempt_at"] = next_attempt_at
+        else:
+            values["finished_at"] = at
+        with self.engine.begin() as connection:
+            connection.execute(attempts.insert().values(
+                delivery_id=delivery.id, at=at, status=status, error=error, seconds=seconds))
+            connection.execute(deliveries.update().where(deliveries.c.id == delivery.id)
+                               .values(**values))
+
+    def disable_receiver(self, receiver: str, url: str, at: float, reason: str) -> int:
+        """A receiver answered 410 Gone: it is off until its URL changes; its pending
+        deliveries end as disabled. Returns how many were pending."""
+        with self.engine.begin() as connection:
+            connection.execute(disabled_receivers.delete()
+                               .where(disabled_receivers.c.receiver == receiver))
+            connection.execute(disabled_receivers.insert().values(
+                receiver=receiver, url=url, at=at, reason=reason))
+            result = connection.execute(
+                deliveries.update().where(deliveries.c.receiver == receiver,
+                                          deliveries.c.state == PENDING)
+                .values(state=DISABLED, finished_at=at, last_error=reason))
+            return result.rowcount
+
+    def disabled(self) -> dict[str, str]:
+        """Disabled receivers: name -> the URL that answered 410."""
+        with self.engine.connect() as connection:
+            return {r.receiver: r.url for r in connection.execute(sa.select(disabled_receivers))}
+
+    def enable_receiver(self, receiver: str) -> None:
+        with self.engine.begin() as connection:
+            connection.execute(disabled_receivers.delete()
+                               .where(disabled_receivers.c.receiver == receiver))
+
+    def pending_by_receiver(self, now: float) -> dict[str, tuple[int, float]]:
+        """receiver -> (pending deliveries, age in seconds of the oldest)."""
+        query = (sa.select(deliveries.c.receiver, sa.func.count(),
+                           sa.func.min(deliveries.c.created_at))
+                 .where(deliveries.c.state == PENDING).group_by(deliveries.c.receiver))
+        with self.engine.connect() as connection:
+            return {receiver: (count, max(now - oldest, 0.0))
+                    for receiver, count, oldest in connection.execute(query)}
+
+    def delivery(self, delivery_id: str) -> dict | None:
+        with self.engine.connect() as connection:
+            row = connection.execute(sa.select(deliveries)
+                                     .where(deliveries.c.id == delivery_id)).mappings().first()
+            return dict(row) if row else None
+
+    def attempts_of(self, delivery_id: str) -> list[dict]:
+        with self.engine.connect() as connection:
+            return [dict(r) for r in connection.execute(
+                sa.select(attempts).where(attempts.c.delivery_id == delivery_id)
+                .order_by(attempts.c.id)).mappings()]

@@ -1,0 +1,422 @@
+"""Alert webhooks: receivers from the alerting file, Alertmanager-v4 (or Slack) bodies,
+Standard Webhooks signatures, and a sender that delivers the store's outbox until each
+delivery is acknowledged.
+
+Delivery rules: only a 2xx answer delivers. 410 Gone disables the receiver (until its URL
+changes in the file): its pending deliveries end as `disabled`. Anything else (refused,
+timed out, 429, 5xx, another 4xx) is retried with exponential backoff (1 s doubling to 5
+min, each wait drawn between half and all of it) or after the receiver's `Retry-After`
+(seconds or an HTTP date; at most an hour), until the delivery is `max_age` old (24 h),
+when it ends as `failed`. Each attempt is signed afresh (a new `webhook-timestamp`) under
+the same `webhook-id`, so a receiver dedupes retries by that id. Deliveries live in the
+store: a daemon killed mid-post posts again after the claim's lease (60 s), under the
+same id.
+
+NOTE: the sender never logs a body, a signature or a secret; a receiver is named by its
+`name`, and its URL only in the status it came from (the alerting file).
+"""
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Delivery, Store
+
+log = logging.getLogger("ac_observe.daemon.webhooks")
+
+FORMATS = ("alertmanager", "slack")
+ZERO_TIME = "0001-01-01T00:00:00Z"  # Alertmanager's endsAt of an alert still firing
+
+
+class AlertConfigError(ValueError):
+    """An alerting file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Receiver:
+    name: str
+    url: str
+    format: str = "alertmanager"
+    secret: str | None = field(default=None, repr=False)  # standardwebhooks "whsec_..."
+    timeout_seconds: float = 10.0
+
+    def signer(self):
+        if self.secret is None:
+            return None
+        from standardwebhooks.webhooks import Webhook
+        return Webhook(self.secret)
+
+
+def _check_url(url: str, where: str) -> str:
+    if not isinstance(url, str) or not url.strip():
+        raise AlertConfigError(f"{where}: a URL is required")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise AlertConfigError(f"{where}: {parts.scheme or 'no'} scheme: use http or https")
+    try:
+        host, _ = parts.hostname, parts.port  # a bad port raises here
+    except ValueError as exc:
+        raise AlertConfigError(f"{where}: {exc}") from None
+    if not host:
+        raise AlertConfigError(f"{where}: no host in the URL")
+    if parts.fragment:
+        raise AlertConfigError(f"{where}: a URL fragment is never sent; remove it")
+    return url.strip()
+
+
+def _secret(entry: dict, where: str) -> str | None:
+    given = [key for key in ("secret", "secret_file", "secret_env") if key in entry]
+    if len(given) > 1:
+        raise AlertConfigError(f"{where}: give one of secret, secret_file, secret_env")
+    if not given:
+        return None
+    key = given[0]
+    value = entry[key]
+    if not isinstance(value, str) or not value.strip():
+        raise AlertConfigError(f"{where}.{key}: must be a non-empty string")
+    if key == "secret_file":
+        try:
+            secret = Path(value).read_text().strip()
+        except OSError as exc:
+            raise AlertConfigError(f"{where}.secret_file: {exc.strerror}: {value}") from None
+    elif key == "secret_env":
+        secret = os.environ.get(value, "").strip()
+        if not secret:
+            raise AlertConfigError(f"{where}.secret_env: ${value} is unset or empty")
+    else:
+        secret = value.strip()
+    from standardwebhooks.webhooks import Webhook
+    try:
+        Webhook(secret)
+    except Exception:
+        raise AlertConfigError(f"{where}.{key}: not a Standard Webhooks secret (whsec_ and "
+                               "base64 of at least 24 bytes)") from None
+    if len(Webhook(secret)._whsecret) < 24:
+        raise AlertConfigError(f"{where}.{key}: the secret is shorter than 24 bytes")
+    return secret
+
+
+def parse_receivers(raw, source: str) -> dict[str, Receiver]:
+    """`receivers:` of an alerting file (already parsed), checked field by field."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, list):
+        raise AlertConfigError(f"{source}: receivers: must be a list")
+    receivers: dict[str, Receiver] = {}
+    for i, entry in enumerate(raw):
+        where = f"{source}: receivers[{i}]"
+        if not isinstance(entry, dict):
+            raise AlertConfigError(f"{where}: must be a mapping")
+        unknown = set(entry) - {"name", "url", "format", "secret", "secret_file",
+                                "secret_env", "timeout_seconds"}
+        if unknown:
+            raise AlertConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise AlertConfigError(f"{where}.name: a name of 1-200 characters is required")
+        where = f"{source}: receivers[{i}] ({name})"
+        if name in receivers:
+            raise AlertConfigError(f"{where}.name: {name!r} is used twice")
+        fmt = entry.get("format", "alertmanager")
+        if fmt not in FORMATS:
+            raise AlertConfigError(f"{where}.format: {fmt!r} is not one of {list(FORMATS)}")
+        timeout = entry.get("timeout_seconds", 10.0)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or \
+                not 0 < timeout <= 300:
+            raise AlertConfigError(f"{where}.timeout_seconds: a number in (0, 300]")
+        receivers[name] = Receiver(name, _check_url(entry.get("url"), f"{where}.url"), fmt,
+                                   _secret(entry, where), float(timeout))
+    return receivers
+
+
+def load_alerting(path: str | os.PathLike) -> dict[str, Receiver]:
+    """The receivers of an alerting YAML file; AlertConfigError names what to fix."""
+    import yaml
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise AlertConfigError(f"{source}: {exc.strerror}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise AlertConfigError(f"{source}: not YAML: {exc}") from None
+    if document is None:
+        document = {}
+    if not isinstance(document, dict):
+        raise AlertConfigError(f"{source}: the top level must be a mapping")
+    unknown = set(document) - {"receivers", "rules"}
+    if unknown:
+        raise AlertConfigError(f"{source}: unknown section {sorted(unknown)[0]!r}")
+    return parse_receivers(document.get("receivers"), source)
+
+
+# ----- bodies ----------------------------------------------------------------------------
+
+def fingerprint(labels: dict[str, str]) -> str:
+    """Alertmanager's fingerprint of a label set: FNV-1a 64 over the sorted names and
+    values, each followed by 0xff (prometheus/common model.LabelSet.Fingerprint)."""
+    h = 0xcbf29ce484222325
+    for name in sorted(labels):
+        for part in (name, labels[name]):
+            for byte in part.encode() + b"\xff":
+                h = ((h ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def rfc3339(seconds: float | None) -> str:
+    if seconds is None:
+        return ZERO_TIME
+    stamp = datetime.fromtimestamp(seconds, tz=timezone.utc)
+    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    status: str                     # firing | resolved
+    starts_at: float
+    ends_at: float | None = None    # set when resolved
+    generator_url: str = ""
+
+
+def _common(dicts: list[dict]) -> dict:
+    if not dicts:
+        return {}
+    first = dicts[0]
+    return {k: v for k, v in first.items() if all(d.get(k) == v for d in dicts[1:])}
+
+
+def alertmanager_body(receiver: str, alerts: list[Alert], external_url: str) -> dict:
+    """The body Alertmanager posts to a webhook receiver (version 4), grouped by alertname."""
+    group_labels = {"alertname": alerts[0].labels.get("alertname", "")}
+    status = "firing" if any(a.status == "firing" for a in alerts) else "resolved"
+    return {
+        "version": "4",
+        "groupKey": "{}:{alertname=%s}" % json.dumps(group_labels["alertname"]),
+        "truncatedAlerts": 0,
+        "status": status,
+        "receiver": receiver,
+        "groupLabels": group_labels,
+        "commonLabels": _common([a.labels for a in alerts]),
+        "commonAnnotations": _common([a.annotations for a in alerts]),
+        "externalURL": external_url,
+        "alerts": [{"status": a.status, "labels": a.labels, "annotations": a.annotations,
+                    "startsAt": rfc3339(a.starts_at), "endsAt": rfc3339(a.ends_at),
+                    "generatorURL": a.generator_url, "fingerprint": fingerprint(a.labels)}
+                   for a in alerts],
+    }
+
+
+def slack_body(alerts: list[Alert]) -> dict:
+    """A Slack incoming-webhook message: one line per alert."""
+    lines = []
+    for a in alerts:
+        mark = ":red_circle:" if a.status == "firing" else ":large_green_circle:"
+        summary = a.annotations.get("summary") or a.labels.get("alertname", "alert")
+        lines.append(f"{mark} *{a.status.upper()}* {summary}")
+    return {"text": "\n".join(lines)}
+
+
+def body_for(receiver: Receiver, alerts: list[Alert], external_url: str) -> dict:
+    if receiver.format == "slack":
+        return slack_body(alerts)
+    return alertmanager_body(receiver.name, alerts, external_url)
+
+
+def test_alert(now: float, host: str) -> Alert:
+    return Alert(labels={"alertname": "AcObserveTestAlert", "severity": "none",
+                         "instance": host},
+                 annotations={"summary": "ac-observe test delivery",
+                              "description": "Sent by `ac-observe alerts test`; nothing "
+                                             "is wrong."},
+                 status="firing", starts_at=now)
+
+
+# ----- delivery --------------------------------------------------------------------------
+
+def signed_headers(receiver: Receiver, delivery_id: str, body: str, now: float) -> dict:
+    headers = {"content-type": "application/json", "user-agent": "ac-observe",
+               "webhook-id": delivery_id, "webhook-timestamp": str(int(now))}
+    signer = receiver.signer()
+    if signer is not None:
+        stamp = datetime.fromtimestamp(int(now), tz=timezone.utc)
+        headers["webhook-signature"] = signer.sign(delivery_id, stamp, body)
+    return headers
+
+
+def retry_after(value: str | None, now: float) -> float | None:
+    """Seconds to wait from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(when.timestamp() - now, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    first: float = 1.0
+    cap: float = 300.0
+    max_retry_after: float = 3600.0
+    max_age: float = 86400.0
+
+    def delay(self, attempts: int, rng: random.Random) -> float:
+        """Wait before the attempt after `attempts` failed ones: equal jitter."""
+        full = min(self.cap, self.first * 2 ** max(attempts - 1, 0))
+        return full * rng.uniform(0.5, 1.0)
+
+
+OUTCOMES = ("delivered", "retried", "failed", "disabled")
+
+
+class WebhookSender:
+    """Delivers the outbox. `run_once` does one pass (tests drive it); `start` runs passes
+    on a thread, woken at once by `wake` after an enqueue."""
+
+    def __init__(self, store: Store, receivers: dict[str, Receiver], external_url: str = "",
+                 backoff: Backoff = Backoff(), clock=time.time, seed: int | None = None,
+                 poll_seconds: float = 1.0):
+        self.store = store
+        self.receivers = receivers
+        self.external_url = external_url
+        self.backoff = backoff
+        self.clock = clock
+        self.poll_seconds = poll_seconds
+        self._rng = random.Random(seed)
+        self._client = httpx.Client(follow_redirects=False, trust_env=False)
+        self.outcomes: dict[tuple[str, str], int] = {
+            (name, outcome): 0 for name in receivers for outcome in OUTCOMES}
+        self.queue: dict[str, tuple[int, float]] = {}  # receiver -> (pending, oldest age)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # A receiver whose URL changed since a 410 disabled it is tried again.
+        for name, url in store.disabled().items():
+            if name in receivers and receivers[name].url != url:
+                store.enable_receiver(name)
+
+    def enqueue(self, alerts: list[Alert], kind: str, connection=None) -> list[str]:
+        """One delivery per receiver (inside the caller's transaction when given one)."""
+        now = self.clock()
+        ids = []
+        for receiver in self.receivers.values():
+            body = body_for(receiver, alerts, self.external_url)
+            if connection is None:
+                ids.append(self.store.add(receiver.name, kind, body, now))
+            else:
+                ids.append(self.store.enqueue(connection, receiver.name, kind, body, now))
+        self._wake.set()
+        return ids
+
+    def send_test(self, host: str) -> list[str]:
+        return self.enqueue([test_alert(self.clock(), host)], "test")
+
+    def run_once(self) -> int:
+        """One pass: every due delivery attempted once; the queue figures refreshed."""
+        try:
+            return self._deliver_due()
+        finally:
+            self.queue = self.store.pending_by_receiver(self.clock())
+
+    def _deliver_due(self) -> int:
+        disabled = self.store.disabled()
+        active = [name for name in self.receivers if name not in disabled]
+        if not active:
+            return 0
+        lease = max(60.0, max(self.receivers[n].timeout_seconds for n in active) + 30.0)
+        due = self.store.claim_due(self.clock(), receivers=active, lease_seconds=lease)
+        for delivery in due:
+            self._attempt(delivery)
+        return len(due)
+
+    def _attempt(self, delivery: Delivery) -> None:
+        receiver = self.receivers[delivery.receiver]
+        now = self.clock()
+        started = time.monotonic()
+        status = error = None
+        wait = None
+        try:
+            response = self._client.post(receiver.url, content=delivery.body.encode(),
+                                         headers=signed_headers(receiver, delivery.id,
+                                                                delivery.body, now),
+                                         timeout=receiver.timeout_seconds)
+            status = response.status_code
+            wait = retry_after(response.headers.get("retry-after"), now)
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        seconds = time.monotonic() - started
+        if status is not None and 200 <= status < 300:
+            self.store.record_attempt(delivery, now, seconds, status, None, DELIVERED)
+            self._count(receiver.name, "delivered")
+            return
+        if status == 410:
+            reason = "410 Gone: the receiver asked to stop; change its url to resume"
+            self.store.record_attempt(delivery, now, seconds, status, reason, DISABLED)
+            self.store.disable_receiver(receiver.name, receiver.url, now, reason)
+            self._count(receiver.name, "disabled")
+            log.warning("webhook receiver %s answered 410 Gone: disabled", receiver.name)
+            return
+        error = error or f"HTTP {status}"
+        if now - delivery.created_at >= self.backoff.max_age:
+            self.store.record_attempt(delivery, now, seconds, status, error, FAILED)
+            self._count(receiver.name, "failed")
+            log.error("webhook delivery %s to %s failed for good after %d attempts: %s",
+                      delivery.id, receiver.name, delivery.attempts + 1, error)
+            return
+        delay = self.backoff.delay(delivery.attempts + 1, self._rng)
+        if wait is not None:
+            delay = min(wait, self.backoff.max_retry_after)
+        self.store.record_attempt(delivery, now, seconds, status, error, PENDING,
+                                  next_attempt_at=now + delay)
+        self._count(receiver.name, "retried")
+        log.info("webhook delivery %s to %s: %s; next try in %.1f s", delivery.id,
+                 receiver.name, error, delay)
+
+    def _count(self, receiver: str, outcome: str) -> None:
+        key = (receiver, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ac-webhooks", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.run_once()
+            except Exception:  # a store outage: keep trying, never die
+                log.exception("webhook pass failed")
+                busy = 0
+            if not busy:
+                self._wake.wait(self.poll_seconds)
+                self._wake.clear()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._client.close()

@@ -1,0 +1,426 @@
+"""Alert webhooks: the outbox in a real store (SQLite file and a real PostgreSQL server),
+delivered to a loopback receiver over HTTP, signed per Standard Webhooks and checked with
+the `standardwebhooks` library, retried across a receiver outage and a killed daemon."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Store
+from ac_observe.daemon.webhooks import (AlertConfigError, Backoff, Receiver, WebhookSender,
+                                        fingerprint, load_alerting, retry_after)
+
+from support.postgres import PostgresServer
+
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+
+class _Receiver:
+    """A loopback webhook receiver: records every request; `mode` picks the answer
+    (ok, 500, 410, 429, hang) and `down()` closes its port (connections refused)."""
+
+    def __init__(self):
+        self.requests: list[tuple[dict, bytes]] = []
+        self.mode = "ok"
+        self.retry_after = None
+        self.port = None
+        self._server = None
+        self.up()
+
+    def up(self) -> None:
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["content-length"]))
+                owner.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                if owner.mode == "hang":
+                    time.sleep(3)
+                status = {"ok": 200, "500": 500, "410": 410, "429": 429, "hang": 200}[owner.mode]
+                self.send_response(status)
+                if owner.retry_after:
+                    self.send_header("Retry-After", owner.retry_after)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port or 0), Handler)
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def down(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+
+class _Clock:
+    def __init__(self):
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    url = None if request.param == "sqlite" else request.getfixturevalue("postgres").new_database()
+    store = Store(url, state_dir=tmp_path / "state")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def receiver():
+    r = _Receiver()
+    yield r
+    r.down()
+
+
+def _sender(store, receiver, clock, **kwargs):
+    return WebhookSender(store, {"ops": Receiver("ops", receiver.url, secret=SECRET,
+                                                 timeout_seconds=5)},
+                         external_url="http://127.0.0.1:9410", clock=clock, seed=1, **kwargs)
+
+
+def test_a_test_delivery_is_an_alertmanager_v4_body_signed_per_standard_webhooks(
+        store, receiver):
+    clock = _Clock()
+    sender = _sender(store, receiver, clock)
+    (delivery_id,) = sender.send_test(host="node-7")
+    assert sender.run_once() == 1
+    (headers, body), = receiver.requests
+    assert headers["webhook-id"] == delivery_id
+    payload = Webhook(SECRET).verify(body, headers)  # raises unless the signature holds
+    assert payload["version"] == "4" and payload["status"] == "firing"
+    assert payload["receiver"] == "ops"
+    assert payload["groupKey"] == '{}:{alertname="AcObserveTestAlert"}'
+    (alert,) = payload["alerts"]
+    assert alert["labels"] == {"alertname": "AcObserveTestAlert", "severity": "none",
+                               "instance": "node-7"}
+    assert alert["endsAt"] == "0001-01-01T00:00:00Z"
+    assert alert["fingerprint"] == fingerprint(alert["labels"])
+    assert payload["commonLabels"] == alert["labels"]
+    assert store.delivery(delivery_id)["state"] == DELIVERED
+    assert sender.outcomes["ops", "delivered"] == 1
+    with pytest.raises(Exception):  # another secret does not verify it
+        Webhook("whsec_" + "A" * 40).verify(body, headers)
+
+
+def test_fingerprint_is_alertmanagers():
+    # prometheus/common model.LabelSet{"alertname": "Watchdog"}.Fingerprint() and the
+    # empty set's (FNV-1a 64 offset basis), as Alertmanager prints them.
+    assert fingerprint({}) == "cbf29ce484222325"
+    assert fingerprint({"a": "b"}) == fingerprint({"a": "b"})
+    assert fingerprint({"a": "b", "c": "d"}) != fingerprint({"a": "bc", "": "d"})
+
+
+def test_receiver_down_then_failing_then_back_gets_it_once_under_one_id(store, receiver):
+    clock = _Clock()
+    start = clock.now
+    sender = _sender(store, receiver, clock)
+    (delivery_id,) = sender.send_test(host="n")
+    receiver.down()  # refusing for 30 s, then 500s until 60 s, then back
+    modes = []
+    while store.delivery(delivery_id)["state"] == PENDING:
+        clock.now = max(clock.now, store.delivery(delivery_id)["next_attempt_at"])
+        elapsed = clock.now - start
+        if 30 <= elapsed and receiver.mode == "ok" and not modes.count("500"):
+            receiver.up()
+            receiver.mode = "500"
+        if elapsed >= 60:
+            receiver.mode = "ok"
+        modes.append("refused" if elapsed < 30 else receiver.mode)
+        sender.run_once()
+        assert len(modes) < 40
+    row = store.delivery(delivery_id)
+    assert row["state"] == DELIVERED
+    assert "refused" in modes and "500" in modes and modes[-1] == "ok"
+    attempts = store.attempts_of(delivery_id)
+    assert len(attempts) == len(modes) == row["attempts"]
+    assert [a["status"] for a in attempts if a["status"]] == \
+        [500] * modes.count("500") + [200]
+    # Every request that reached the receiver carried the one id; one was answered 2xx.
+    assert {h["webhook-id"] for h, _ in receiver.requests} == {delivery_id}
+    assert len(receiver.requests) == modes.count("500") + 1
+    # Backoff doubled with jitter: each wait between half and all of 1, 2, 4, ... s.
+    waits = [b["at"] - a["at"] for a, b in zip(attempts, attempts[1:])]
+    for n, wait in enumerate(waits, start=1):
+        full = min(300.0, 2.0 ** (n - 1))
+        assert 0.5 * full <= wait <= full + 1e-6, (n, wait)
+    for headers, body in receiver.requests:
+        Webhook(SECRET).verify(body, headers)  # re-signed per attempt: still valid
+
+
+def test_retry_after_is_honoured_and_410_disables_the_receiver(store, receiver):
+    clock = _Clock()
+    sender = _sender(store, receiver, clock)
+    (first,) = sender.send_test(host="n")
+    receiver.mode, receiver.retry_after = "429", "120"
+    sender.run_once()
+    assert store.delivery(first)["next_attempt_at"] == pytest.approx(clock.now + 120)
+    clock.now += 60
+    assert sender.run_once() == 0  # not due yet
+    clock.now += 61
+    receiver.mode, receiver.retry_after = "410", None
+    (second,) = sender.send_test(host="n")
+    sender.run_once()
+    assert store.delivery(first)["state"] == DISABLED
+    assert store.delivery(second)["state"] == DISABLED
+    assert store.disabled() == {"ops": receiver.url}
+    (third,) = sender.send_test(host="n")
+    requests = len(receiver.requests)
+    clock.now += 3600
+    assert sender.run_once() == 0 and len(receiver.requests) == requests
+    # A new URL in the file (the receiver moved) turns it back on.
+    receiver.mode = "ok"
+    moved = WebhookSender(store, {"ops": Receiver("ops", receiver.url + "?v=2",
+                                                  secret=SECRET)}, clock=clock)
+    assert store.disabled() == {}
+    assert moved.run_once() == 1 and store.delivery(third)["state"] == DELIVERED
+
+
+def test_a_delivery_older_than_max_age_fails_for_good(store, receiver):
+    clock = _Clock()
+    sender = _sender(store, receiver, clock, backoff=Backoff(max_age=600))
+    (delivery_id,) = sender.send_test(host="n")
+    receiver.mode = "500"
+    sender.run_once()
+    clock.now += 601
+    sender.run_once()
+    assert store.delivery(delivery_id)["state"] == FAILED
+    assert sender.outcomes["ops", "failed"] == 1
+
+
+def test_retry_after_forms():
+    assert retry_after("30", 1000.0) == 30.0
+    assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 1445412480.0 - 10) == \
+        pytest.approx(10.0)
+    assert retry_after("soon", 0.0) is None and retry_after(None, 0.0) is None
+
+
+_DAEMON = textwrap.dedent("""
+    import sys, time
+    from ac_observe.daemon.store import Store
+    from ac_observe.daemon.webhooks import Receiver, WebhookSender
+    store = Store(sys.argv[1] or None, state_dir=sys.argv[2])
+    sender = WebhookSender(store, {"ops": Receiver("ops", sys.argv[3], secret=sys.argv[4])})
+    print(sender.send_test(host="n")[0], flush=True)
+    sender.run_once()  # posts to a receiver that hangs: killed mid-post
+    """)
+
+
+def test_killed_mid_post_the_delivery_still_arrives_once_under_its_id(store, receiver,
+                                                                      tmp_path):
+    receiver.mode = "hang"
+    url = "" if store.is_sqlite else store.url
+    process = subprocess.Popen([sys.executable, "-c", _DAEMON, url, str(tmp_path / "state"),
+                                receiver.url, SECRET], stdout=subprocess.PIPE, text=True)
+    delivery_id = process.stdout.readline().strip()
+    deadline = time.time() + 30
+    while not receiver.requests and time.time() < deadline:
+        time.sleep(0.05)
+    assert receiver.requests, "the first daemon never posted"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert store.delivery(delivery_id)["state"] == PENDING
+    # A new daemon: the claim's lease (60 s + the receiver's timeout) must pass first.
+    receiver.mode = "ok"
+    clock = _Clock()
+    restarted = _sender(store, receiver, clock)
+    assert restarted.run_once() == 0
+    clock.now += 120
+    assert restarted.run_once() == 1
+    assert store.delivery(delivery_id)["state"] == DELIVERED
+    assert [h["webhook-id"] for h, _ in receiver.requests] == [delivery_id, delivery_id]
+
+
+@pytest.mark.parametrize("text, where", [
+    ("receivers:\n  - {name: a, url: 'ftp://x/y'}\n", "receivers[0] (a).url: ftp scheme"),
+    ("receivers:\n  - {name: a, url: 'http:///y'}\n", "receivers[0] (a).url: no host"),
+    ("receivers:\n  - {name: a, url: 'http://h:99999/'}\n", "receivers[0] (a).url: "),
+    ("receivers:\n  - {url: 'http://h/'}\n", "receivers[0].name: "),
+    ("receivers:\n  - {name: a, url: 'http://h/'}\n  - {name: a, url: 'http://g/'}\n",
+     "receivers[1] (a).name: 'a' is used twice"),
+    ("receivers:\n  - {name: a, url: 'http://h/', secret: 'whsec_c2hvcnQ='}\n",
+     "receivers[0] (a).secret: the secret is shorter than 24 bytes"),
+    ("receivers:\n  - {name: a, url: 'http://h/', secret: '!!!'}\n",
+     "receivers[0] (a).secret: not a Standard Webhooks secret"),
+    ("receivers:\n  - {name: a, url: 'http://h/', secret_env: AC_TEST_UNSET_VAR}\n",
+     "receivers[0] (a).secret_env: $AC_TEST_UNSET_VAR is unset"),
+    ("receivers:\n  - {name: a, url: 'http://h/', format: teams}\n",
+     "receivers[0] (a).format: 'teams' is not one of"),
+    ("receivers:\n  - {name: a, url: 'http://h/', retries: 3}\n",
+     "receivers[0]: unknown field 'retries'"),
+    ("receivers: {name: a}\n", "receivers: must be a list"),
+    ("recievers: []\n", "unknown section 'recievers'"),
+    ("receivers: [\n", "not YAML"),
+])
+def test_a_bad_alerting_file_names_the_file_and_the_field(tmp_path, text, where):
+    path = tmp_path / "alerts.yaml"
+    path.write_text(text)
+    with pytest.raises(AlertConfigError) as error:
+        load_alerting(path)
+    assert str(error.value).startswith(f"{path}: ")
+    assert where in str(error.value)
+
+
+def test_a_good_alerting_file(tmp_path, monkeypatch):
+    (tmp_path / "secret").write_text(SECRET + "\n")
+    monkeypatch.setenv("AC_TEST_SECRET", SECRET)
+    path = tmp_path / "alerts.yaml"
+    path.write_text(f"receivers:\n"
+                    f"  - {{name: ops, url: 'https://hooks.example/x', secret_file: "
+                    f"'{tmp_path / 'secret'}'}}\n"
+                    f"  - {{name: chat, url: 'http://127.0.0.1:1/s', format: slack, "
+                    f"secret_env: AC_TEST_SECRET, timeout_seconds: 3}}\n")
+    receivers = load_alerting(path)
+    assert receivers["ops"] == Receiver("ops", "https://hooks.example/x", "alertmanager",
+                                        SECRET, 10.0)
+    assert receivers["chat"].format == "slack" and receivers["chat"].timeout_seconds == 3
+    assert SECRET not in repr(receivers)
+
+
+def test_the_body_is_the_one_alertmanager_itself_posts(tmp_path, receiver):
+    """The real Alertmanager, given the same alert, posts a webhook body with the same
+    fields, group key, common labels and fingerprint as ours."""
+    import socket
+
+    from ac_observe.daemon.webhooks import Alert, alertmanager_body
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "am.yml").write_text(textwrap.dedent(f"""
+        route: {{receiver: hook, group_by: [alertname], group_wait: 0s, group_interval: 1s}}
+        receivers:
+          - name: hook
+            webhook_configs: [{{url: '{receiver.url}', send_resolved: true}}]
+        """))
+    am = subprocess.Popen(["prometheus-alertmanager", f"--config.file={tmp_path / 'am.yml'}",
+                           f"--storage.path={tmp_path / 'am'}",
+                           f"--web.listen-address=127.0.0.1:{port}",
+                           "--cluster.listen-address="],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import httpx
+        labels = {"alertname": "InferenceLatencyDrift", "engine": "e1", "severity": "warning"}
+        annotations = {"summary": "p95 up 22 %", "runbook": "see the README"}
+        starts = time.time() - 5
+        deadline = time.time() + 30
+        while True:
+            try:
+                httpx.post(f"http://127.0.0.1:{port}/api/v2/alerts", json=[{
+                    "labels": labels, "annotations": annotations,
+                    "startsAt": datetime_rfc3339(starts)}], timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                assert time.time() < deadline, "Alertmanager did not start"
+                time.sleep(0.2)
+        while not receiver.requests:
+            assert time.time() < deadline, "Alertmanager posted nothing"
+            time.sleep(0.1)
+    finally:
+        am.terminate()
+        am.wait()
+    theirs = json.loads(receiver.requests[0][1])
+    ours = alertmanager_body("hook", [Alert(labels, annotations, "firing", starts)],
+                             f"http://127.0.0.1:{port}")
+    assert set(ours) == set(theirs)
+    for key in ("version", "groupKey", "status", "receiver", "groupLabels", "commonLabels",
+                "commonAnnotations", "truncatedAlerts"):
+        assert ours[key] == theirs[key], key
+    (mine,), (real,) = ours["alerts"], theirs["alerts"]
+    assert set(mine) == set(real)
+    for key in ("status", "labels", "annotations", "fingerprint"):
+        assert mine[key] == real[key], key
+
+
+def datetime_rfc3339(seconds: float) -> str:
+    from ac_observe.daemon.webhooks import rfc3339
+    return rfc3339(seconds)
+
+
+def _alerting_file(tmp_path, url) -> str:
+    path = tmp_path / "alerts.yaml"
+    path.write_text(f"receivers:\n  - {{name: ops, url: '{url}', secret: '{SECRET}'}}\n")
+    return str(path)
+
+
+def test_the_daemon_delivers_and_exports_its_outbox(tmp_path, receiver):
+    from ac_observe.daemon.config import DaemonConfig
+    from ac_observe.daemon.service import Daemon
+
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=("engine",),
+                                 alerting_file=_alerting_file(tmp_path, receiver.url),
+                                 state_dir=tmp_path / "state"))
+    receiver.mode = "500"
+    daemon.start()
+    try:
+        (delivery_id,) = daemon.webhooks.send_test(host="n")
+        deadline = time.time() + 20
+        while daemon.webhooks.outcomes["ops", "retried"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        daemon.run_cycle()
+        text = daemon.render_metrics().decode()
+        assert 'ac_webhook_deliveries_total{receiver="ops",outcome="retried"} 1.0' in text
+        assert 'ac_webhook_queue_depth{receiver="ops"} 1.0' in text
+        receiver.mode = "ok"
+        while daemon.webhooks.outcomes["ops", "delivered"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        daemon.run_cycle()
+        text = daemon.render_metrics().decode()
+        assert 'ac_webhook_deliveries_total{receiver="ops",outcome="delivered"} 1.0' in text
+        assert 'ac_webhook_queue_depth{receiver="ops"} 0.0' in text
+        assert 'ac_webhook_oldest_pending_seconds{receiver="ops"} 0.0' in text
+    finally:
+        daemon.close()
+    assert {h["webhook-id"] for h, _ in receiver.requests} == {delivery_id}
+    assert (tmp_path / "state" / "ac-observe.db").exists()
+
+
+def test_alerts_test_command(tmp_path, receiver):
+    env = {**os.environ, "AC_OBSERVE_STATE_DIR": str(tmp_path / "state")}
+    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
+                          "alerts", "test", "--alerting", _alerting_file(tmp_path, receiver.url)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("ops: delivered (200) webhook-id msg_")
+    (headers, body), = receiver.requests
+    Webhook(SECRET).verify(body, headers)
+    receiver.mode = "500"
+    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
+                          "alerts", "test", "--alerting", _alerting_file(tmp_path, receiver.url)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 1 and run.stdout.startswith("ops: pending (500)")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("receivers:\n  - {name: ops, url: 'gopher://x/'}\n")
+    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
+                          "alerts", "test", "--alerting", str(bad)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2 and f"{bad}: receivers[0] (ops).url: gopher scheme" in run.stderr
