@@ -8,34 +8,22 @@ files, as it does in production.
 from __future__ import annotations
 
 import bisect
-from types import SimpleNamespace
 
 import pytest
 
 from ac_observe import metrics as m
-from ac_observe.collectors.engine import EngineCollector
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.llm_engine import Engine, FinishReason, QueueFullError, SamplingParams
 from ac_observe.engine.skeleton import skeleton_of_text
+
+from support.telemetry import read_as_daemon, sample_value
 
 BLOCK = 16
 LOW, THROUGHPUT = m.LANES
 TAG_PROMPT = "<a><b>x</b></a>"  # 15 bytes: never fills a block; skeleton depth 3
 
 
-def _read(root) -> dict:
-    """{(sample name, frozenset(labels)): value} as the daemon reads the engine's files."""
-    collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=60,
-                                                engine_grace_seconds=60))
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in collector.collect() for s in family.samples}
-
-
-def _value(samples, name, **labels):
-    found = [v for (n, lab), v in samples.items()
-             if n == name and all((k, val) in lab for k, val in labels.items())]
-    assert len(found) == 1, (name, labels, found)
-    return found[0]
+_read, _value = read_as_daemon, sample_value
 
 
 def _params(max_tokens):

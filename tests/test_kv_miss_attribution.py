@@ -8,12 +8,10 @@ figure is worked out in the comments.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from ac_observe import metrics as m
-from ac_observe.collectors.engine import EngineCollector
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
 from ac_observe.engine.block_manager import BlockManager, chain_hash
@@ -22,6 +20,8 @@ from ac_observe.engine.evicted_hashes import EvictedHashes
 from ac_observe.engine.llm_engine import Engine, SamplingParams
 from ac_observe.engine.sequence import Sequence
 from ac_observe.engine.skeleton import skeleton_of_text
+
+from support.telemetry import read_as_daemon, sample_value
 
 BLOCK = 16
 SYSTEM = "<sys>You answer questions about the GPU fleet.".ljust(3 * BLOCK)  # 3 blocks
@@ -48,18 +48,7 @@ Q4 = "where is gpu 7??"
 T2_TEXT = ("new traffic " * 15)[:11 * BLOCK] + "."  # 11 looked-up blocks, 12 needed
 
 
-def _read(root) -> dict:
-    collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=60,
-                                                engine_grace_seconds=60))
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in collector.collect() for s in family.samples}
-
-
-def _value(samples, name, **labels):
-    found = [v for (n, lab), v in samples.items()
-             if n == name and all((k, val) in lab for k, val in labels.items())]
-    assert len(found) == 1, (name, labels, found)
-    return found[0]
+_read, _value = read_as_daemon, sample_value
 
 
 def test_misses_by_reason_and_hit_rates_by_skeleton(tmp_path):

@@ -406,21 +406,21 @@ def test_the_daemon_delivers_and_exports_its_outbox(tmp_path, receiver):
 
 def test_alerts_test_command(tmp_path, receiver):
     env = {**os.environ, "AC_OBSERVE_STATE_DIR": str(tmp_path / "state")}
-    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
-                          "alerts", "test", "--alerting", _alerting_file(tmp_path, receiver.url)],
-                         capture_output=True, text=True, env=env, timeout=60)
+
+    def alerts_test(path) -> subprocess.CompletedProcess:
+        return subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
+                               "alerts", "test", "--alerting", str(path)],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    run = alerts_test(_alerting_file(tmp_path, receiver.url))
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("ops: delivered (200) webhook-id msg_")
     (headers, body), = receiver.requests
     Webhook(SECRET).verify(body, headers)
     receiver.mode = "500"
-    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
-                          "alerts", "test", "--alerting", _alerting_file(tmp_path, receiver.url)],
-                         capture_output=True, text=True, env=env, timeout=60)
+    run = alerts_test(_alerting_file(tmp_path, receiver.url))
     assert run.returncode == 1 and run.stdout.startswith("ops: pending (500)")
     bad = tmp_path / "bad.yaml"
     bad.write_text("receivers:\n  - {name: ops, url: 'gopher://x/'}\n")
-    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
-                          "alerts", "test", "--alerting", str(bad)],
-                         capture_output=True, text=True, env=env, timeout=60)
+    run = alerts_test(bad)
     assert run.returncode == 2 and f"{bad}: receivers[0] (ops).url: gopher scheme" in run.stderr

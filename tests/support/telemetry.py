@@ -32,3 +32,23 @@ def family_value(families, family, sample, **labels):
     """Sum of a family's samples named `sample` whose labels include `labels`."""
     return sum(v for name, lab, v in families[family]["samples"]
                if name == sample and all(lab.get(k) == val for k, val in labels.items()))
+
+
+def read_as_daemon(root) -> dict:
+    """{(sample name, frozenset(labels)): value} as the daemon's engine collector reads
+    every engine under a telemetry root."""
+    from types import SimpleNamespace
+
+    from ac_observe.collectors.engine import EngineCollector
+    collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=60,
+                                                engine_grace_seconds=60))
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in collector.collect() for s in family.samples}
+
+
+def sample_value(samples, name, **labels):
+    """The one sample of `read_as_daemon`'s answer with that name and these labels."""
+    found = [v for (n, lab), v in samples.items()
+             if n == name and all((k, val) in lab for k, val in labels.items())]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
