@@ -24,7 +24,7 @@ from torch import nn
 
 from ac_observe.engine.config import ModelConfig
 from ac_observe.engine.kernel_sampler import (SCOPE_ACTIVATION, SCOPE_ATTENTION, SCOPE_GEMM,
-                                              SCOPE_NORM, SCOPE_ROPE, scope)
+                                              SCOPE_NORM, SCOPE_ROPE, scope, scoped)
 
 _COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
@@ -127,18 +127,31 @@ def weight_left_gemms(x: torch.Tensor) -> bool:
 
 
 def linear(h: torch.Tensor, weight: torch.Tensor, weight_left: bool) -> torch.Tensor:
-    """h @ weight^T: [T, K] -> [T, N]; a transposed view when weight_left."""
-    with scope(SCOPE_GEMM):  # the transposes are part of the GEMM's call
-        return torch.mm(weight, h.t()).t() if weight_left else F.linear(h, weight)
+    """h @ weight^T: [T, K] -> [T, N]; a transposed view when weight_left. (The sampled
+    kernel time's `ac::gemm` scope holds the operand transposes with the GEMM.)"""
+    return scoped(SCOPE_GEMM, _linear, h, weight, weight_left)
+
+
+def _linear(h: torch.Tensor, weight: torch.Tensor, weight_left: bool) -> torch.Tensor:
+    return torch.mm(weight, h.t()).t() if weight_left else F.linear(h, weight)
 
 
 def linear_add(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
                weight_left: bool) -> torch.Tensor:
     """x + a @ weight^T in one GEMM: the residual is addmm's input."""
-    with scope(SCOPE_GEMM):
-        if weight_left:
-            return torch.addmm(x.t(), weight, a.t()).t()
-        return torch.addmm(x, a, weight.t())
+    return scoped(SCOPE_GEMM, _linear_add, x, a, weight, weight_left)
+
+
+def _linear_add(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
+                weight_left: bool) -> torch.Tensor:
+    if weight_left:
+        return torch.addmm(x.t(), weight, a.t()).t()
+    return torch.addmm(x, a, weight.t())
+
+
+def swiglu(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """SiLU(gate) * up, in place in the gate's output."""
+    return F.silu(gate_up[:, :intermediate_size]).mul_(gate_up[:, intermediate_size:])
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -204,10 +217,8 @@ class Attention(nn.Module):
         G, E, H = self.num_kv_heads, self.head_dim, self.num_heads
         # qkv row-major whatever h's layout: RoPE and the cache writes view its rows.
         qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2G) E]
-        with scope(SCOPE_ROPE):
-            rotate_(qkv[:, :(H + G) * E], rotation, H + G)  # queries and keys in one pass
-        with scope(SCOPE_ATTENTION):
-            return self._attend(qkv, meta)
+        scoped(SCOPE_ROPE, rotate_, qkv[:, :(H + G) * E], rotation, H + G)  # q and k at once
+        return scoped(SCOPE_ATTENTION, self._attend, qkv, meta)
 
     def _attend(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Write the step's keys and values to the cache, attend -> [T, H * E]."""
@@ -276,9 +287,7 @@ class MLP(nn.Module):
     def act(self, h: torch.Tensor, weight_left: bool) -> torch.Tensor:
         """SiLU(gate) * up for h: [T, D] -> [T, I] (before down_proj)."""
         gate_up = linear(h, self.gate_up_proj.weight, weight_left)
-        with scope(SCOPE_ACTIVATION):
-            return F.silu(gate_up[:, :self.intermediate_size]) \
-                .mul_(gate_up[:, self.intermediate_size:])
+        return scoped(SCOPE_ACTIVATION, swiglu, gate_up, self.intermediate_size)
 
 
 class DecoderLayer(nn.Module):
@@ -344,8 +353,7 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] (positions < num_positions) -> hidden states [T, D]
         after the final norm."""
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        with scope(SCOPE_ROPE):
-            rotation = self.rotations(positions, num_positions, x.dtype)
+        rotation = scoped(SCOPE_ROPE, self.rotations, positions, num_positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rotation, meta)
         return self.model.norm(x)

@@ -16,7 +16,7 @@ import torch
 
 from ac_observe.metrics import PHASE_DECODE, PHASE_PREFILL
 from ac_observe.engine.config import EngineConfig
-from ac_observe.engine.kernel_sampler import SCOPE_SAMPLING, scope, step_scope
+from ac_observe.engine.kernel_sampler import SCOPE_SAMPLING, scoped, step_scope
 from ac_observe.engine.loader import build_model, resolve_dtype
 from ac_observe.engine.model import AttentionMetadata, PrefillSequence, long_tensor
 from ac_observe.engine.sampler import sample
@@ -219,9 +219,9 @@ class ModelRunner:
                     if last_rows is not None:
                         hidden = hidden.index_select(0, last_rows)
                     logits = self.model.compute_logits(hidden).float()
-                    with scope(SCOPE_SAMPLING):
-                        step.token_ids, step.failed_rows = sample(
-                            logits, batch.seqs, self.model.config.eos_token_ids)
+                    step.token_ids, step.failed_rows = scoped(
+                        SCOPE_SAMPLING, sample, logits, batch.seqs,
+                        self.model.config.eos_token_ids)
                     if stream is not None:
                         step.token_ids = step.token_ids.to("cpu", non_blocking=True)
                 if stream is not None:

@@ -167,6 +167,9 @@ class _Event:
 
 
 def test_cuda_kernels_are_found_through_the_op_that_launched_them():
+    """Kernels link to the aten op they ran under (kineto's linked correlation id); a
+    kernel launched with no op around it (a graph replay) links to nothing and is placed
+    by its launch call's time, whose thread id is CUPTI's, not the ops'."""
     step = ks.STEP_SCOPES[LANE, m.PHASE_DECODE]
     host = [
         _Event("aten::mm", "cpu_op", 1, 0, 10, correlation=1),          # outside any step
@@ -179,23 +182,29 @@ def test_cuda_kernels_are_found_through_the_op_that_launched_them():
         _Event("aten::add", "cpu_op", 1, 600, 10, correlation=8),
         _Event("aten::to", "cpu_op", 1, 700, 10, correlation=9),
         _Event("aten::mm", "cpu_op", 2, 150, 10, correlation=10),       # another thread
-        _Event("cudaLaunchKernel", "cuda_runtime", 1, 120, 5, correlation=11, linked=4),
+        _Event("cudaLaunchKernel", "cuda_runtime", 4242, 120, 5, correlation=501, linked=4),
+        _Event("cudaGraphLaunch", "cuda_runtime", 4242, 650, 5, correlation=502),
+        _Event("cudaLaunchKernel", "cuda_runtime", 4242, 660, 5, correlation=503),
+        _Event("cudaLaunchKernel", "cuda_runtime", 4242, 5, 2, correlation=504),
     ]
     device = [
-        _Event("ampere_sgemm_128x64_tn", "kernel", 7, 1000, 4000, linked=1),       # no step
-        _Event("ampere_sgemm_128x64_tn", "kernel", 7, 5000, 3000, linked=4),       # gemm
-        _Event("ampere_sgemm_64x32_nn", "kernel", 7, 8000, 700, linked=6),         # attention
+        _Event("ampere_sgemm_128x64_tn", "kernel", 7, 1000, 4000, correlation=500, linked=1),
+        _Event("ampere_sgemm_128x64_tn", "kernel", 7, 5000, 3000, correlation=501, linked=4),
+        _Event("ampere_sgemm_64x32_nn", "kernel", 7, 8000, 700, linked=6),   # attention
+        _Event("void at::native::index_copy_kernel_impl<float>", "kernel", 7, 8800, 80,
+               linked=7),                                  # a copy kernel, in attention
         _Event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 7, 9000, 60, linked=7),
         _Event("void elementwise_kernel<add>", "kernel", 7, 9100, 90, linked=8),    # other
         _Event("Memset (Device)", "gpu_memset", 7, 9200, 11, linked=9),
-        _Event("flash_fwd_kernel", "kernel", 7, 9300, 500, linked=2),   # by its own name
-        _Event("mystery_kernel", "kernel", 7, 9900, 33, linked=2),      # nothing names it
+        _Event("flash_fwd_kernel", "kernel", 7, 9300, 500, correlation=502),  # graph replay
+        _Event("mystery_kernel", "kernel", 7, 9900, 33, correlation=503),     # by nothing
+        _Event("ampere_sgemm_128x64_tn", "kernel", 7, 9940, 44, correlation=504),  # no step
         _Event("ampere_sgemm_128x64_tn", "kernel", 8, 9950, 999, linked=10),  # no step
         _Event(step, "gpu_user_annotation", 7, 1000, 9000, linked=2),   # a span, not work
     ]
     found = ks.attribute(host + device, device_kernels=True)
     assert found == {(LANE, m.PHASE_DECODE): {
-        "gemm": 3000, "attention": 700 + 500, "memcpy": 60 + 11, "other": 90 + 33}}
+        "gemm": 3000, "attention": 700 + 80 + 500, "memcpy": 60 + 11, "other": 90 + 33}}
     # On CPU the same host events count their self time instead.
     cpu = ks.attribute(host, device_kernels=False)
     assert cpu == {(LANE, m.PHASE_DECODE): {

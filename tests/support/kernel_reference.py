@@ -3,8 +3,8 @@
 Built from torch's `FunctionEvent` tree (its parents, self times and the kernels it links
 to each op), not from the raw events `attribute` reads: per (lane, phase) step scope and
 class, microseconds. On CPU each op's self CPU time under a step scope; on CUDA each
-kernel, memcpy and memset of an op under a step scope (memcpy/memset by name first, then
-the outermost ancestor-or-self op that names a class, then the kernel's own name)."""
+kernel, memcpy and memset of an op under a step scope (device memcpys and memsets first,
+then the outermost ancestor-or-self op that names a class, then the kernel's own name)."""
 from __future__ import annotations
 
 import torch
@@ -41,7 +41,7 @@ def classes_from_function_events(prof, device_kernels: bool) -> dict:
             if kernel.name.startswith("ac::"):
                 continue  # the device-side span of one of our scopes, not work
             own = ks.classify(kernel.name)
-            cls = "memcpy" if own == "memcpy" or kernel.name.startswith(("Memcpy", "Memset")) \
+            cls = "memcpy" if kernel.name.startswith(("Memcpy", "Memset")) \
                 else (named[0] if named else own or "other")
             per_key[cls] = per_key.get(cls, 0.0) + kernel.duration
     return {key: classes for key, classes in out.items() if classes}
