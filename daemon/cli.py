@@ -102,9 +102,10 @@ def daemon(
     state_dir: Path = typer.Option(None, help="State directory (default "
                                               "$AC_OBSERVE_STATE_DIR, else "
                                               "$XDG_STATE_HOME/ac-observe)."),
+    alert_interval: str = typer.Option("5s", help="How often alert rules are evaluated."),
     log_level: str = typer.Option("info"),
 ) -> None:
-    """Run the daemon: collectors, /metrics, the query API, alert webhooks."""
+    """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
     import logging
 
     from ac_observe.daemon.config import DaemonConfig
@@ -128,7 +129,8 @@ def daemon(
             engine_grace_seconds=parse_duration(engine_grace),
             ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,
             ebpf_pids=tuple(int(p) for p in _names(ebpf_pids)),
-            alerting_file=alerting, store_url=store, state_dir=state_dir)
+            alerting_file=alerting, store_url=store, state_dir=state_dir,
+            alert_interval_seconds=parse_duration(alert_interval))
         service = Daemon(config)
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -150,8 +152,20 @@ def daemon(
         service.close()
 
 
-alerts_app = typer.Typer(help="Alert webhooks.", no_args_is_help=True)
+alerts_app = typer.Typer(help="Drift alerts: what is pending and firing, history, test "
+                              "deliveries.")
 app.add_typer(alerts_app, name="alerts")
+
+
+@alerts_app.callback(invoke_without_command=True)
+def alerts_list(ctx: typer.Context,
+                history: bool = typer.Option(False, "--history",
+                                             help="Also the latest transitions."),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """Alerts pending and firing now, with value and baseline."""
+    if ctx.invoked_subcommand is None:
+        from ac_observe.daemon import cli_query
+        raise typer.Exit(cli_query.show_alerts(ctx.obj, history, as_json))
 
 
 @alerts_app.command("test")
@@ -297,6 +311,9 @@ def engine(
     telemetry_dir: str = typer.Option("", help="Telemetry directory (default: "
                                                 "$AC_OBSERVE_TELEMETRY_DIR/<engine name>)."),
     demo_load: bool = typer.Option(False, "--demo-load", help="Send demo traffic to itself."),
+    fault_injection: bool = typer.Option(False, "--fault-injection",
+                                         help="Serve /admin/faults (loopback only): an added "
+                                              "per-step delay, forced prefix-cache misses."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Serve the bundled engine: Anthropic Messages and OpenAI Chat Completions APIs."""
@@ -323,6 +340,7 @@ def engine(
             gpu_memory_utilization=gpu_memory_utilization,
             evicted_hash_memory=evicted_hash_memory,
             kernel_sample_steps=kernel_sample_steps, kernel_sample_budget=kernel_sample_budget,
+            fault_injection=fault_injection,
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
             lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
                    LaneConfig(THROUGHPUT, throughput_seqs)))

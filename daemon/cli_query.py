@@ -149,3 +149,44 @@ def show_status(obj: dict, as_json: bool) -> int:
         table.caption = "no engine found"
     console.print(table)
     return 0
+
+
+def show_alerts(obj: dict, history: bool, as_json: bool) -> int:
+    console = Console()
+    try:
+        body = get_json(obj, "/api/v1/alerts", "alerts", history="1" if history else "0")
+    except DaemonError as exc:
+        return _fail(console, str(exc))
+    if as_json:
+        print(json.dumps(body))
+        return 0
+    if not body["rules"]:
+        console.print("no alert rules (start the daemon with --alerting FILE)")
+        return 0
+    table = Table(title=f"alerts ({body['rules']} rules)")
+    for column in ("rule", "state", "severity", "labels", "value", "baseline", "since"):
+        table.add_column(column)
+    for a in body["alerts"]:
+        state = ("[red]firing[/red]" if a["state"] == "firing" else "[yellow]pending[/yellow]") \
+            + (" (no data)" if a["no_data"] else "")
+        since = a["firing_since"] or a["active_since"]
+        table.add_row(escape(a["rule"]), state, a["severity"],
+                      escape(", ".join(f"{k}={v}" for k, v in sorted(a["labels"].items()))),
+                      _g(a["value"]), _g(a["baseline"]),
+                      time.strftime("%H:%M:%S", time.localtime(since)) if since else "")
+    console.print(table if body["alerts"] else "no alert pending or firing")
+    if history:
+        table = Table(title="latest transitions")
+        for column in ("at", "rule", "from", "to", "labels", "value", "baseline"):
+            table.add_column(column)
+        for t in body["history"]:
+            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(t["at"])),
+                          escape(t["rule"]), t["from_state"], t["to_state"],
+                          escape(", ".join(f"{k}={v}" for k, v in sorted(t["labels"].items()))),
+                          _g(t["value"]), _g(t["baseline"]))
+        console.print(table)
+    return 0
+
+
+def _g(value) -> str:
+    return "" if value is None else f"{value:.4g}"

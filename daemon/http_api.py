@@ -4,6 +4,7 @@ GET /metrics            Prometheus text of the latest snapshot
 GET /api/v1/query       ?metric=NAME&window=60s&labels=k=v,k=v  -> stats per series
 GET /api/v1/metrics     the friendly names
 GET /api/v1/status      collectors (up/down, reason) and engines
+GET /api/v1/alerts      pending and firing alerts (?history=1: the latest transitions)
 GET /healthz            liveness (no token needed)
 A bearer token, when configured, guards everything but /healthz (RFC 6750: the scheme is
 case-insensitive; the token is compared as bytes, in constant time).
@@ -70,12 +71,21 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
             return json_response(400, {"error": str(exc)})
         return json_response(200, daemon.query(metric, window, labels))
 
+    def alerts(params: dict) -> Response:
+        if daemon.alerts is None:
+            return json_response(200, {"alerts": [], "history": [], "rules": 0})
+        history = (params.get("history") or ["0"])[0] not in ("", "0", "false")
+        return json_response(200, {"alerts": daemon.alerts.active(),
+                                   "rules": len(daemon.alerts.rules),
+                                   "history": daemon.alerts.history() if history else []})
+
     routes = {
         "/metrics": lambda params: Response(200, daemon.render_metrics(),
                                             PROMETHEUS_CONTENT_TYPE),
         "/api/v1/query": query,
         "/api/v1/metrics": lambda params: json_response(200, {"metrics": describe_friendly()}),
         "/api/v1/status": lambda params: json_response(200, daemon.status()),
+        "/api/v1/alerts": alerts,
     }
 
     def handle(request: Request) -> Response:

@@ -97,7 +97,7 @@ class QueryEngine:
     def query(self, name: str, window_seconds: float, label_filter: dict[str, str],
               now: float) -> dict:
         friendly = _friendly(name)
-        view = self.windows.view(samples_read(friendly), now - window_seconds)
+        view = self.windows.view(samples_read(friendly), now - window_seconds, now)
         return self.answer(view, friendly, window_seconds, now - window_seconds, label_filter)
 
     def answer(self, view: WindowView, friendly: Friendly, window_seconds: float,

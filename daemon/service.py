@@ -59,15 +59,21 @@ class Daemon:
         self._busy_previous: dict[tuple, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.webhooks = None
+        self.webhooks = self.alerts = self.store = None
         if config.alerting_file is not None:
+            from ac_observe.daemon.alerts import Evaluator, load_alerting_config
             from ac_observe.daemon.store import Store
-            from ac_observe.daemon.webhooks import WebhookSender, load_alerting
-            receivers = load_alerting(config.alerting_file)  # AlertConfigError: fail fast
-            if receivers:
+            from ac_observe.daemon.webhooks import WebhookSender
+            # AlertConfigError (a ValueError) names the file and field: fail fast.
+            receivers, rules = load_alerting_config(config.alerting_file)
+            if receivers or rules:
                 self.store = Store(config.store_url, config.state_dir)
+            if receivers:
                 self.webhooks = WebhookSender(self.store, receivers,
                                               external_url=f"http://{config.host}:{config.port}")
+            if rules:
+                self.alerts = Evaluator(self, rules, self.store, self.webhooks,
+                                        config.alert_interval_seconds)
 
     # ----- the cycle ----------------------------------------------------------------------
 
@@ -81,10 +87,20 @@ class Daemon:
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
         watched = self._watched_samples(families)
-        with self._lock:  # queries see a window and a snapshot from one and the same cycle
-            self.windows.append(now, watched)
-            self._snapshot = families
-            self._generation += 1
+        if self.alerts is None:
+            with self._lock:  # queries see a window and a snapshot from one and the same cycle
+                self.windows.append(now, watched)
+                self._snapshot = families
+                self._generation += 1
+        else:
+            with self._lock:
+                self.windows.append(now, watched)
+            if self.alerts.due(now):
+                self.alerts.evaluate(now)  # reads the windows just appended
+            families.extend(self._alert_metrics())  # the states this cycle left
+            with self._lock:
+                self._snapshot = families
+                self._generation += 1
         if time.monotonic() - self._last_scrape < RENDER_AHEAD_SECONDS:
             self.render_metrics(scrape=False)  # a scrape then only copies bytes
 
@@ -118,10 +134,21 @@ class Daemon:
         info.add_metric([__version__], 1.0)
         return [up, duration, errors, info] + self._webhook_metrics()
 
+    def _alert_metrics(self) -> list[Metric]:
+        firing = new_family(m.ALERTS_FIRING)
+        counts = {(rule.name, rule.severity): 0 for rule in self.alerts.rules.values()}
+        for alert in self.alerts.active():
+            if alert["state"] == "firing":
+                counts[alert["rule"], alert["severity"]] += 1
+        for (rule, severity), count in sorted(counts.items()):
+            firing.add_metric([rule, severity], count)
+        return [firing]
+
     def _webhook_metrics(self) -> list[Metric]:
+        families = []
         sender = self.webhooks
         if sender is None:
-            return []
+            return families
         deliveries = new_family(m.WEBHOOK_DELIVERIES)
         for (receiver, outcome), count in sorted(sender.outcomes.items()):
             deliveries.add_metric([receiver, outcome], count)
@@ -131,7 +158,7 @@ class Daemon:
             count, age = queue.get(receiver, (0, 0.0))
             depth.add_metric([receiver], count)
             oldest.add_metric([receiver], age)
-        return [deliveries, depth, oldest]
+        return families + [deliveries, depth, oldest]
 
     def _watched_samples(self, families: list[Metric]) -> dict:
         samples = {}
@@ -175,7 +202,7 @@ class Daemon:
         friendly = m.FRIENDLY[metric]
         since = (time.time() if now is None else now) - window_seconds
         with self._lock:
-            view = self.windows.view(samples_read(friendly), since)
+            view = self.windows.view(samples_read(friendly), since, now)
         return self.queries.answer(view, friendly, window_seconds, since, labels)
 
     def status(self) -> dict:
@@ -220,6 +247,7 @@ class Daemon:
             self._thread.join(timeout=10)
         if self.webhooks is not None:
             self.webhooks.stop()
+        if self.store is not None:
             self.store.close()
         for runner in self.runners:
             runner.close()

@@ -2,7 +2,8 @@
 
 Its schema is Alembic's (`daemon/migrations`), brought to the newest revision when the
 store opens, so a daemon upgraded in place migrates its own file. What it holds so far:
-the webhook outbox (one row per delivery: its stable `webhook-id`, the receiver, the body,
+alert instances (pending or firing, one per rule and label set) and every transition, the
+webhook outbox (one row per delivery: its stable `webhook-id`, the receiver, the body,
 when it is next due) with every delivery attempt, and the receivers a 410 disabled.
 
 NOTE: times are Unix seconds (floats) as the daemon's clock reads them. Every change is
@@ -55,6 +56,33 @@ disabled_receivers = sa.Table(
     sa.Column("url", sa.Text, nullable=False),
     sa.Column("at", sa.Float, nullable=False),
     sa.Column("reason", sa.Text, nullable=False),
+)
+
+
+alert_instances = sa.Table(
+    "alert_instances", metadata,
+    sa.Column("rule", sa.String(200), primary_key=True),
+    sa.Column("fingerprint", sa.String(16), primary_key=True),
+    sa.Column("labels", sa.Text, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),   # pending | firing
+    sa.Column("active_since", sa.Float),
+    sa.Column("firing_since", sa.Float),
+    sa.Column("value", sa.Float),
+    sa.Column("baseline", sa.Float),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+alert_transitions = sa.Table(
+    "alert_transitions", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("rule", sa.String(200), nullable=False),
+    sa.Column("fingerprint", sa.String(16), nullable=False),
+    sa.Column("labels", sa.Text, nullable=False),
+    sa.Column("from_state", sa.String(16), nullable=False),
+    sa.Column("to_state", sa.String(16), nullable=False),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("value", sa.Float),
+    sa.Column("baseline", sa.Float),
+    sa.Column("summary", sa.Text),
 )
 
 

@@ -142,6 +142,11 @@ def parse_receivers(raw, source: str) -> dict[str, Receiver]:
 
 def load_alerting(path: str | os.PathLike) -> dict[str, Receiver]:
     """The receivers of an alerting YAML file; AlertConfigError names what to fix."""
+    return parse_receivers(read_alerting(path).get("receivers"), str(path))
+
+
+def read_alerting(path: str | os.PathLike) -> dict:
+    """An alerting file's document (receivers, rules), its top level checked."""
     import yaml
     source = str(path)
     try:
@@ -159,7 +164,7 @@ def load_alerting(path: str | os.PathLike) -> dict[str, Receiver]:
     unknown = set(document) - {"receivers", "rules"}
     if unknown:
         raise AlertConfigError(f"{source}: unknown section {sorted(unknown)[0]!r}")
-    return parse_receivers(document.get("receivers"), source)
+    return document
 
 
 # ----- bodies ----------------------------------------------------------------------------

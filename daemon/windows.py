@@ -56,24 +56,27 @@ class Windows:
         """Timestamp of the oldest cycle still held (NaN before the first)."""
         return self.times[self.cycle % self.capacity if self.cycle > self.capacity else 0]
 
-    def view(self, sample_names, since: float) -> "WindowView":
-        """Copies of the series of `sample_names` over the cycles at or after `since`."""
+    def view(self, sample_names, since: float, until: float | None = None) -> "WindowView":
+        """Copies of the series of `sample_names` over the cycles at or after `since` (and
+        at or before `until`, when given: a window that ended in the past)."""
         count = min(self.cycle, self.capacity)
         start = self.cycle - count
-        # Cycle times only grow: find the first cycle inside the window by bisection.
+        # Cycle times only grow: find the window's first and last cycles by bisection.
         ordered = _Ordered(self.times, start, count, self.capacity)
         first = start + bisect.bisect_left(ordered, since)
-        times = self._slice(self.times, first)
-        series = {key: self._slice(self.series[key], first)
+        last = self.cycle if until is None else start + bisect.bisect_right(ordered, until)
+        times = self._slice(self.times, first, last)
+        series = {key: self._slice(self.series[key], first, last)
                   for name in sample_names for key in self.by_sample.get(name, ())}
         return WindowView(times, series, {k: self.first_seen[k] for k in series},
                           self.earliest_time)
 
-    def _slice(self, ring: array, first: int) -> array:
-        """ring's values from cycle `first` to the latest, oldest first (C-speed copies)."""
-        begin, end = first % self.capacity, self.cycle % self.capacity
-        if first >= self.cycle:
+    def _slice(self, ring: array, first: int, last: int) -> array:
+        """ring's values from cycle `first` up to `last` (excluded), oldest first (C-speed
+        copies)."""
+        if first >= last:
             return array("d")
+        begin, end = first % self.capacity, last % self.capacity
         if begin < end:
             return ring[begin:end]
         return ring[begin:] + ring[:end]

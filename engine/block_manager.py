@@ -18,6 +18,7 @@ NOTE (invariants, checked by `check_invariants`):
 from __future__ import annotations
 
 import hashlib
+import random
 import time
 from array import array
 from collections import OrderedDict
@@ -88,6 +89,10 @@ class BlockManager:
         self.clock = clock
         # Seconds each evicted block had been unused; the stats drain it after every step.
         self.eviction_ages: list[float] = []
+        # Fault injection (EngineConfig.fault_injection): this share of prompt lookups is
+        # refused the cache, as if nothing were cached (drift demos and tests).
+        self.forced_miss_ratio = 0.0
+        self._fault_rng = random.Random(0)
 
     @property
     def num_blocks(self) -> int:
@@ -121,7 +126,8 @@ class BlockManager:
         hashes: list[bytes] = []
         misses = [0] * len(MISS_REASONS)
         parent_hash, parent = None, None
-        matching = True
+        matching = not (self.forced_miss_ratio and
+                        self._fault_rng.random() < self.forced_miss_ratio)
         for i in range(num_query):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block_hash = known[i] if known else chain_hash(parent_hash, tokens)

@@ -141,6 +141,9 @@ class EngineConfig:
     kernel_sample_budget: float = 0.005
     skeleton_top_k: int = 20
     skeleton_min_count: int = 3       # sightings before a skeleton id earns its own label
+    # Loopback-only /admin/faults may add a per-step delay and force prefix-cache misses
+    # (drift demos and tests); off unless asked for.
+    fault_injection: bool = False
     telemetry_dir: str | None = None  # None: no telemetry files
     api_address: str = ""
 

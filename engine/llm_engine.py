@@ -192,6 +192,7 @@ class Engine:
                 "cuda_streams": {lane: stream.cuda_stream
                                  for lane, stream in self.runner.streams.items()},
             }, engine=config.engine_name, model=self.model_name)
+        self.step_delay_seconds = 0.0  # fault injection (EngineConfig.fault_injection)
         self.kernel_sampler = KernelSampler(config.kernel_sample_steps,
                                             config.kernel_sample_budget, self.runner.device)
         self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k,
@@ -355,9 +356,12 @@ class Engine:
             for batch in batches:
                 for seq in batch.first_scheduled:
                     self.stats.on_first_scheduled(seq, self.block_manager.block_size)
+        if self.step_delay_seconds:  # fault injection: a slower engine, device timers honest
+            time.sleep(self.step_delay_seconds)
         keys = [(batch.lane, PHASE_PREFILL if batch.is_prefill else PHASE_DECODE)
                 for batch in batches]
         sampled = self.kernel_sampler.begin(keys)
+        completed = set()
         try:
             launched = []
             for batch, key in zip(batches, keys):
@@ -373,12 +377,13 @@ class Engine:
                     self._fail_batch(batch)
                     continue
                 end_ns = time.monotonic_ns()
+                completed.add(key)
                 with self._lock:
                     self.stats.on_step(batch.lane, key[1], device_seconds, start_ns, end_ns)
                     self._postprocess(batch, next_tokens, device_seconds, end_ns)
                     self.stats.on_state(self.scheduler, self.block_manager)
         finally:
-            found = self.kernel_sampler.end()
+            found = self.kernel_sampler.end(completed)
             if sampled:
                 with self._lock:
                     self.stats.on_kernel_sample(found)

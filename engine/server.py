@@ -194,8 +194,44 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return _sse_response(chunks(), first)
 
 
+async def faults(request: Request):
+    """Fault injection: GET the current faults, POST {"step_delay_ms": 0..10000,
+    "prefix_miss_ratio": 0..1} to change them. Only with --fault-injection, and only from
+    this host."""
+    service = _service(request)
+    if not service.config.fault_injection:
+        raise APIError(404, "fault injection is off (start the engine with --fault-injection)")
+    client = request.client.host if request.client else ""
+    if client not in ("127.0.0.1", "::1", "localhost"):
+        raise APIError(403, "fault injection is accepted from this host only")
+    engine = service.ready()
+    if request.method == "POST":
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise APIError(400, "the body is not JSON") from None
+        if not isinstance(body, dict) or set(body) - {"step_delay_ms", "prefix_miss_ratio"}:
+            raise APIError(400, "expected an object with step_delay_ms and/or "
+                                "prefix_miss_ratio")
+        delay = body.get("step_delay_ms", engine.step_delay_seconds * 1e3)
+        ratio = body.get("prefix_miss_ratio", engine.block_manager.forced_miss_ratio)
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or \
+                not 0 <= delay <= 10_000:
+            raise APIError(400, "step_delay_ms must be a number in [0, 10000]")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise APIError(400, "prefix_miss_ratio must be a number in [0, 1]")
+        engine.step_delay_seconds = float(delay) / 1e3
+        engine.block_manager.forced_miss_ratio = float(ratio)
+        log.warning("fault injection: step delay %.1f ms, forced prefix misses %.0f %%",
+                    delay, 100 * ratio)
+    return {"step_delay_ms": engine.step_delay_seconds * 1e3,
+            "prefix_miss_ratio": engine.block_manager.forced_miss_ratio}
+
+
 ROUTES = (
     ("GET", "/health", health),
+    ("GET", "/admin/faults", faults),
+    ("POST", "/admin/faults", faults),
     ("GET", "/v1/models", models),
     ("POST", "/v1/messages/count_tokens", count_tokens),
     ("POST", "/v1/messages", messages),

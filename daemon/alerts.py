@@ -1,0 +1,395 @@
+"""Drift alerts: rules from the alerting file, evaluated on the daemon's windows against a
+baseline, with states per rule and label set, persisted with their webhook deliveries.
+
+A rule reads one statistic of a friendly metric (mean, p50, p95, p99, last) over `window`
+for each of its series (label sets, narrowed by `match`) and compares it with a baseline:
+`trailing:<d>` (the same statistic over the `d` before the window), `static:<v>`, or
+`same_hour_yesterday` (not kept yet: it falls back to `trailing:<fallback>` (1h) and the
+alert's `baseline_source` annotation says so). Comparisons: relative_increase /
+relative_decrease (a share of the baseline: 0.15 is 15 %), absolute_increase /
+absolute_decrease (in the metric's unit), above / below (the value against the threshold;
+the baseline is not read).
+
+States: inactive -> pending (the condition holds) -> firing (it held for `for`) ->
+resolved (it failed on two evaluations in a row, so one odd sample never resolves an
+alert) -> inactive. A series with no value or no baseline is "no data": it changes no
+state (a firing alert stays firing, and is listed as no data). Each transition to firing
+or resolved is written to the store with its webhook deliveries in one transaction.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import threading
+from dataclasses import dataclass, field
+
+from ac_observe.daemon.query import parse_duration
+from ac_observe.daemon.webhooks import Alert, AlertConfigError, fingerprint
+from ac_observe.metrics import FRIENDLY
+
+log = logging.getLogger("ac_observe.daemon.alerts")
+
+STATISTICS = ("mean", "p50", "p95", "p99", "last", "max", "min")
+COMPARISONS = ("relative_increase", "relative_decrease", "absolute_increase",
+               "absolute_decrease", "above", "below")
+SEVERITIES = ("info", "warning", "critical")
+INACTIVE, PENDING, FIRING, RESOLVED = "inactive", "pending", "firing", "resolved"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,199}$")
+_TEMPLATE = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+_TEMPLATE_FIELDS = {"value", "baseline", "delta", "delta_percent", "unit", "labels", "rule",
+                    "baseline_source"}
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    name: str
+    metric: str
+    statistic: str
+    window_seconds: float
+    baseline: str                  # trailing | static | same_hour_yesterday
+    baseline_seconds: float = 0.0  # trailing (and the fallback of same_hour_yesterday)
+    baseline_value: float = 0.0    # static
+    comparison: str = "relative_increase"
+    threshold: float = 0.0
+    for_seconds: float = 0.0
+    severity: str = "warning"
+    match: dict = field(default_factory=dict)
+    labels: dict = field(default_factory=dict)
+    annotations: dict = field(default_factory=dict)
+
+
+def _field(entry: dict, key: str, where: str, kind, default=None, required=False):
+    if key not in entry:
+        if required:
+            raise AlertConfigError(f"{where}.{key}: required")
+        return default
+    value = entry[key]
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            raise AlertConfigError(f"{where}.{key}: a number is required, not {value!r}")
+        return float(value)
+    if kind is dict:
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise AlertConfigError(f"{where}.{key}: a mapping of strings to strings")
+        return dict(value)
+    if not isinstance(value, str) or not value.strip():
+        raise AlertConfigError(f"{where}.{key}: a non-empty string is required")
+    return value.strip()
+
+
+def _duration(entry: dict, key: str, where: str, default: str | None = None,
+              zero_ok: bool = False) -> float:
+    text = _field(entry, key, where, str, default, required=default is None)
+    if zero_ok and text in ("0", "0s"):
+        return 0.0
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise AlertConfigError(f"{where}.{key}: {exc}") from None
+
+
+def parse_rules(raw, source: str) -> list[Rule]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise AlertConfigError(f"{source}: rules: must be a list")
+    rules, names = [], set()
+    for i, entry in enumerate(raw):
+        where = f"{source}: rules[{i}]"
+        if not isinstance(entry, dict):
+            raise AlertConfigError(f"{where}: must be a mapping")
+        unknown = set(entry) - {"name", "metric", "statistic", "window", "baseline",
+                                "comparison", "threshold", "for", "severity", "match",
+                                "labels", "annotations"}
+        if unknown:
+            raise AlertConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        name = _field(entry, "name", where, str, required=True)
+        if not _NAME.match(name):
+            raise AlertConfigError(f"{where}.name: {name[:40]!r} is not a metric-style name "
+                                   "(letters, digits, _)")
+        where = f"{source}: rules[{i}] ({name})"
+        if name in names:
+            raise AlertConfigError(f"{where}.name: {name!r} is used twice")
+        names.add(name)
+        metric = _field(entry, "metric", where, str, required=True)
+        if metric not in FRIENDLY:
+            raise AlertConfigError(f"{where}.metric: {metric!r} is not a metric name "
+                                   "(ac-observe --list)")
+        statistic = _field(entry, "statistic", where, str, "mean")
+        if statistic not in STATISTICS:
+            raise AlertConfigError(f"{where}.statistic: {statistic!r} is not one of "
+                                   f"{list(STATISTICS)}")
+        comparison = _field(entry, "comparison", where, str, "relative_increase")
+        if comparison not in COMPARISONS:
+            raise AlertConfigError(f"{where}.comparison: {comparison!r} is not one of "
+                                   f"{list(COMPARISONS)}")
+        baseline_text = _field(entry, "baseline", where, str,
+                               "static:0" if comparison in ("above", "below") else None,
+                               required=comparison not in ("above", "below"))
+        kind, _, argument = baseline_text.partition(":")
+        baseline_seconds = baseline_value = 0.0
+        if kind == "trailing":
+            try:
+                baseline_seconds = parse_duration(argument)
+            except ValueError as exc:
+                raise AlertConfigError(f"{where}.baseline: {exc}") from None
+        elif kind == "same_hour_yesterday":
+            try:
+                baseline_seconds = parse_duration(argument or "1h")
+            except ValueError as exc:
+                raise AlertConfigError(f"{where}.baseline: {exc}") from None
+        elif kind == "static":
+            try:
+                baseline_value = float(argument)
+            except ValueError:
+                raise AlertConfigError(f"{where}.baseline: static needs a number, "
+                                       f"not {argument!r}") from None
+        else:
+            raise AlertConfigError(f"{where}.baseline: {baseline_text!r}: use trailing:<d>, "
+                                   "static:<v> or same_hour_yesterday[:<fallback>]")
+        severity = _field(entry, "severity", where, str, "warning")
+        if severity not in SEVERITIES:
+            raise AlertConfigError(f"{where}.severity: {severity!r} is not one of "
+                                   f"{list(SEVERITIES)}")
+        annotations = _field(entry, "annotations", where, dict, {})
+        for key, text in annotations.items():
+            for used in _TEMPLATE.findall(text):
+                if used not in _TEMPLATE_FIELDS:
+                    raise AlertConfigError(f"{where}.annotations.{key}: unknown field "
+                                           f"{{{{ {used} }}}}; use "
+                                           f"{', '.join(sorted(_TEMPLATE_FIELDS))}")
+        labels = _field(entry, "labels", where, dict, {})
+        reserved = {"alertname", "severity"} & set(labels)
+        if reserved:
+            raise AlertConfigError(f"{where}.labels: {sorted(reserved)[0]!r} is set by the "
+                                   "rule itself")
+        rules.append(Rule(
+            name=name, metric=metric, statistic=statistic,
+            window_seconds=_duration(entry, "window", where),
+            baseline=kind, baseline_seconds=baseline_seconds, baseline_value=baseline_value,
+            comparison=comparison, threshold=_field(entry, "threshold", where, float,
+                                                    required=True),
+            for_seconds=_duration(entry, "for", where, "0s", zero_ok=True),
+            severity=severity, match=_field(entry, "match", where, dict, {}),
+            labels=labels, annotations=annotations))
+    return rules
+
+
+def load_alerting_config(path) -> tuple[dict, list[Rule]]:
+    """(receivers, rules) of an alerting file; AlertConfigError names what to fix."""
+    from ac_observe.daemon.webhooks import parse_receivers, read_alerting
+    document = read_alerting(path)
+    return (parse_receivers(document.get("receivers"), str(path)),
+            parse_rules(document.get("rules"), str(path)))
+
+
+def breached(rule: Rule, value: float, baseline: float) -> bool:
+    c, t = rule.comparison, rule.threshold
+    if c == "above":
+        return value > t
+    if c == "below":
+        return value < t
+    if c == "absolute_increase":
+        return value - baseline >= t
+    if c == "absolute_decrease":
+        return baseline - value >= t
+    if baseline == 0:
+        return False  # a relative change of nothing: undefined, never an alert
+    change = (value - baseline) / abs(baseline)
+    return change >= t if c == "relative_increase" else -change >= t
+
+
+def _render(template: str, fields: dict) -> str:
+    return _TEMPLATE.sub(lambda m: str(fields.get(m.group(1), "")), template)
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+@dataclass(slots=True)
+class Instance:
+    rule: str
+    labels: dict
+    state: str = INACTIVE
+    active_since: float | None = None
+    firing_since: float | None = None
+    value: float | None = None
+    baseline: float | None = None
+    baseline_source: str = ""
+    no_data: bool = False
+    misses: int = 0  # evaluations in a row with the condition false while firing
+
+
+class Evaluator:
+    """Evaluates every rule on the daemon's windows (`evaluate`, called by the daemon's
+    cycle every `interval_seconds`), keeps instances, writes transitions and deliveries."""
+
+    def __init__(self, daemon, rules: list[Rule], store, sender, interval_seconds: float = 5.0):
+        self.daemon = daemon
+        self.rules = {rule.name: rule for rule in rules}
+        self.store = store
+        self.sender = sender
+        self.interval_seconds = interval_seconds
+        self.instances: dict[tuple[str, str], Instance] = {}
+        self._last = -math.inf
+        self._lock = threading.Lock()
+        self._load()
+
+    def _load(self) -> None:
+        """Pending and firing alerts survive a restart: no second firing delivery."""
+        import sqlalchemy as sa
+
+        from ac_observe.daemon.store import alert_instances
+        with self.store.engine.connect() as connection:
+            for row in connection.execute(sa.select(alert_instances)).mappings():
+                if row["rule"] not in self.rules:
+                    continue
+                self.instances[row["rule"], row["fingerprint"]] = Instance(
+                    row["rule"], json.loads(row["labels"]), row["state"], row["active_since"],
+                    row["firing_since"], row["value"], row["baseline"])
+
+    def due(self, now: float) -> bool:
+        return now - self._last >= self.interval_seconds
+
+    def evaluate(self, now: float) -> None:
+        self._last = now
+        for rule in self.rules.values():
+            try:
+                self._evaluate_rule(rule, now)
+            except Exception:  # one bad rule never stops the others
+                log.exception("rule %s failed to evaluate", rule.name)
+
+    def _statistic(self, rule: Rule, window: float, until: float) -> dict[tuple, float]:
+        answer = self.daemon.query(rule.metric, window, rule.match, now=until)
+        out = {}
+        for series in answer["series"]:
+            value = series.get(rule.statistic)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                out[tuple(sorted(series["labels"].items()))] = float(value)
+        return out
+
+    def _evaluate_rule(self, rule: Rule, now: float) -> None:
+        values = self._statistic(rule, rule.window_seconds, now)
+        baselines: dict[tuple, float] = {}
+        source = ""
+        if rule.baseline == "static" or rule.comparison in ("above", "below"):
+            source = "static"
+        else:
+            baselines = self._statistic(rule, rule.baseline_seconds, now - rule.window_seconds)
+            trailing = f"trailing {_number(rule.baseline_seconds)} s before the window"
+            source = trailing if rule.baseline == "trailing" else \
+                f"{trailing} (no history for the same hour yesterday yet)"
+        seen = set()
+        for key, value in values.items():
+            labels = dict(key)
+            fp = fingerprint({**labels, "alertname": rule.name})
+            seen.add(fp)
+            baseline = rule.baseline_value if source == "static" else baselines.get(key)
+            self._step(rule, fp, labels, value, baseline, source, now)
+        for (name, fp), instance in list(self.instances.items()):
+            if name == rule.name and fp not in seen:
+                instance.no_data = True  # its series left the window: no state change
+
+    def _step(self, rule: Rule, fp: str, labels: dict, value: float,
+              baseline: float | None, source: str, now: float) -> None:
+        instance = self.instances.get((rule.name, fp))
+        if instance is None:
+            instance = self.instances[rule.name, fp] = Instance(rule.name, labels)
+        instance.baseline_source = source
+        if baseline is None:
+            instance.no_data = True
+            return
+        instance.no_data = False
+        instance.value, instance.baseline = value, baseline
+        bad = breached(rule, value, baseline)
+        state = instance.state
+        if state in (INACTIVE, RESOLVED):
+            if bad:
+                instance.active_since = now
+                self._move(rule, instance, fp, PENDING, now)
+                state = PENDING
+            elif state == RESOLVED:
+                instance.state = INACTIVE
+        if state == PENDING:
+            if not bad:
+                self._move(rule, instance, fp, INACTIVE, now)
+            elif now - instance.active_since >= rule.for_seconds:
+                instance.firing_since = now
+                instance.misses = 0
+                self._move(rule, instance, fp, FIRING, now)
+        elif state == FIRING:
+            instance.misses = 0 if bad else instance.misses + 1
+            if instance.misses >= 2:
+                self._move(rule, instance, fp, RESOLVED, now)
+
+    def _alert(self, rule: Rule, instance: Instance, status: str, now: float) -> Alert:
+        value, baseline = instance.value, instance.baseline
+        delta = value - baseline
+        fields = {"value": _number(value), "baseline": _number(baseline),
+                  "delta": _number(delta), "unit": FRIENDLY[rule.metric].unit,
+                  "delta_percent": _number(100 * delta / abs(baseline)) if baseline else "n/a",
+                  "labels": ", ".join(f"{k}={v}" for k, v in sorted(instance.labels.items())),
+                  "rule": rule.name, "baseline_source": instance.baseline_source}
+        annotations = {k: _render(t, fields) for k, t in rule.annotations.items()}
+        annotations.setdefault("summary", f"{rule.metric} {rule.statistic} {fields['value']} "
+                                          f"{fields['unit']} vs baseline {fields['baseline']}")
+        annotations.update(value=fields["value"], baseline=fields["baseline"],
+                           baseline_source=instance.baseline_source)
+        labels = {**instance.labels, **rule.labels, "alertname": rule.name,
+                  "severity": rule.severity}
+        return Alert(labels=labels, annotations=annotations, status=status,
+                     starts_at=instance.firing_since or now,
+                     ends_at=now if status == RESOLVED else None)
+
+    def _move(self, rule: Rule, instance: Instance, fp: str, to: str, now: float) -> None:
+        import sqlalchemy as sa
+
+        from ac_observe.daemon.store import alert_instances, alert_transitions
+        before = instance.state
+        instance.state = to
+        alert = self._alert(rule, instance, to, now) if to in (FIRING, RESOLVED) else None
+        labels_json = json.dumps(instance.labels, sort_keys=True)
+        with self.store.engine.begin() as connection:
+            connection.execute(alert_transitions.insert().values(
+                rule=rule.name, fingerprint=fp, labels=labels_json, from_state=before,
+                to_state=to, at=now, value=instance.value, baseline=instance.baseline,
+                summary=alert.annotations["summary"] if alert else None))
+            connection.execute(alert_instances.delete().where(
+                alert_instances.c.rule == rule.name, alert_instances.c.fingerprint == fp))
+            if to in (PENDING, FIRING):
+                connection.execute(alert_instances.insert().values(
+                    rule=rule.name, fingerprint=fp, labels=labels_json, state=to,
+                    active_since=instance.active_since, firing_since=instance.firing_since,
+                    value=instance.value, baseline=instance.baseline, updated_at=now))
+            if alert is not None and self.sender is not None:
+                self.sender.enqueue([alert], to, connection=connection)
+        if alert is not None and self.sender is not None:
+            self.sender.wake()  # committed now: deliver without waiting for the next poll
+        log.info("alert %s %s: %s -> %s", rule.name, fp, before, to)
+
+    def active(self) -> list[dict]:
+        out = []
+        for (name, fp), i in sorted(self.instances.items()):
+            if i.state in (PENDING, FIRING):
+                rule = self.rules[name]
+                out.append({"rule": name, "fingerprint": fp, "state": i.state,
+                            "labels": i.labels, "severity": rule.severity,
+                            "metric": rule.metric, "statistic": rule.statistic,
+                            "value": i.value, "baseline": i.baseline,
+                            "baseline_source": i.baseline_source, "no_data": i.no_data,
+                            "active_since": i.active_since, "firing_since": i.firing_since})
+        return out
+
+    def history(self, limit: int = 100) -> list[dict]:
+        import sqlalchemy as sa
+
+        from ac_observe.daemon.store import alert_transitions
+        with self.store.engine.connect() as connection:
+            rows = connection.execute(sa.select(alert_transitions)
+                                      .order_by(alert_transitions.c.id.desc()).limit(limit))
+            return [{**dict(r), "labels": json.loads(r["labels"])} for r in rows.mappings()]

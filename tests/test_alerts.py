@@ -1,0 +1,308 @@
+"""Drift alert rules: the file's checks, the state machine on the daemon's real windows and
+query engine (a collector the test feeds), persistence across a restart, and the whole
+chain against a live engine whose steps are slowed through its fault-injection route."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from ac_observe import metrics as m
+from ac_observe.collectors.base import Collector, new_family
+from ac_observe.daemon.alerts import FIRING, PENDING, load_alerting_config
+from ac_observe.daemon.config import DaemonConfig
+from ac_observe.daemon.service import Daemon
+from ac_observe.daemon.store import deliveries
+from ac_observe.daemon.webhooks import AlertConfigError
+
+from support.servers import EngineServer
+from test_webhooks import SECRET, _Receiver
+
+USAGE = m.KV_USAGE  # a gauge: kv_cache_usage, in % (scale 100)
+
+
+class _Gauges(Collector):
+    """Publishes the KV usage gauge of two engines at whatever the test sets."""
+    name = "test"
+
+    def __init__(self):
+        self.values = {"e1": 0.5, "e2": 0.5}
+
+    def collect(self):
+        family = new_family(USAGE)
+        for engine, value in self.values.items():
+            family.add_metric([engine, "m"], value)
+        return [family]
+
+
+def _write(tmp_path, rules: str, receivers: bool = True, url: str = "http://127.0.0.1:9/x"):
+    path = tmp_path / "alerts.yaml"
+    text = ""
+    if receivers:
+        text += f"receivers:\n  - {{name: ops, url: '{url}', secret: '{SECRET}'}}\n"
+    path.write_text(text + "rules:\n" + rules)
+    return path
+
+
+RULES = """\
+  - name: KvUsageHigh
+    metric: kv_cache_usage
+    statistic: last
+    window: 3s
+    comparison: above
+    threshold: 80
+    for: 4s
+    severity: critical
+    match: {engine: e1}
+    labels: {team: infra}
+    annotations: {summary: "KV {{ value }} % on {{ labels }}"}
+  - name: KvUsageDrift
+    metric: kv_cache_usage
+    statistic: mean
+    window: 2s
+    baseline: trailing:4s
+    comparison: relative_increase
+    threshold: 0.5
+    match: {engine: e2}
+"""
+
+
+def _daemon(tmp_path, path, collector) -> Daemon:
+    return Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                               interval_seconds=1.0, window_seconds=600, alerting_file=path,
+                               state_dir=tmp_path / "state", alert_interval_seconds=1.0),
+                  collectors=[collector])
+
+
+def _outbox(daemon) -> list[dict]:
+    import sqlalchemy as sa
+    with daemon.store.engine.connect() as connection:
+        return [dict(r) for r in connection.execute(
+            sa.select(deliveries).order_by(deliveries.c.created_at)).mappings()]
+
+
+def test_states_for_resolution_and_outbox_rows_written_with_the_transition(tmp_path):
+    gauges = _Gauges()
+    daemon = _daemon(tmp_path, _write(tmp_path, RULES), gauges)
+    t0 = 1_000_000.0
+    states = []
+
+    def tick(t, e1=None, e2=None):
+        if e1 is not None:
+            gauges.values["e1"] = e1
+        if e2 is not None:
+            gauges.values["e2"] = e2
+        daemon.run_cycle(now=t0 + t)
+        states.append({(a["rule"], a["labels"]["engine"]): a["state"]
+                       for a in daemon.alerts.active()})
+
+    for t in range(0, 6):
+        tick(t, e1=0.5, e2=0.5)
+    assert states[-1] == {}
+    # e1 crosses 80 % at t=6: pending, and firing once it has held for 4 s (t=10).
+    for t in range(6, 10):
+        tick(t, e1=0.95)
+    assert [s.get(("KvUsageHigh", "e1")) for s in states[6:]] == [PENDING] * 4
+    tick(10)
+    assert states[-1][("KvUsageHigh", "e1")] == FIRING
+    # One good sample does not resolve it; two evaluations in a row do.
+    tick(11, e1=0.1)
+    tick(12, e1=0.95)
+    tick(13, e1=0.1)
+    assert states[-1][("KvUsageHigh", "e1")] == FIRING
+    tick(14)
+    assert ("KvUsageHigh", "e1") not in states[-1]
+    for t in range(15, 19):
+        tick(t)
+    # e2 doubles: its 2 s mean against the 4 s before: at t=19 (50, 50, 100: +33 %) not
+    # yet, at t=20 (50, 100, 100: 83.3 against 50, +67 %) it fires at once (no `for`).
+    tick(19, e2=1.0)
+    assert ("KvUsageDrift", "e2") not in states[-1]
+    tick(20)
+    assert states[-1].get(("KvUsageDrift", "e2")) == FIRING
+    assert ("KvUsageDrift", "e1") not in states[-1]
+    outbox = _outbox(daemon)
+    assert [(r["kind"], json.loads(r["body"])["alerts"][0]["labels"]["alertname"])
+            for r in outbox] == [("firing", "KvUsageHigh"), ("resolved", "KvUsageHigh"),
+                                 ("firing", "KvUsageDrift")]
+    firing = json.loads(outbox[0]["body"])
+    (alert,) = firing["alerts"]
+    assert alert["labels"] == {"alertname": "KvUsageHigh", "severity": "critical",
+                               "team": "infra", "engine": "e1", "model": "m"}
+    assert alert["annotations"]["summary"] == "KV 95 % on engine=e1, model=m"
+    assert alert["annotations"]["baseline_source"] == "static"
+    resolved = json.loads(outbox[1]["body"])["alerts"][0]
+    assert resolved["status"] == "resolved" and resolved["endsAt"] != "0001-01-01T00:00:00Z"
+    drift = json.loads(outbox[2]["body"])["alerts"][0]["annotations"]
+    assert float(drift["value"]) == pytest.approx(83.33, abs=0.01)
+    assert float(drift["baseline"]) == 50.0
+    assert drift["baseline_source"] == "trailing 4 s before the window"
+    history = daemon.alerts.history()
+    assert [(h["rule"], h["from_state"], h["to_state"]) for h in reversed(history)] == [
+        ("KvUsageHigh", "inactive", "pending"), ("KvUsageHigh", "pending", "firing"),
+        ("KvUsageHigh", "firing", "resolved"), ("KvUsageDrift", "inactive", "pending"),
+        ("KvUsageDrift", "pending", "firing")]
+    metrics = daemon.render_metrics().decode()
+    assert 'ac_alerts_firing{rule="KvUsageDrift",severity="warning"} 1.0' in metrics
+    assert 'ac_alerts_firing{rule="KvUsageHigh",severity="critical"} 0.0' in metrics
+    daemon.close()
+
+    # A restart keeps the firing alert: no second firing delivery, and it resolves later.
+    again = _daemon(tmp_path, _write(tmp_path, RULES), gauges)
+    assert [(a["rule"], a["state"]) for a in again.alerts.active()] == \
+        [("KvUsageDrift", FIRING)]
+    for t in range(21, 24):
+        gauges.values["e2"] = 1.0
+        again.run_cycle(now=t0 + t)
+    assert len(_outbox(again)) == 3
+    again.close()
+
+
+def test_no_data_changes_nothing(tmp_path):
+    gauges = _Gauges()
+    daemon = _daemon(tmp_path, _write(tmp_path, RULES, receivers=False), gauges)
+    t0 = 2_000_000.0
+    for t in range(0, 10):
+        gauges.values["e1"] = 0.95
+        daemon.run_cycle(now=t0 + t)
+    assert [a["state"] for a in daemon.alerts.active()] == [FIRING]
+    gauges.values = {"e2": 0.5}  # e1's series is gone
+    for t in range(10, 40):
+        daemon.run_cycle(now=t0 + t)
+    (alert,) = daemon.alerts.active()
+    assert alert["state"] == FIRING and alert["no_data"]
+    daemon.close()
+
+
+@pytest.mark.parametrize("rule, where", [
+    ("  - {name: a, metric: nope, window: 1m, comparison: above, threshold: 1}\n",
+     "rules[0] (a).metric: 'nope' is not a metric name"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, threshold: 1}\n",
+     "rules[0] (a).baseline: required"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, baseline: 'yesterday', threshold: 1}\n",
+     "rules[0] (a).baseline: 'yesterday': use trailing"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, baseline: 'trailing:x', threshold: 1}\n",
+     "rules[0] (a).baseline: bad duration"),
+    ("  - {name: a, metric: kv_cache_usage, window: soon, comparison: above, threshold: 1}\n",
+     "rules[0] (a).window: bad duration"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above, threshold: hi}\n",
+     "rules[0] (a).threshold: a number is required"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above}\n",
+     "rules[0] (a).threshold: required"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: sideways, threshold: 1}\n",
+     "rules[0] (a).comparison: 'sideways' is not one of"),
+    ("  - {name: a, metric: kv_cache_usage, statistic: p42, window: 1m, comparison: above, "
+     "threshold: 1}\n", "rules[0] (a).statistic: 'p42' is not one of"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above, threshold: 1, "
+     "severity: page}\n", "rules[0] (a).severity: 'page' is not one of"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above, threshold: 1, "
+     "annotations: {summary: '{{ vlaue }}'}}\n",
+     "rules[0] (a).annotations.summary: unknown field {{ vlaue }}"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above, threshold: 1, "
+     "labels: {alertname: b}}\n", "rules[0] (a).labels: 'alertname' is set by the rule"),
+    ("  - {name: 'a b', metric: kv_cache_usage, window: 1m, comparison: above, threshold: 1}\n",
+     "rules[0].name: 'a b' is not a metric-style name"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above, threshold: 1}\n"
+     "  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above, threshold: 2}\n",
+     "rules[1] (a).name: 'a' is used twice"),
+    ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above, threshold: 1, "
+     "when: now}\n", "rules[0]: unknown field 'when'"),
+])
+def test_a_bad_rule_names_the_file_the_rule_and_the_field(tmp_path, rule, where):
+    path = _write(tmp_path, rule)
+    with pytest.raises(AlertConfigError) as error:
+        load_alerting_config(path)
+    assert str(error.value).startswith(f"{path}: ") and where in str(error.value), error.value
+
+
+def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolves(
+        tmp_path):
+    """Engine (real server, --fault-injection) and daemon with short windows; a client
+    keeps sending requests; an added step delay drives TTFT p95 up; the alert fires within
+    window + for + two cycles and the receiver verifies the Alertmanager-v4 body's
+    signature; the delay removed, a resolved delivery follows."""
+    receiver = _Receiver()
+    (tmp_path / "telemetry").mkdir()
+    engine = EngineServer(tmp_path / "telemetry" / "e1", "--fault-injection",
+                          "--engine-name", "e1").wait_ready()
+    rules = """\
+  - name: TtftDrift
+    metric: inference_latency_ns
+    statistic: p95
+    window: 3s
+    baseline: trailing:6s
+    comparison: relative_increase
+    threshold: 1.0
+    for: 1s
+    match: {stream: low_latency}
+    annotations: {summary: "TTFT p95 {{ value }} ns, {{ delta_percent }} % over baseline"}
+"""
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "telemetry", collectors=("engine",),
+                                 interval_seconds=0.25, window_seconds=120,
+                                 alerting_file=_write(tmp_path, rules, url=receiver.url),
+                                 state_dir=tmp_path / "state", alert_interval_seconds=0.5))
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def traffic():
+        with httpx.Client(timeout=30) as client:
+            i = 0
+            while not stop.is_set():
+                try:
+                    client.post(engine.url + "/v1/messages",
+                                headers={"x-ac-stream": "low_latency"},
+                                json={"model": "tiny", "max_tokens": 2,
+                                      "messages": [{"role": "user", "content": f"q{i}"}]})
+                except httpx.HTTPError as exc:  # keep the load going; the test says why
+                    errors.append(repr(exc))
+                i += 1
+
+    sender = threading.Thread(target=traffic, daemon=True)
+    daemon.start()
+    sender.start()
+    try:
+        time.sleep(10)  # a baseline: 6 s before a 3 s window
+        assert daemon.alerts.active() == []
+        httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 300}).raise_for_status()
+        injected = time.time()
+        fired = None
+        while fired is None and time.time() - injected < 30:
+            if any(a["state"] == FIRING for a in daemon.alerts.active()):
+                fired = time.time() - injected
+            time.sleep(0.05)
+        assert fired is not None, f"the drift alert never fired (client errors: {errors[:3]})"
+        assert fired <= 3 + 1 + 2 * 0.5 + 1.0, fired  # window + for + two cycles (+ slack)
+        deadline = time.time() + 20
+        while not receiver.requests and time.time() < deadline:
+            time.sleep(0.05)
+        (headers, body), = receiver.requests
+        payload = Webhook(SECRET).verify(body, headers)
+        assert payload["version"] == "4" and payload["status"] == "firing"
+        (alert,) = payload["alerts"]
+        assert alert["labels"]["alertname"] == "TtftDrift"
+        assert alert["labels"]["stream"] == "low_latency" and alert["labels"]["engine"] == "e1"
+        assert alert["annotations"]["summary"].startswith("TTFT p95 ")
+        httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 0}).raise_for_status()
+        deadline = time.time() + 40
+        while len(receiver.requests) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert len(receiver.requests) == 2, "no resolved delivery"
+        headers, body = receiver.requests[1]
+        resolved = Webhook(SECRET).verify(body, headers)
+        assert resolved["status"] == "resolved"
+        assert headers["webhook-id"] != receiver.requests[0][0]["webhook-id"]
+    finally:
+        stop.set()
+        sender.join(timeout=30)
+        daemon.close()
+        engine.stop()
+        receiver.down()
+
+
+def test_fault_injection_is_off_unless_asked_for(engine_server):
+    answer = httpx.post(engine_server.url + "/admin/faults", json={"step_delay_ms": 5})
+    assert answer.status_code == 404 and "--fault-injection" in answer.text
