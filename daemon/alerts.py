@@ -179,12 +179,75 @@ def parse_rules(raw, source: str) -> list[Rule]:
     return rules
 
 
+# The shipped rules (`rules: defaults` in an alerting file; `ac-observe alerts defaults`
+# prints them to copy and edit).
+DEFAULT_RULES = """\
+- name: InferenceLatencyDrift
+  metric: inference_latency_ns
+  statistic: p95
+  window: 5m
+  baseline: same_hour_yesterday:1h
+  comparison: relative_increase
+  threshold: 0.15
+  for: 5m
+  annotations:
+    summary: "TTFT p95 {{ value }} ns is {{ delta_percent }} % over its baseline ({{ baseline_source }})"
+- name: KvCacheHitRateDrop
+  metric: kv_cache_hit_rate
+  statistic: mean
+  window: 10m
+  baseline: same_hour_yesterday:1h
+  comparison: absolute_decrease
+  threshold: 5
+  for: 5m
+  annotations:
+    summary: "KV block hit rate {{ value }} % is {{ delta }} points off its baseline; kv_cache_miss_reasons says why"
+- name: KvCacheHitRateLow
+  metric: kv_cache_hit_rate
+  statistic: mean
+  window: 5m
+  comparison: below
+  threshold: 85
+  for: 5m
+- name: CudaStreamSaturated
+  metric: cuda_stream_utilization
+  statistic: mean
+  window: 10s
+  comparison: above
+  threshold: 95
+  for: 10s
+- name: SkeletonComplexityDrift
+  metric: skeleton_complexity
+  statistic: mean
+  window: 15m
+  baseline: same_hour_yesterday:1h
+  comparison: relative_increase
+  threshold: 0.3
+  for: 10m
+  severity: info
+- name: CollectorDown
+  metric: collector_up
+  statistic: max
+  window: 1m
+  comparison: below
+  threshold: 1
+  for: 1m
+"""
+
+
 def load_alerting_config(path) -> tuple[dict, list[Rule]]:
-    """(receivers, rules) of an alerting file; AlertConfigError names what to fix."""
+    """(receivers, rules) of an alerting file; AlertConfigError names what to fix.
+    `rules: defaults` stands for the shipped rules (DEFAULT_RULES)."""
+    import yaml
+
     from ac_observe.daemon.webhooks import parse_receivers, read_alerting
     document = read_alerting(path)
+    rules = document.get("rules")
+    source = str(path)
+    if rules == "defaults":
+        rules, source = yaml.safe_load(DEFAULT_RULES), f"{path} (the shipped defaults)"
     return (parse_receivers(document.get("receivers"), str(path)),
-            parse_rules(document.get("rules"), str(path)))
+            parse_rules(rules, source))
 
 
 def breached(rule: Rule, value: float, baseline: float) -> bool:

@@ -168,6 +168,14 @@ def alerts_list(ctx: typer.Context,
         raise typer.Exit(cli_query.show_alerts(ctx.obj, history, as_json))
 
 
+@alerts_app.command("defaults")
+def alerts_defaults() -> None:
+    """Print the shipped rules (what `rules: defaults` in an alerting file stands for)."""
+    from ac_observe.daemon.alerts import DEFAULT_RULES
+    typer.echo("rules:\n" + "".join(f"  {line}\n" for line in DEFAULT_RULES.splitlines()),
+               nl=False)
+
+
 @alerts_app.command("test")
 def alerts_test(
     alerting: Path = typer.Option(..., help="Alerting file (YAML) naming the receivers."),

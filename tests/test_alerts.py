@@ -306,3 +306,46 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
 def test_fault_injection_is_off_unless_asked_for(engine_server):
     answer = httpx.post(engine_server.url + "/admin/faults", json={"step_delay_ms": 5})
     assert answer.status_code == 404 and "--fault-injection" in answer.text
+
+
+def test_the_shipped_rules_load_and_print_as_a_file_that_loads(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "alerts.yaml"
+    path.write_text("rules: defaults\n")
+    _, rules = load_alerting_config(path)
+    by_name = {r.name: r for r in rules}
+    assert by_name["InferenceLatencyDrift"].threshold == 0.15
+    assert by_name["KvCacheHitRateDrop"].comparison == "absolute_decrease"
+    assert by_name["KvCacheHitRateLow"].threshold == 85
+    assert by_name["CudaStreamSaturated"].for_seconds == 10
+    assert by_name["CollectorDown"].metric == "collector_up"
+    printed = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
+                              "alerts", "defaults"], capture_output=True, text=True, check=True)
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(printed.stdout)
+    assert load_alerting_config(copy)[1] == rules
+
+
+def test_collector_down_rule_fires_on_the_daemons_own_health(tmp_path):
+    class Broken(Collector):
+        name = "broken"
+
+        def collect(self):
+            raise RuntimeError("no source")
+
+    path = tmp_path / "alerts.yaml"
+    path.write_text("rules: defaults\n")
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=600, alerting_file=path,
+                                 state_dir=tmp_path / "state", alert_interval_seconds=1.0),
+                    collectors=[Broken(), _Gauges()])
+    t0 = 3_000_000.0
+    for t in range(0, 125):
+        daemon.run_cycle(now=t0 + t)
+    firing = {(a["rule"], a["labels"].get("collector")) for a in daemon.alerts.active()
+              if a["state"] == FIRING}
+    assert ("CollectorDown", "broken") in firing and ("CollectorDown", "test") not in firing
+    daemon.close()
