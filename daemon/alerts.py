@@ -132,14 +132,10 @@ def parse_rules(raw, source: str) -> list[Rule]:
                                required=comparison not in ("above", "below"))
         kind, _, argument = baseline_text.partition(":")
         baseline_seconds = baseline_value = 0.0
-        if kind == "trailing":
-            try:
-                baseline_seconds = parse_duration(argument)
-            except ValueError as exc:
-                raise AlertConfigError(f"{where}.baseline: {exc}") from None
-        elif kind == "same_hour_yesterday":
-            try:
-                baseline_seconds = parse_duration(argument or "1h")
+        if kind in ("trailing", "same_hour_yesterday"):
+            try:  # same_hour_yesterday's argument: its trailing fallback (1h)
+                baseline_seconds = parse_duration(
+                    argument or ("1h" if kind == "same_hour_yesterday" else ""))
             except ValueError as exc:
                 raise AlertConfigError(f"{where}.baseline: {exc}") from None
         elif kind == "static":

@@ -382,19 +382,19 @@ def test_the_daemon_delivers_and_exports_its_outbox(tmp_path, receiver):
     try:
         (delivery_id,) = daemon.webhooks.send_test(host="n")
         deadline = time.time() + 20
-        while daemon.webhooks.outcomes["ops", "retried"] < 1:
-            assert time.time() < deadline
-            time.sleep(0.05)
-        daemon.run_cycle()
-        text = daemon.render_metrics().decode()
+
+        def metrics_once(outcome: str) -> str:
+            while daemon.webhooks.outcomes["ops", outcome] < 1:
+                assert time.time() < deadline
+                time.sleep(0.05)
+            daemon.run_cycle()
+            return daemon.render_metrics().decode()
+
+        text = metrics_once("retried")
         assert 'ac_webhook_deliveries_total{receiver="ops",outcome="retried"} 1.0' in text
         assert 'ac_webhook_queue_depth{receiver="ops"} 1.0' in text
         receiver.mode = "ok"
-        while daemon.webhooks.outcomes["ops", "delivered"] < 1:
-            assert time.time() < deadline
-            time.sleep(0.05)
-        daemon.run_cycle()
-        text = daemon.render_metrics().decode()
+        text = metrics_once("delivered")
         assert 'ac_webhook_deliveries_total{receiver="ops",outcome="delivered"} 1.0' in text
         assert 'ac_webhook_queue_depth{receiver="ops"} 0.0' in text
         assert 'ac_webhook_oldest_pending_seconds{receiver="ops"} 0.0' in text
