@@ -12,7 +12,8 @@ the baseline is not read).
 
 States: inactive -> pending (the condition holds) -> firing (it held for `for`) ->
 resolved (it failed on two evaluations in a row, so one odd sample never resolves an
-alert) -> inactive. A series with no value or no baseline is "no data": it changes no
+alert) -> inactive. The baseline is frozen while pending or firing (and stored, so kept
+across a restart). A series with no value or no baseline is "no data": it changes no
 state (a firing alert stays firing, and is listed as no data). Each transition to firing
 or resolved is written to the store with its webhook deliveries in one transaction.
 """
@@ -319,8 +320,9 @@ class Evaluator:
         self._last = now
         for rule in self.rules.values():
             try:
-                self._evaluate_rule(rule, now)
-            except Exception:  # one bad rule never stops the others
+                with self._lock:  # the HTTP threads read the instances
+                    self._evaluate_rule(rule, now)
+            except Exception:  # one bad rule (or a store outage) never stops the others
                 log.exception("rule %s failed to evaluate", rule.name)
 
     def _statistic(self, rule: Rule, window: float, until: float) -> dict[tuple, float]:
@@ -360,6 +362,10 @@ class Evaluator:
         if instance is None:
             instance = self.instances[rule.name, fp] = Instance(rule.name, labels)
         instance.baseline_source = source
+        if instance.state in (PENDING, FIRING) and instance.baseline is not None:
+            # Frozen while active (and across a restart): a trailing baseline that caught up
+            # with the new level must not resolve an alert whose problem is still there.
+            baseline = instance.baseline
         if baseline is None:
             instance.no_data = True
             return
@@ -370,13 +376,16 @@ class Evaluator:
         if state in (INACTIVE, RESOLVED):
             if bad:
                 instance.active_since = now
-                self._move(rule, instance, fp, PENDING, now)
+                if not self._move(rule, instance, fp, PENDING, now):
+                    return
                 state = PENDING
             elif state == RESOLVED:
                 instance.state = INACTIVE
+                instance.baseline = None
         if state == PENDING:
             if not bad:
                 self._move(rule, instance, fp, INACTIVE, now)
+                instance.baseline = None
             elif now - instance.active_since >= rule.for_seconds:
                 instance.firing_since = now
                 instance.misses = 0
@@ -405,14 +414,29 @@ class Evaluator:
                      starts_at=instance.firing_since or now,
                      ends_at=now if status == RESOLVED else None)
 
-    def _move(self, rule: Rule, instance: Instance, fp: str, to: str, now: float) -> None:
-        import sqlalchemy as sa
-
+    def _move(self, rule: Rule, instance: Instance, fp: str, to: str, now: float) -> bool:
+        """Write the transition (and its deliveries) in one transaction; only once it has
+        committed does the instance take the new state. False: the store refused it, the
+        state stays and the next evaluation tries again."""
         from ac_observe.daemon.store import alert_instances, alert_transitions
         before = instance.state
-        instance.state = to
         alert = self._alert(rule, instance, to, now) if to in (FIRING, RESOLVED) else None
         labels_json = json.dumps(instance.labels, sort_keys=True)
+        try:
+            self._write(rule, instance, fp, before, to, now, alert, labels_json,
+                        alert_instances, alert_transitions)
+        except Exception:
+            log.exception("alert %s: the store refused %s -> %s; retried next evaluation",
+                          rule.name, before, to)
+            return False
+        instance.state = to
+        if alert is not None and self.sender is not None:
+            self.sender.wake()  # committed now: deliver without waiting for the next poll
+        log.info("alert %s %s: %s -> %s", rule.name, fp, before, to)
+        return True
+
+    def _write(self, rule, instance, fp, before, to, now, alert, labels_json,
+               alert_instances, alert_transitions) -> None:
         with self.store.engine.begin() as connection:
             connection.execute(alert_transitions.insert().values(
                 rule=rule.name, fingerprint=fp, labels=labels_json, from_state=before,
@@ -427,13 +451,12 @@ class Evaluator:
                     value=instance.value, baseline=instance.baseline, updated_at=now))
             if alert is not None and self.sender is not None:
                 self.sender.enqueue([alert], to, connection=connection)
-        if alert is not None and self.sender is not None:
-            self.sender.wake()  # committed now: deliver without waiting for the next poll
-        log.info("alert %s %s: %s -> %s", rule.name, fp, before, to)
 
     def active(self) -> list[dict]:
         out = []
-        for (name, fp), i in sorted(self.instances.items()):
+        with self._lock:
+            instances = sorted(self.instances.items())
+        for (name, fp), i in instances:
             if i.state in (PENDING, FIRING):
                 rule = self.rules[name]
                 out.append({"rule": name, "fingerprint": fp, "state": i.state,

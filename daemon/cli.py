@@ -118,6 +118,7 @@ def daemon(
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs URLs: webhook secrets
     try:
         config = DaemonConfig(
             host=host, port=port, token=_read_token(token, token_file),
@@ -213,7 +214,7 @@ def alerts_test(
         deadline = time.monotonic() + wait
         rows = {}
         while True:
-            sender.run_once()
+            sender.run_once(only=list(ids.values()))  # the daemon's own deliveries stay its
             rows = {name: outbox.delivery(i) for name, i in ids.items()}
             if all(r["state"] != PENDING or r["attempts"] for r in rows.values()) or \
                     time.monotonic() > deadline:

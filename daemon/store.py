@@ -40,6 +40,7 @@ deliveries = sa.Table(
     sa.Column("last_status", sa.Integer),
     sa.Column("last_error", sa.Text),
     sa.Column("finished_at", sa.Float),
+    sa.Column("claim", sa.String(32)),                           # the sender holding it
 )
 attempts = sa.Table(
     "delivery_attempts", metadata,
@@ -124,6 +125,7 @@ class Delivery:
     body: str
     created_at: float
     attempts: int
+    claim: str = ""
 
 
 class Store:
@@ -164,31 +166,40 @@ class Store:
         with self.engine.begin() as connection:
             return self.enqueue(connection, receiver, kind, body, now)
 
-    def claim_due(self, now: float, receivers: list[str], limit: int = 32,
-                  lease_seconds: float = 60.0) -> list[Delivery]:
-        """Pending deliveries to these receivers due now, each pushed `lease_seconds` ahead
-        as it is claimed (so a sender that dies mid-post leaves it due again after the
-        lease, and two senders never hold one at once)."""
-        query = (sa.select(deliveries).where(deliveries.c.state == PENDING,
-                                             deliveries.c.next_attempt_at <= now,
-                                             deliveries.c.receiver.in_(receivers))
-                 .order_by(deliveries.c.next_attempt_at, deliveries.c.created_at).limit(limit))
+    def claim_one(self, now: float, receivers: list[str], lease_seconds: float,
+                  only: list[str] | None = None) -> Delivery | None:
+        """The most overdue pending delivery to these receivers (and among `only`, when
+        given), claimed in one statement: pushed `lease_seconds` ahead under a fresh claim
+        token, so a sender that dies mid-post leaves it due again after the lease, and no
+        two senders hold it at once (on PostgreSQL, rows another sender locks are
+        skipped)."""
+        due = [deliveries.c.state == PENDING, deliveries.c.next_attempt_at <= now,
+               deliveries.c.receiver.in_(receivers)]
+        if only is not None:
+            due.append(deliveries.c.id.in_(only))
+        pick = (sa.select(deliveries.c.id).where(*due)
+                .order_by(deliveries.c.next_attempt_at, deliveries.c.created_at).limit(1))
         if not self.is_sqlite:
-            query = query.with_for_update(skip_locked=True)
+            pick = pick.with_for_update(skip_locked=True)
+        token = secrets.token_hex(8)
+        claim = (deliveries.update()
+                 .where(deliveries.c.id.in_(pick.scalar_subquery()), *due)
+                 .values(next_attempt_at=now + lease_seconds, claim=token)
+                 .returning(deliveries))
         with self.engine.begin() as connection:
-            rows = connection.execute(query).mappings().all()
-            if rows:
-                connection.execute(deliveries.update()
-                                   .where(deliveries.c.id.in_([r["id"] for r in rows]))
-                                   .values(next_attempt_at=now + lease_seconds))
-        return [Delivery(r["id"], r["receiver"], r["kind"], r["body"], r["created_at"],
-                         r["attempts"]) for r in rows]
+            row = connection.execute(claim).mappings().first()
+        if row is None:
+            return None
+        return Delivery(row["id"], row["receiver"], row["kind"], row["body"],
+                        row["created_at"], row["attempts"], token)
 
     def record_attempt(self, delivery: Delivery, at: float, seconds: float,
                        status: int | None, error: str | None, state: str,
-                       next_attempt_at: float | None = None) -> None:
-        values = {"attempts": delivery.attempts + 1, "last_status": status,
-                  "last_error": error, "state": state}
+                       next_attempt_at: float | None = None) -> bool:
+        """The attempt, and the delivery's new state if this sender still holds its claim
+        (False when the lease ran out and another sender took it over)."""
+        values = {"attempts": deliveries.c.attempts + 1, "last_status": status,
+                  "last_error": error, "state": state, "claim": None}
         if state == PENDING:
             values["next_attempt_at"] = next_attempt_at
         else:
@@ -196,8 +207,11 @@ class Store:
         with self.engine.begin() as connection:
             connection.execute(attempts.insert().values(
                 delivery_id=delivery.id, at=at, status=status, error=error, seconds=seconds))
-            connection.execute(deliveries.update().where(deliveries.c.id == delivery.id)
-                               .values(**values))
+            held = connection.execute(
+                deliveries.update().where(deliveries.c.id == delivery.id,
+                                          deliveries.c.claim == delivery.claim)
+                .values(**values)).rowcount
+        return held == 1
 
     def disable_receiver(self, receiver: str, url: str, at: float, reason: str) -> int:
         """A receiver answered 410 Gone: it is off until its URL changes; its pending

@@ -205,12 +205,16 @@ def _common(dicts: list[dict]) -> dict:
 
 
 def alertmanager_body(receiver: str, alerts: list[Alert], external_url: str) -> dict:
-    """The body Alertmanager posts to a webhook receiver (version 4), grouped by alertname."""
-    group_labels = {"alertname": alerts[0].labels.get("alertname", "")}
+    """The body Alertmanager posts to a webhook receiver (version 4). Each notification is
+    one alert instance, grouped by all its labels (Alertmanager's `group_by: ['...']`), so
+    a receiver keying incidents by groupKey never sees one instance's resolution close
+    another's."""
+    group_labels = dict(alerts[0].labels)
     status = "firing" if any(a.status == "firing" for a in alerts) else "resolved"
     return {
         "version": "4",
-        "groupKey": "{}:{alertname=%s}" % json.dumps(group_labels["alertname"]),
+        "groupKey": "{}:{%s}" % ", ".join(f"{k}={json.dumps(v)}"
+                                           for k, v in sorted(group_labels.items())),
         "truncatedAlerts": 0,
         "status": status,
         "receiver": receiver,
@@ -336,23 +340,30 @@ class WebhookSender:
     def send_test(self, host: str) -> list[str]:
         return self.enqueue([test_alert(self.clock(), host)], "test")
 
-    def run_once(self) -> int:
-        """One pass: every due delivery attempted once; the queue figures refreshed."""
+    def run_once(self, only: list[str] | None = None) -> int:
+        """One pass: every due delivery (among `only`, when given) attempted once, claimed
+        one at a time; the queue figures refreshed."""
         try:
-            return self._deliver_due()
+            return self._deliver_due(only)
         finally:
             self.queue = self.store.pending_by_receiver(self.clock())
 
-    def _deliver_due(self) -> int:
-        disabled = self.store.disabled()
-        active = [name for name in self.receivers if name not in disabled]
-        if not active:
-            return 0
-        lease = max(60.0, max(self.receivers[n].timeout_seconds for n in active) + 30.0)
-        due = self.store.claim_due(self.clock(), receivers=active, lease_seconds=lease)
-        for delivery in due:
+    def _deliver_due(self, only: list[str] | None) -> int:
+        done = 0
+        tried: set[str] = set()
+        while True:
+            disabled = self.store.disabled()  # a 410 earlier in this pass counts at once
+            active = [name for name in self.receivers if name not in disabled]
+            if not active:
+                return done
+            # A post may take connect + write + read (+ pool) timeouts: the lease covers all.
+            lease = 60.0 + 4 * max(self.receivers[n].timeout_seconds for n in active)
+            delivery = self.store.claim_one(self.clock(), active, lease, only)
+            if delivery is None or delivery.id in tried:
+                return done
+            tried.add(delivery.id)
             self._attempt(delivery)
-        return len(due)
+            done += 1
 
     def _attempt(self, delivery: Delivery) -> None:
         receiver = self.receivers[delivery.receiver]
@@ -389,8 +400,8 @@ class WebhookSender:
                       delivery.id, receiver.name, delivery.attempts + 1, error)
             return
         delay = self.backoff.delay(delivery.attempts + 1, self._rng)
-        if wait is not None:
-            delay = min(wait, self.backoff.max_retry_after)
+        if wait is not None:  # at least the first backoff step: Retry-After: 0 never spins
+            delay = max(min(wait, self.backoff.max_retry_after), self.backoff.first)
         self.store.record_attempt(delivery, now, seconds, status, error, PENDING,
                                   next_attempt_at=now + delay)
         self._count(receiver.name, "retried")

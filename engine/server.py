@@ -6,6 +6,7 @@ engine thread runs every step, and outputs come back through `call_soon_threadsa
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
@@ -201,11 +202,13 @@ async def faults(request: Request):
     service = _service(request)
     if not service.config.fault_injection:
         raise APIError(404, "fault injection is off (start the engine with --fault-injection)")
-    client = request.client.host if request.client else ""
-    if client not in ("127.0.0.1", "::1", "localhost"):
+    if not _loopback(request.client.host if request.client else ""):
         raise APIError(403, "fault injection is accepted from this host only")
     engine = service.ready()
     if request.method == "POST":
+        # JSON only: a web page cannot send that cross-site without a preflight.
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            raise APIError(415, "send the faults as application/json")
         try:
             body = json.loads(await request.body() or b"{}")
         except ValueError:
@@ -226,6 +229,15 @@ async def faults(request: Request):
                     delay, 100 * ratio)
     return {"step_delay_ms": engine.step_delay_seconds * 1e3,
             "prefix_miss_ratio": engine.block_manager.forced_miss_ratio}
+
+
+def _loopback(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack bind
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 ROUTES = (

@@ -155,9 +155,13 @@ def test_states_for_resolution_and_outbox_rows_written_with_the_transition(tmp_p
     again = _daemon(tmp_path, _write(tmp_path, RULES), gauges)
     assert [(a["rule"], a["state"]) for a in again.alerts.active()] == \
         [("KvUsageDrift", FIRING)]
-    for t in range(21, 24):
+    # Its baseline stays frozen at 50 while it fires (its trailing window has long caught
+    # up with 100 by t=40): the problem is still there, so it does not resolve.
+    for t in range(21, 40):
         gauges.values["e2"] = 1.0
         again.run_cycle(now=t0 + t)
+    assert [(a["rule"], a["state"], a["baseline"]) for a in again.alerts.active()] == \
+        [("KvUsageDrift", FIRING, 50.0)]
     assert len(_outbox(again)) == 3
     again.close()
 
@@ -349,3 +353,24 @@ def test_collector_down_rule_fires_on_the_daemons_own_health(tmp_path):
               if a["state"] == FIRING}
     assert ("CollectorDown", "broken") in firing and ("CollectorDown", "test") not in firing
     daemon.close()
+
+
+def test_fault_injection_takes_json_from_this_host_only(tmp_path):
+    (tmp_path / "t").mkdir()
+    engine = EngineServer(tmp_path / "t" / "e1", "--fault-injection").wait_ready()
+    try:
+        url = engine.url + "/admin/faults"
+        assert httpx.post(url, content=b'{"step_delay_ms": 5}',
+                          headers={"content-type": "text/plain"}).status_code == 415
+        assert httpx.post(url, json={"step_delay_ms": 20000}).status_code == 400
+        assert httpx.post(url, json={"prefix_miss_ratio": 2}).status_code == 400
+        assert httpx.post(url, json={"delay": 5}).status_code == 400
+        assert httpx.post(url, json={"step_delay_ms": 5, "prefix_miss_ratio": 0.5}).json() == \
+            {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5}
+        assert httpx.get(url).json() == {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5}
+    finally:
+        engine.stop()
+    from ac_observe.engine.server import _loopback
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("::ffff:127.0.0.1")
+    assert not _loopback("10.0.0.7") and not _loopback("::ffff:10.0.0.7")
+    assert not _loopback("") and not _loopback("testclient")

@@ -21,6 +21,7 @@ from ac_observe.daemon.webhooks import (AlertConfigError, Backoff, Receiver, Web
                                         fingerprint, load_alerting, retry_after)
 
 from support.postgres import PostgresServer
+from support.servers import parse_metrics
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
@@ -117,7 +118,8 @@ def test_a_test_delivery_is_an_alertmanager_v4_body_signed_per_standard_webhooks
     payload = Webhook(SECRET).verify(body, headers)  # raises unless the signature holds
     assert payload["version"] == "4" and payload["status"] == "firing"
     assert payload["receiver"] == "ops"
-    assert payload["groupKey"] == '{}:{alertname="AcObserveTestAlert"}'
+    assert payload["groupKey"] == \
+        '{}:{alertname="AcObserveTestAlert", instance="node-7", severity="none"}'
     (alert,) = payload["alerts"]
     assert alert["labels"] == {"alertname": "AcObserveTestAlert", "severity": "none",
                                "instance": "node-7"}
@@ -130,11 +132,11 @@ def test_a_test_delivery_is_an_alertmanager_v4_body_signed_per_standard_webhooks
         Webhook("whsec_" + "A" * 40).verify(body, headers)
 
 
-def test_fingerprint_is_alertmanagers():
-    # prometheus/common model.LabelSet{"alertname": "Watchdog"}.Fingerprint() and the
-    # empty set's (FNV-1a 64 offset basis), as Alertmanager prints them.
+def test_fingerprint_separates_names_from_values():
+    # The empty set's is FNV-1a 64's offset basis; the separator keeps "a"+"bc" apart from
+    # "ab"+"c". (That it is Alertmanager's own is checked against the real one below.)
     assert fingerprint({}) == "cbf29ce484222325"
-    assert fingerprint({"a": "b"}) == fingerprint({"a": "b"})
+    assert fingerprint({"a": "bc"}) != fingerprint({"ab": "c"})
     assert fingerprint({"a": "b", "c": "d"}) != fingerprint({"a": "bc", "": "d"})
 
 
@@ -315,7 +317,7 @@ def test_the_body_is_the_one_alertmanager_itself_posts(tmp_path, receiver):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     (tmp_path / "am.yml").write_text(textwrap.dedent(f"""
-        route: {{receiver: hook, group_by: [alertname], group_wait: 0s, group_interval: 1s}}
+        route: {{receiver: hook, group_by: ['...'], group_wait: 0s, group_interval: 1s}}
         receivers:
           - name: hook
             webhook_configs: [{{url: '{receiver.url}', send_resolved: true}}]
@@ -383,18 +385,22 @@ def test_the_daemon_delivers_and_exports_its_outbox(tmp_path, receiver):
         (delivery_id,) = daemon.webhooks.send_test(host="n")
         deadline = time.time() + 20
 
-        def metrics_once(outcome: str) -> str:
-            while daemon.webhooks.outcomes["ops", outcome] < 1:
+        def metrics_once(outcome: str, depth: int) -> dict:
+            # The pass counts the outcome, then refreshes the queue figures: wait for both.
+            while daemon.webhooks.outcomes["ops", outcome] < 1 or \
+                    daemon.webhooks.queue.get("ops", (0, 0.0))[0] != depth:
                 assert time.time() < deadline
                 time.sleep(0.05)
             daemon.run_cycle()
-            return daemon.render_metrics().decode()
+            return parse_metrics(daemon.render_metrics().decode())
 
-        text = metrics_once("retried")
-        assert 'ac_webhook_deliveries_total{receiver="ops",outcome="retried"} 1.0' in text
-        assert 'ac_webhook_queue_depth{receiver="ops"} 1.0' in text
+        metrics = metrics_once("retried", depth=1)
+        assert metrics["ac_webhook_deliveries_total", frozenset(
+            {"receiver": "ops", "outcome": "retried"}.items())] >= 1
+        assert metrics["ac_webhook_queue_depth", frozenset({"receiver": "ops"}.items())] == 1
         receiver.mode = "ok"
-        text = metrics_once("delivered")
+        metrics = metrics_once("delivered", depth=0)
+        text = daemon.render_metrics().decode()
         assert 'ac_webhook_deliveries_total{receiver="ops",outcome="delivered"} 1.0' in text
         assert 'ac_webhook_queue_depth{receiver="ops"} 0.0' in text
         assert 'ac_webhook_oldest_pending_seconds{receiver="ops"} 0.0' in text
