@@ -82,6 +82,13 @@ def _field(entry: dict, key: str, where: str, kind, default=None, required=False
     return value.strip()
 
 
+def _choice(entry: dict, key: str, where: str, choices: tuple, default: str) -> str:
+    value = _field(entry, key, where, str, default)
+    if value not in choices:
+        raise AlertConfigError(f"{where}.{key}: {value!r} is not one of {list(choices)}")
+    return value
+
+
 def _duration(entry: dict, key: str, where: str, default: str | None = None,
               zero_ok: bool = False) -> float:
     text = _field(entry, key, where, str, default, required=default is None)
@@ -120,14 +127,8 @@ def parse_rules(raw, source: str) -> list[Rule]:
         if metric not in FRIENDLY:
             raise AlertConfigError(f"{where}.metric: {metric!r} is not a metric name "
                                    "(ac-observe --list)")
-        statistic = _field(entry, "statistic", where, str, "mean")
-        if statistic not in STATISTICS:
-            raise AlertConfigError(f"{where}.statistic: {statistic!r} is not one of "
-                                   f"{list(STATISTICS)}")
-        comparison = _field(entry, "comparison", where, str, "relative_increase")
-        if comparison not in COMPARISONS:
-            raise AlertConfigError(f"{where}.comparison: {comparison!r} is not one of "
-                                   f"{list(COMPARISONS)}")
+        statistic = _choice(entry, "statistic", where, STATISTICS, "mean")
+        comparison = _choice(entry, "comparison", where, COMPARISONS, "relative_increase")
         baseline_text = _field(entry, "baseline", where, str,
                                "static:0" if comparison in ("above", "below") else None,
                                required=comparison not in ("above", "below"))
@@ -148,10 +149,7 @@ def parse_rules(raw, source: str) -> list[Rule]:
         else:
             raise AlertConfigError(f"{where}.baseline: {baseline_text!r}: use trailing:<d>, "
                                    "static:<v> or same_hour_yesterday[:<fallback>]")
-        severity = _field(entry, "severity", where, str, "warning")
-        if severity not in SEVERITIES:
-            raise AlertConfigError(f"{where}.severity: {severity!r} is not one of "
-                                   f"{list(SEVERITIES)}")
+        severity = _choice(entry, "severity", where, SEVERITIES, "warning")
         annotations = _field(entry, "annotations", where, dict, {})
         for key, text in annotations.items():
             for used in _TEMPLATE.findall(text):

@@ -145,10 +145,6 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
-    def describe(self) -> str:
-        """The URL without its password, for logs and status."""
-        return self.engine.url.render_as_string(hide_password=True)
-
     # ----- the outbox ---------------------------------------------------------------------
 
     @staticmethod
