@@ -26,8 +26,8 @@ from prometheus_client.utils import floatToGoString
 
 from ac_observe.collectors.base import (Collector, CollectorUnavailable, new_family,
                                         register)
-from ac_observe.metrics import (COUNTER, ENGINE_METRICS, ENGINE_RESTARTS, HISTOGRAM,
-                                LABEL_VALUES)
+from ac_observe.metrics import (COUNTER, ENGINE_METRICS, ENGINE_RESTARTS, ENGINE_UP,
+                                HISTOGRAM, LABEL_VALUES)
 from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_DB_BYTES, MAX_INFO_BYTES,
                                          UnsafeDirectory, open_dir_nofollow,
                                          open_trusted_dir, parse_db_file_name,
@@ -136,6 +136,9 @@ class _EngineReader:
     restarts: int = 0
 
 
+GONE_KEEP_SECONDS = 3600.0  # a gone engine's ac_engine_up stays at 0 this long
+
+
 @register("engine")
 class EngineCollector(Collector):
     def __init__(self, config):
@@ -144,6 +147,7 @@ class EngineCollector(Collector):
         self.grace_seconds = config.engine_grace_seconds
         self.engines: dict[str, EngineState] = {}
         self._readers: dict[str, _EngineReader] = {}
+        self._last_seen: dict[str, tuple[str, float]] = {}  # engine -> (model, heartbeat)
 
     def collect(self):
         now = time.time()
@@ -191,9 +195,30 @@ class EngineCollector(Collector):
             for state in seen.values():
                 if state.info and not state.error:
                     restarts.add_metric([state.info["engine"]], state.restarts)
-            return [*families.values(), restarts]
+            return [*families.values(), restarts, self._engine_up(seen, now)]
         finally:
             os.close(root_fd)
+
+    def _engine_up(self, seen: dict[str, EngineState], now: float) -> Metric:
+        """1 per engine whose heartbeat is fresh, 0 for one that went stale, and still 0
+        for an hour after the last heartbeat of one whose directory is gone (an engine
+        that is gone for good reads as down, not as absent)."""
+        up = new_family(ENGINE_UP)
+        current = {}
+        for state in seen.values():
+            if state.info and not state.error:
+                engine = state.info["engine"]
+                current[engine] = (state.info["model"], state.last_heartbeat)
+                up.add_metric([engine, state.info["model"]], 1.0 if state.alive else 0.0)
+        for engine, (model, heartbeat) in list(self._last_seen.items()):
+            if engine in current:
+                continue
+            if now - heartbeat > GONE_KEEP_SECONDS:
+                del self._last_seen[engine]
+            else:
+                up.add_metric([engine, model], 0.0)
+        self._last_seen.update(current)
+        return up
 
     def _read_engine(self, root_fd: int, root_owner: int, name: str, reader: _EngineReader,
                      now: float):

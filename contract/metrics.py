@@ -408,6 +408,8 @@ FRIENDLY = {f.name: f for f in (
              "DRAM bandwidth used (GPM, Hopper+)."),
     Friendly("collector_up", GAUGE_KIND, COLLECTOR_UP, "", 1.0,
              "1 when the collector's last run succeeded, 0 when it is down."),
+    Friendly("engine_up", GAUGE_KIND, ENGINE_UP, "", 1.0,
+             "1 while an engine's heartbeat is fresh, 0 once it stopped (for an hour)."),
     Friendly("kernel_launch_rate", RATE_KIND, CUDA_KERNEL_LAUNCHES, "1/s", 1.0,
              "CUDA kernel launches per second, per process and stream (eBPF)."),
     Friendly("graph_launch_rate", RATE_KIND, CUDA_GRAPH_LAUNCHES, "1/s", 1.0,

@@ -1,11 +1,13 @@
 """Drift alerts: rules from the alerting file, evaluated on the daemon's windows against a
 baseline, with states per rule and label set, persisted with their webhook deliveries.
 
-A rule reads one statistic of a friendly metric (mean, p50, p95, p99, last) over `window`
-for each of its series (label sets, narrowed by `match`) and compares it with a baseline:
-`trailing:<d>` (the same statistic over the `d` before the window), `static:<v>`, or
-`same_hour_yesterday` (not kept yet: it falls back to `trailing:<fallback>` (1h) and the
-alert's `baseline_source` annotation says so). Comparisons: relative_increase /
+A rule reads one statistic of a friendly metric (mean, p50, p95, p99, last, min, max,
+rate, share_below:<v> as the metric's kind allows) over `window` for each of its series
+(label sets, narrowed by `match`) and compares it with a baseline: `trailing:<d>` (the
+same statistic over the `d` before the window), `static:<v>`, or `same_hour_yesterday`
+(the statistic over the hour around the window's middle a day back, from the store's
+per-minute history; until that hour is 75 % covered it falls back to
+`trailing:<fallback>` (1h), and the alert's `baseline_source` annotation says which). Comparisons: relative_increase /
 relative_decrease (a share of the baseline: 0.15 is 15 %), absolute_increase /
 absolute_decrease (in the metric's unit), above / below (the value against the threshold;
 the baseline is not read).
@@ -32,7 +34,20 @@ from ac_observe.metrics import FRIENDLY
 
 log = logging.getLogger("ac_observe.daemon.alerts")
 
-STATISTICS = ("mean", "p50", "p95", "p99", "last", "max", "min")
+STATISTICS = ("mean", "p50", "p95", "p99", "last", "max", "min", "rate", "share_below:<v>")
+# What each kind of metric can answer (a histogram keeps no exact extremes; a rate of a
+# gauge or a ratio means nothing; shares come from a histogram's buckets).
+_KIND_STATISTICS = {
+    "histogram": ("mean", "p50", "p95", "p99", "last", "rate", "share_below"),
+    "gauge": ("mean", "p50", "p95", "p99", "last", "max", "min"),
+    "rate": ("mean", "p50", "p95", "p99", "last", "max", "min", "rate"),
+    "ratio": ("mean", "p50", "p95", "p99", "last", "max", "min"),
+}
+_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+_SHARE = re.compile(r"^share_below:\s*(\d+(?:\.\d+)?(?:e[+-]?\d+)?)\s*(ns|us|ms|s)?$")
+SAME_HOUR_SPAN_SECONDS = 3600.0
+# same_hour_yesterday is used once the store holds data for this share of that hour.
+SAME_HOUR_MIN_COVERAGE = 0.75
 COMPARISONS = ("relative_increase", "relative_decrease", "absolute_increase",
                "absolute_decrease", "above", "below")
 SEVERITIES = ("info", "warning", "critical")
@@ -52,6 +67,7 @@ class Rule:
     baseline: str                  # trailing | static | same_hour_yesterday
     baseline_seconds: float = 0.0  # trailing (and the fallback of same_hour_yesterday)
     baseline_value: float = 0.0    # static
+    share_threshold: float = 0.0   # share_below:<v>, in the metric's unit
     comparison: str = "relative_increase"
     threshold: float = 0.0
     for_seconds: float = 0.0
@@ -87,6 +103,36 @@ def _choice(entry: dict, key: str, where: str, choices: tuple, default: str) -> 
     if value not in choices:
         raise AlertConfigError(f"{where}.{key}: {value!r} is not one of {list(choices)}")
     return value
+
+
+def _statistic(entry: dict, where: str, friendly) -> tuple[str, float]:
+    """(statistic, share threshold in the metric's unit); share_below takes a number in
+    the metric's unit, or a time with its unit (200ms) for a time metric."""
+    text = _field(entry, "statistic", where, str, "mean")
+    allowed = _KIND_STATISTICS[friendly.kind]
+    if text.startswith("share_below"):
+        match = _SHARE.match(text)
+        if not match:
+            raise AlertConfigError(f"{where}.statistic: {text[:40]!r}: use share_below:<v> "
+                                   "(e.g. share_below:200ms)")
+        value, unit = float(match.group(1)), match.group(2)
+        if unit is not None:
+            if friendly.unit not in _TIME_UNITS:
+                raise AlertConfigError(f"{where}.statistic: {friendly.name} is in "
+                                       f"{friendly.unit!r}, not a time: give a plain number")
+            value *= _TIME_UNITS[unit] / _TIME_UNITS[friendly.unit]
+        kind_word = "share_below"
+    else:
+        kind_word = text
+        if text not in STATISTICS:
+            raise AlertConfigError(f"{where}.statistic: {text!r} is not one of "
+                                   f"{list(STATISTICS)}")
+        value = 0.0
+    if kind_word not in allowed:
+        raise AlertConfigError(f"{where}.statistic: {kind_word!r} does not apply to "
+                               f"{friendly.name} (a {friendly.kind}); use one of "
+                               f"{list(allowed)}")
+    return text, value
 
 
 def _duration(entry: dict, key: str, where: str, default: str | None = None,
@@ -127,7 +173,7 @@ def parse_rules(raw, source: str) -> list[Rule]:
         if metric not in FRIENDLY:
             raise AlertConfigError(f"{where}.metric: {metric!r} is not a metric name "
                                    "(ac-observe --list)")
-        statistic = _choice(entry, "statistic", where, STATISTICS, "mean")
+        statistic, share_threshold = _statistic(entry, where, FRIENDLY[metric])
         comparison = _choice(entry, "comparison", where, COMPARISONS, "relative_increase")
         baseline_text = _field(entry, "baseline", where, str,
                                "static:0" if comparison in ("above", "below") else None,
@@ -166,6 +212,7 @@ def parse_rules(raw, source: str) -> list[Rule]:
             name=name, metric=metric, statistic=statistic,
             window_seconds=_duration(entry, "window", where),
             baseline=kind, baseline_seconds=baseline_seconds, baseline_value=baseline_value,
+            share_threshold=share_threshold,
             comparison=comparison, threshold=_field(entry, "threshold", where, float,
                                                     required=True),
             for_seconds=_duration(entry, "for", where, "0s", zero_ok=True),
@@ -220,6 +267,16 @@ DEFAULT_RULES = """\
   threshold: 0.3
   for: 10m
   severity: info
+- name: FastRequestsShareDrop
+  metric: inference_latency_ns
+  statistic: share_below:200ms
+  window: 10m
+  baseline: same_hour_yesterday:1h
+  comparison: absolute_decrease
+  threshold: 1
+  for: 5m
+  annotations:
+    summary: "{{ value }} % of requests got their first token within 200 ms, {{ delta }} points off ({{ baseline_source }})"
 - name: CollectorDown
   metric: collector_up
   statistic: max
@@ -227,6 +284,16 @@ DEFAULT_RULES = """\
   comparison: below
   threshold: 1
   for: 1m
+- name: EngineGone
+  metric: engine_up
+  statistic: last
+  window: 30s
+  comparison: below
+  threshold: 1
+  for: 1m
+  severity: critical
+  annotations:
+    summary: "engine {{ labels }} has sent no heartbeat for over a minute"
 """
 
 
@@ -263,6 +330,11 @@ def breached(rule: Rule, value: float, baseline: float) -> bool:
 
 def _render(template: str, fields: dict) -> str:
     return _TEMPLATE.sub(lambda m: str(fields.get(m.group(1), "")), template)
+
+
+def _clock(t: float) -> str:
+    import time as _time
+    return _time.strftime("%H:%M", _time.gmtime(t))
 
 
 def _number(value: float) -> str:
@@ -323,26 +395,41 @@ class Evaluator:
             except Exception:  # one bad rule (or a store outage) never stops the others
                 log.exception("rule %s failed to evaluate", rule.name)
 
-    def _statistic(self, rule: Rule, window: float, until: float) -> dict[tuple, float]:
-        answer = self.daemon.query(rule.metric, window, rule.match, now=until)
+    def _statistic(self, rule: Rule, window: float, until: float) -> tuple[dict, dict]:
+        """(label set -> the rule's statistic, the query's answer)."""
+        shares = ({rule.statistic: rule.share_threshold}
+                  if rule.statistic.startswith("share_below") else None)
+        answer = self.daemon.query(rule.metric, window, rule.match, now=until, shares=shares)
         out = {}
         for series in answer["series"]:
             value = series.get(rule.statistic)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 out[tuple(sorted(series["labels"].items()))] = float(value)
-        return out
+        return out, answer
+
+    def _baselines(self, rule: Rule, now: float) -> tuple[dict, str]:
+        """(label set -> baseline, where it came from)."""
+        if rule.baseline == "same_hour_yesterday":
+            # The hour around this window's middle, a day back (or the window, if longer).
+            span = max(rule.window_seconds, SAME_HOUR_SPAN_SECONDS)
+            end = now - 86400.0 - rule.window_seconds / 2 + span / 2
+            values, answer = self._statistic(rule, span, end)
+            if answer.get("coverage", 0.0) >= SAME_HOUR_MIN_COVERAGE:
+                return values, (f"same hour yesterday ({_clock(end - span)}-{_clock(end)} "
+                                f"UTC)")
+        values, _ = self._statistic(rule, rule.baseline_seconds, now - rule.window_seconds)
+        trailing = f"trailing {_number(rule.baseline_seconds)} s before the window"
+        if rule.baseline == "trailing":
+            return values, trailing
+        return values, f"{trailing} (no history for the same hour yesterday yet)"
 
     def _evaluate_rule(self, rule: Rule, now: float) -> None:
-        values = self._statistic(rule, rule.window_seconds, now)
+        values, _ = self._statistic(rule, rule.window_seconds, now)
         baselines: dict[tuple, float] = {}
-        source = ""
         if rule.baseline == "static" or rule.comparison in ("above", "below"):
             source = "static"
         else:
-            baselines = self._statistic(rule, rule.baseline_seconds, now - rule.window_seconds)
-            trailing = f"trailing {_number(rule.baseline_seconds)} s before the window"
-            source = trailing if rule.baseline == "trailing" else \
-                f"{trailing} (no history for the same hour yesterday yet)"
+            baselines, source = self._baselines(rule, now)
         seen = set()
         for key, value in values.items():
             labels = dict(key)

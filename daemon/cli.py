@@ -79,7 +79,8 @@ def daemon(
                                    "a command line is readable by every local user)."),
     token_file: Path = typer.Option(None, help="File holding the bearer token."),
     interval: str = typer.Option("1s", help="Collection interval."),
-    window: str = typer.Option("1h", help="In-memory history for queries."),
+    window: str = typer.Option("1h", help="In-memory window (every cycle) for queries; "
+                                          "longer ones come from per-minute history."),
     collectors: str = typer.Option("engine,nvml,ebpf",
                                    help="Enabled collectors, comma-separated."),
     ebpf_probes: str = typer.Option("", help="eBPF probe groups (default all): launch, graph, "
@@ -103,6 +104,13 @@ def daemon(
                                               "$AC_OBSERVE_STATE_DIR, else "
                                               "$XDG_STATE_HOME/ac-observe)."),
     alert_interval: str = typer.Option("5s", help="How often alert rules are evaluated."),
+    history: bool = typer.Option(True, "--history/--no-history",
+                                 help="Keep per-minute history in the store, so windows "
+                                      "longer than the in-memory one (24h, 7d) and "
+                                      "same_hour_yesterday baselines can be answered."),
+    history_retention: str = typer.Option("8d", help="How long history, alert "
+                                                      "transitions and finished deliveries "
+                                                      "are kept."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
@@ -131,7 +139,8 @@ def daemon(
             ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,
             ebpf_pids=tuple(int(p) for p in _names(ebpf_pids)),
             alerting_file=alerting, store_url=store, state_dir=state_dir,
-            alert_interval_seconds=parse_duration(alert_interval))
+            alert_interval_seconds=parse_duration(alert_interval), history=history,
+            history_retention_seconds=parse_duration(history_retention))
         service = Daemon(config)
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)

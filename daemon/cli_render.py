@@ -99,6 +99,10 @@ def metric_table(result: dict, width: int) -> Text:
     out = Text()
     out.append(f"{result['metric']} over {result['window_seconds']:g}s", style="bold")
     out.append(f"  (unit {unit}, scaled for reading)\n", style="dim")
+    if result.get("history"):
+        out.append(f"from the store's history: 1-minute points, "
+                   f"{100 * result.get('coverage', 0):.0f} % of the window covered\n",
+                   style="dim")
     if common:
         out.append(" ".join(f"{k}={v}" for k, v in sorted(common.items())) + "\n")
     if not series_list:

@@ -39,11 +39,15 @@ class DaemonConfig:
     alert_interval_seconds: float = 5.0   # rules are evaluated this often
     store_url: str | None = None          # SQLAlchemy URL; None: SQLite in state_dir
     state_dir: Path | None = None         # None: $AC_OBSERVE_STATE_DIR, $XDG_STATE_HOME/ac-observe
+    history: bool = True                  # per-minute history in the store (daemon/history.py)
+    history_retention_seconds: float = 8 * 86400.0
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)
         if self.interval_seconds <= 0 or self.window_seconds < self.interval_seconds:
             raise ValueError("interval must be > 0 and the window at least one interval")
+        if self.history_retention_seconds < 3600:
+            raise ValueError("history retention must be at least an hour")
         if self.token is not None:
             self.token = self.token.strip()  # as a presented token is read
             if not self.token:

@@ -19,7 +19,7 @@ from urllib.parse import parse_qs
 
 from ac_observe.daemon.http_server import HttpServer, Request, Response
 from ac_observe.daemon.query import describe_friendly, parse_duration, parse_labels
-from ac_observe.daemon.service import Daemon
+from ac_observe.daemon.service import Daemon, HistoryUnavailable
 from ac_observe.metrics import FRIENDLY
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -69,7 +69,10 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
             labels = parse_labels((params.get("labels") or [""])[0])
         except ValueError as exc:
             return json_response(400, {"error": str(exc)})
-        return json_response(200, daemon.query(metric, window, labels))
+        try:
+            return json_response(200, daemon.query(metric, window, labels))
+        except HistoryUnavailable as exc:
+            return json_response(503, {"error": str(exc)})
 
     def alerts(params: dict) -> Response:
         if daemon.alerts is None:

@@ -79,6 +79,27 @@ def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
     return previous_bound
 
 
+def share_below(bound: float, buckets: list[tuple[float, float]]) -> float:
+    """Share of a histogram's observations at or below `bound` (in the family's unit),
+    interpolating linearly inside the bucket that holds it, as `bucket_quantile` does
+    (exact when `bound` is a bucket edge). Observations past the last finite edge count
+    as above any bound."""
+    total = buckets[-1][1]
+    if total <= 0:
+        return math.nan
+    previous_bound, previous_count = 0.0, 0.0
+    for edge, count in buckets:
+        if math.isinf(edge):
+            break
+        if bound <= edge:
+            if bound <= previous_bound:
+                return previous_count / total
+            inside = (bound - previous_bound) / (edge - previous_bound)
+            return (previous_count + (count - previous_count) * inside) / total
+        previous_bound, previous_count = edge, count
+    return previous_count / total
+
+
 def samples_read(friendly: Friendly) -> set[str]:
     """The sample names a friendly name's answer reads."""
     if friendly.kind == "histogram":
@@ -101,20 +122,34 @@ class QueryEngine:
         return self.answer(view, friendly, window_seconds, now - window_seconds, label_filter)
 
     def answer(self, view: WindowView, friendly: Friendly, window_seconds: float,
-               since: float, label_filter: dict[str, str]) -> dict:
+               since: float, label_filter: dict[str, str],
+               shares: dict[str, float] | None = None) -> dict:
+        """`shares`: statistic name -> threshold in the friendly unit; a histogram's series
+        then carry that name with the percentage of observations at or below it."""
         handler = {"gauge": self._gauge, "histogram": self._histogram, "rate": self._rate,
                    "ratio": self._ratio}[friendly.kind]
         series = []
         found = (handler(view, friendly, since, label_filter) if friendly.kind == "ratio"
                  else handler(view, friendly, since))
         for stats, events in found:
+            buckets = stats.pop("_buckets", None)
             if _matches(stats["labels"], label_filter):
                 stats["trend"] = trend(events, since, window_seconds, friendly.scale)
+                if friendly.kind == "histogram":
+                    stats["rate"] = stats["samples"] / window_seconds  # observations/s
+                    for name, threshold in (shares or {}).items():
+                        stats[name] = 100.0 * share_below(threshold / friendly.scale, buckets)
+                elif friendly.kind == "rate":
+                    stats["rate"] = stats["mean"]
                 series.append(stats)
         series.sort(key=lambda s: sorted(s["labels"].items()))
-        return {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
-                "source": friendly.source.name, "window_seconds": window_seconds,
-                "series": series}
+        answer = {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
+                  "source": friendly.source.name, "window_seconds": window_seconds,
+                  "series": series}
+        coverage = getattr(view, "coverage", None)
+        if coverage is not None:  # answered from the store's per-minute history
+            answer.update(history=True, resolution_seconds=60, coverage=round(coverage, 4))
+        return answer
 
     def _points(self, view: WindowView, key, since: float):
         """Points in the window; a series born inside the window starts from zero."""
@@ -129,12 +164,19 @@ class QueryEngine:
         return first_seen > since and first_seen > view.earliest_time + 0.5 * self.interval
 
     def _gauge(self, view: WindowView, friendly: Friendly, since: float):
+        exact = getattr(view, "gauges", None)  # history: per-minute points, exact extremes
+        scale = friendly.scale
         for key in view.keys(friendly.source.name):
             points = view.points(key)
-            if points:
-                yield ({"labels": dict(key[1]),
-                        **summarize([v * friendly.scale for _, v in points])},
-                       [(t, v, 1.0) for t, v in points])
+            if not points:
+                continue
+            stats = summarize([v * scale for _, v in points])
+            events = [(t, v, 1.0) for t, v in points]
+            if exact is not None and key in exact:
+                n, total, low, high, last, events = exact[key]
+                stats.update(min=scale * low, max=scale * high, mean=scale * total / n,
+                             last=scale * last, samples=n)
+            yield {"labels": dict(key[1]), **stats}, events
 
     def _rate(self, view: WindowView, friendly: Friendly, since: float):
         for key in view.keys(friendly.source.name):
@@ -220,7 +262,7 @@ class QueryEngine:
                     "p95": scale * bucket_quantile(0.95, buckets),
                     "p99": scale * bucket_quantile(0.99, buckets),
                     "last": scale * means[-1][1] / means[-1][2] if means else None,
-                    "samples": int(count)}, means)
+                    "samples": int(count), "_buckets": buckets}, means)
 
 
 TREND_SLOTS = 24

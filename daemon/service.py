@@ -7,6 +7,7 @@ publishes the snapshot that /metrics serves. Rendering is lazy and cached per sn
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -39,6 +40,10 @@ def tune_interpreter() -> None:
 RENDER_AHEAD_SECONDS = 300.0
 
 
+class HistoryUnavailable(RuntimeError):
+    """A query that needs the store's history while the store cannot be read."""
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig, collectors: list[Collector] | None = None):
         self.config = config
@@ -60,14 +65,22 @@ class Daemon:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.webhooks = self.alerts = self.store = None
+        self.history = self.history_writer = None
+        receivers, rules = {}, []
         if config.alerting_file is not None:
-            from ac_observe.daemon.alerts import Evaluator, load_alerting_config
-            from ac_observe.daemon.store import Store
-            from ac_observe.daemon.webhooks import WebhookSender
+            from ac_observe.daemon.alerts import load_alerting_config
             # AlertConfigError (a ValueError) names the file and field: fail fast.
             receivers, rules = load_alerting_config(config.alerting_file)
-            if receivers or rules:
-                self.store = Store(config.store_url, config.state_dir)
+        if receivers or rules or config.history:
+            from ac_observe.daemon.store import Store
+            self.store = Store(config.store_url, config.state_dir)
+        if config.history:
+            from ac_observe.daemon.history import HistoryWriter, MinuteAggregator
+            self.history = MinuteAggregator()
+            self.history_writer = HistoryWriter(self.store, config.history_retention_seconds)
+        if receivers or rules:
+            from ac_observe.daemon.alerts import Evaluator
+            from ac_observe.daemon.webhooks import WebhookSender
             if receivers:
                 self.webhooks = WebhookSender(self.store, receivers,
                                               external_url=f"http://{config.host}:{config.port}")
@@ -89,12 +102,12 @@ class Daemon:
         watched = self._watched_samples(families)
         if self.alerts is None:
             with self._lock:  # queries see a window and a snapshot from one and the same cycle
-                self.windows.append(now, watched)
+                self._remember(now, watched)
                 self._snapshot = families
                 self._generation += 1
         else:
             with self._lock:
-                self.windows.append(now, watched)
+                self._remember(now, watched)
             if self.alerts.due(now):
                 self.alerts.evaluate(now)  # reads the windows just appended
             families.extend(self._alert_metrics())  # the states this cycle left
@@ -103,6 +116,12 @@ class Daemon:
                 self._generation += 1
         if time.monotonic() - self._last_scrape < RENDER_AHEAD_SECONDS:
             self.render_metrics(scrape=False)  # a scrape then only copies bytes
+
+    def _remember(self, now: float, watched: dict) -> None:
+        """The cycle into the windows and the minute's history (under the lock)."""
+        self.windows.append(now, watched)
+        if self.history is not None:
+            self.history_writer.submit(self.history.add(now, watched))
 
     def _utilization(self, families: list[Metric], now: float) -> list[Metric]:
         """Busy fraction of each lane's stream over the last interval, from busy-time deltas."""
@@ -196,14 +215,41 @@ class Daemon:
             self._render_lock.release()
 
     def query(self, metric: str, window_seconds: float, labels: dict[str, str],
-              now: float | None = None) -> dict:
-        """NOTE: the view is copied under the lock the cycle appends under, so an answer
+              now: float | None = None, shares: dict[str, float] | None = None) -> dict:
+        """A window within the in-memory hour is answered from the windows; a longer one,
+        or one that ended before the windows begin, from the store's per-minute history.
+
+        NOTE: the view is copied under the lock the cycle appends under, so an answer
         reads one state; the answer is computed after the lock is released."""
         friendly = m.FRIENDLY[metric]
-        since = (time.time() if now is None else now) - window_seconds
+        until = time.time() if now is None else now
+        since = until - window_seconds
+        names = samples_read(friendly)
+        if self.history is not None and (window_seconds > self.config.window_seconds
+                                         or until < self.windows.earliest_time):
+            view = self._history_view(names, since, until)
+        else:
+            with self._lock:
+                view = self.windows.view(names, since, now)
+        return self.queries.answer(view, friendly, window_seconds, since, labels, shares)
+
+    def _history_view(self, names: set[str], since: float, until: float):
+        from ac_observe.daemon.history import build_view, merge_minutes
+        first, last = int(since // 60), math.ceil(until / 60) - 1
+        with self.history_writer.io_lock:  # no minute both in the store and still queued
+            try:
+                minutes = self.store.read_minutes(names, first, last)
+            except Exception as exc:
+                raise HistoryUnavailable(f"the history store cannot be read: "
+                                         f"{type(exc).__name__}") from None
+            unwritten = self.history_writer.unwritten()
         with self._lock:
-            view = self.windows.view(samples_read(friendly), since, now)
-        return self.queries.answer(view, friendly, window_seconds, since, labels)
+            current = self.history.current()
+        for minute, rows, *_ in unwritten + ([current] if current else []):
+            if first <= minute <= last:
+                merge_minutes(minutes, minute, rows, names)
+        return build_view(minutes, self.history.kinds, first, last,
+                          (current[0], current[2]) if current else None)
 
     def status(self) -> dict:
         engines = []
@@ -225,6 +271,8 @@ class Daemon:
         self._thread.start()
         if self.webhooks is not None:
             self.webhooks.start()
+        if self.history_writer is not None:
+            self.history_writer.start()
 
     def _loop(self) -> None:
         interval = self.config.interval_seconds
@@ -247,6 +295,10 @@ class Daemon:
             self._thread.join(timeout=10)
         if self.webhooks is not None:
             self.webhooks.stop()
+        if self.history_writer is not None:
+            with self._lock:
+                last = self.history.flush()
+            self.history_writer.stop(last)
         if self.store is not None:
             self.store.close()
         for runner in self.runners:

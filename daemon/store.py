@@ -87,6 +87,26 @@ alert_transitions = sa.Table(
 )
 
 
+history_series = sa.Table(
+    "history_series", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("sample", sa.String(200), nullable=False),
+    sa.Column("labels", sa.Text, nullable=False),        # JSON [[name, value], ...]
+    sa.UniqueConstraint("sample", "labels", name="history_series_key"),
+)
+history_minutes = sa.Table(
+    "history_minutes", metadata,
+    sa.Column("series_id", sa.Integer, sa.ForeignKey("history_series.id"),
+              primary_key=True),
+    sa.Column("minute", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("n", sa.Integer, nullable=False),           # samples, or counter intervals
+    sa.Column("total", sa.Float, nullable=False),         # sum, or counter increase
+    sa.Column("vmin", sa.Float),                          # gauges only
+    sa.Column("vmax", sa.Float),
+    sa.Column("vlast", sa.Float),
+)
+
+
 def default_state_dir() -> Path:
     explicit = os.environ.get("AC_OBSERVE_STATE_DIR")
     if explicit:
@@ -137,6 +157,7 @@ class Store:
         self.url = url
         self.engine: Engine = sa.create_engine(url, future=True, pool_pre_ping=True)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
+        self._history_ids: dict = {}  # series key -> history_series.id
         if self.is_sqlite:
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         with self.engine.begin() as connection:
@@ -144,6 +165,88 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    # ----- history (daemon/history.py) ------------------------------------------------------
+
+    def _series_ids(self, connection: Connection, keys) -> dict:
+        """series key -> id, creating the series not yet known (ids cached)."""
+        cache = self._history_ids
+        missing = [key for key in keys if key not in cache]
+        if missing:
+            texts = {key: json.dumps([list(item) for item in key[1]], separators=(",", ":"))
+                     for key in missing}
+            insert = self._insert(history_series).on_conflict_do_nothing(
+                index_elements=["sample", "labels"])
+            connection.execute(insert, [{"sample": key[0], "labels": texts[key]}
+                                        for key in missing])
+            wanted = {(key[0], texts[key]): key for key in missing}
+            for chunk in _chunks(sorted({key[0] for key in missing}), 500):
+                for row in connection.execute(sa.select(history_series).where(
+                        history_series.c.sample.in_(chunk))):
+                    key = wanted.get((row.sample, row.labels))
+                    if key is not None:
+                        cache[key] = row.id
+        return cache
+
+    def _insert(self, table):
+        if self.is_sqlite:
+            from sqlalchemy.dialects.sqlite import insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert
+        return insert(table)
+
+    def write_minutes(self, batch: list[tuple[int, dict]]) -> None:
+        """Minutes of aggregates ((minute, {series key: [n, total, min, max, last]}), ...)
+        in one transaction, each merged into what the store holds for its minute (sums
+        add, extremes widen, last wins)."""
+        with self.engine.begin() as connection:
+            ids = self._series_ids(connection, list({key for _, rows in batch for key in rows}))
+            insert = self._insert(history_minutes)
+            table, new = history_minutes.c, insert.excluded
+            upsert = insert.on_conflict_do_update(
+                index_elements=["series_id", "minute"],
+                set_={"n": table.n + new.n, "total": table.total + new.total,
+                      "vmin": sa.case((new.vmin < table.vmin, new.vmin), else_=table.vmin),
+                      "vmax": sa.case((new.vmax > table.vmax, new.vmax), else_=table.vmax),
+                      "vlast": new.vlast})
+            values = [{"series_id": ids[key], "minute": minute, "n": row[0], "total": row[1],
+                       "vmin": row[2], "vmax": row[3], "vlast": row[4]}
+                      for minute, rows in batch for key, row in rows.items()]
+            for chunk in _chunks(values, 5000):
+                connection.execute(upsert, chunk)
+
+    def read_minutes(self, samples, first_minute: int, last_minute: int) -> dict:
+        """series key -> [(minute, n, total, min, max, last), ...] of these sample names
+        over [first_minute, last_minute], in minute order."""
+        out: dict = {}
+        with self.engine.connect() as connection:
+            series = {row.id: (row.sample, tuple(tuple(item) for item in json.loads(row.labels)))
+                      for row in connection.execute(sa.select(history_series).where(
+                          history_series.c.sample.in_(sorted(samples))))}
+            for chunk in _chunks(sorted(series), 500):
+                query = (sa.select(history_minutes)
+                         .where(history_minutes.c.series_id.in_(chunk),
+                                history_minutes.c.minute.between(first_minute, last_minute))
+                         .order_by(history_minutes.c.series_id, history_minutes.c.minute))
+                for row in connection.execute(query):
+                    out.setdefault(series[row.series_id], []).append(
+                        (row.minute, row.n, row.total, row.vmin, row.vmax, row.vlast))
+        return out
+
+    def prune(self, before: float) -> dict[str, int]:
+        """Drops history, alert transitions and finished deliveries (with their attempts)
+        older than `before`; a pending delivery is never dropped here."""
+        with self.engine.begin() as connection:
+            minutes = connection.execute(history_minutes.delete().where(
+                history_minutes.c.minute < int(before // 60))).rowcount
+            transitions = connection.execute(alert_transitions.delete().where(
+                alert_transitions.c.at < before)).rowcount
+            old = sa.select(deliveries.c.id).where(deliveries.c.state != PENDING,
+                                                   deliveries.c.finished_at < before)
+            connection.execute(attempts.delete().where(attempts.c.delivery_id.in_(old)))
+            finished = connection.execute(deliveries.delete().where(
+                deliveries.c.state != PENDING, deliveries.c.finished_at < before)).rowcount
+        return {"minutes": minutes, "transitions": transitions, "deliveries": finished}
 
     # ----- the outbox ---------------------------------------------------------------------
 
@@ -253,3 +356,8 @@ class Store:
             return [dict(r) for r in connection.execute(
                 sa.select(attempts).where(attempts.c.delivery_id == delivery_id)
                 .order_by(attempts.c.id)).mappings()]
+
+
+def _chunks(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]

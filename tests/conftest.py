@@ -3,14 +3,24 @@ downloaded), and real engine and daemon servers (tests/support/servers.py)."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 from support.checkpoints import write_hf_checkpoint
+from support.postgres import PostgresServer
 from support.servers import DaemonProcess, EngineServer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Daemons keep history in a store under the state directory: never the user's own.
+os.environ["AC_OBSERVE_STATE_DIR"] = tempfile.mkdtemp(prefix="ac-observe-state-")
+
+
+@pytest.fixture(autouse=True)
+def _own_state_dir(tmp_path, monkeypatch):
+    """Each test's daemons keep their history apart from every other test's."""
+    monkeypatch.setenv("AC_OBSERVE_STATE_DIR", str(tmp_path / "state"))
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +66,21 @@ def start_daemon(tmp_path_factory):
     yield start
     for daemon in daemons:
         daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server (one per test session; a fresh database per store)."""
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    """The daemon's store on SQLite and on a real PostgreSQL server."""
+    from ac_observe.daemon.store import Store
+    url = None if request.param == "sqlite" else request.getfixturevalue("postgres").new_database()
+    store = Store(url, state_dir=tmp_path / "state")
+    yield store
+    store.close()

@@ -215,6 +215,21 @@ def test_no_data_changes_nothing(tmp_path):
      "rules[1] (a).name: 'a' is used twice"),
     ("  - {name: a, metric: kv_cache_usage, window: 1m, comparison: above, threshold: 1, "
      "when: now}\n", "rules[0]: unknown field 'when'"),
+    ("  - {name: a, metric: kv_cache_usage, statistic: 'share_below:5', window: 1m, "
+     "comparison: above, threshold: 1}\n",
+     "rules[0] (a).statistic: 'share_below' does not apply to kv_cache_usage (a gauge)"),
+    ("  - {name: a, metric: inference_latency_ns, statistic: max, window: 1m, "
+     "comparison: above, threshold: 1}\n",
+     "rules[0] (a).statistic: 'max' does not apply to inference_latency_ns (a histogram)"),
+    ("  - {name: a, metric: kv_cache_hit_rate, statistic: rate, window: 1m, "
+     "comparison: above, threshold: 1}\n",
+     "rules[0] (a).statistic: 'rate' does not apply to kv_cache_hit_rate (a ratio)"),
+    ("  - {name: a, metric: skeleton_complexity, statistic: 'share_below:2ms', window: 1m, "
+     "comparison: above, threshold: 1}\n",
+     "rules[0] (a).statistic: skeleton_complexity is in 'levels', not a time"),
+    ("  - {name: a, metric: inference_latency_ns, statistic: 'share_below:fast', window: 1m, "
+     "comparison: above, threshold: 1}\n",
+     "rules[0] (a).statistic: 'share_below:fast': use share_below:<v>"),
 ])
 def test_a_bad_rule_names_the_file_the_rule_and_the_field(tmp_path, rule, where):
     path = _write(tmp_path, rule)
@@ -326,6 +341,9 @@ def test_the_shipped_rules_load_and_print_as_a_file_that_loads(tmp_path):
     assert by_name["KvCacheHitRateLow"].threshold == 85
     assert by_name["CudaStreamSaturated"].for_seconds == 10
     assert by_name["CollectorDown"].metric == "collector_up"
+    fast = by_name["FastRequestsShareDrop"]  # 200 ms in the metric's unit (ns)
+    assert (fast.statistic, fast.share_threshold) == ("share_below:200ms", 2e8)
+    assert (by_name["EngineGone"].metric, by_name["EngineGone"].for_seconds) == ("engine_up", 60)
     printed = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ac-observe"),
                               "alerts", "defaults"], capture_output=True, text=True, check=True)
     copy = tmp_path / "copy.yaml"
@@ -374,3 +392,47 @@ def test_fault_injection_takes_json_from_this_host_only(tmp_path):
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("::ffff:127.0.0.1")
     assert not _loopback("10.0.0.7") and not _loopback("::ffff:10.0.0.7")
     assert not _loopback("") and not _loopback("testclient")
+
+
+def test_an_engine_whose_heartbeat_stopped_is_down_and_fires_until_it_returns(tmp_path):
+    """ac_engine_up from the heartbeat: 1, then 0 once stale, still 0 after the engine's
+    series are gone (grace over), and an EngineGone-style rule fires on it."""
+    from ac_observe.collectors.engine import EngineCollector
+    from ac_observe.engine.telemetry import TelemetryWriter
+
+    root = tmp_path / "telemetry"
+    writer = TelemetryWriter(root / "e1", {"started_at": time.time()}, engine="e1", model="m",
+                             heartbeat_seconds=0.2)
+    path = _write(tmp_path, """\
+  - {name: EngineGone, metric: engine_up, statistic: last, window: 2s, comparison: below,
+     threshold: 1, for: 1s, severity: critical}
+""", receivers=False)
+    config = DaemonConfig(telemetry_root=root, collectors=(), interval_seconds=0.25,
+                          window_seconds=600, alerting_file=path, state_dir=tmp_path / "state",
+                          alert_interval_seconds=0.25, engine_stale_seconds=0.6,
+                          engine_grace_seconds=0.6)
+    daemon = Daemon(config, collectors=[EngineCollector(config)])
+
+    def up():
+        [series] = daemon.query("engine_up", 0.3, {})["series"]
+        return series["labels"]["engine"], series["last"]
+
+    try:
+        for _ in range(4):
+            daemon.run_cycle()
+            time.sleep(0.25)
+        assert up() == ("e1", 1.0) and daemon.alerts.active() == []
+        writer.close()  # no more heartbeats
+        deadline = time.time() + 10
+        while time.time() < deadline and not any(
+                a["state"] == FIRING for a in daemon.alerts.active()):
+            daemon.run_cycle()
+            time.sleep(0.25)
+        [alert] = daemon.alerts.active()
+        assert alert["state"] == FIRING and alert["labels"] == {"engine": "e1", "model": "m"}
+        assert up() == ("e1", 0.0)
+        # The engine's own series are gone after the grace; it still reads as down.
+        assert daemon.query("requests_running", 0.3, {})["series"] == []
+    finally:
+        writer.close()
+        daemon.close()

@@ -134,7 +134,7 @@ def test_queries_during_cycles_read_one_consistent_state(tmp_path):
                 families.append(family)
             return families
 
-    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, window_seconds=200),
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, window_seconds=200, history=False),
                     collectors=[Counting()])
     stop, failures, answers = threading.Event(), [], [0]
 

@@ -228,7 +228,8 @@ def test_every_engine_family_by_value(tmp_path):
 
     # Nothing else was exported: every family above is a family of the contract.
     assert _value(final, "ac_engine_restarts_total", engine="e1") == 0
-    exported = {name for name, _ in final} - {"ac_engine_restarts_total"}
+    assert _value(final, "ac_engine_up", engine="e1") == 1  # the daemon's, from the heartbeat
+    exported = {name for name, _ in final} - {"ac_engine_restarts_total", "ac_engine_up"}
     contract = set()
     for spec in m.ENGINE_METRICS:
         contract |= ({f"{spec.family}_{s}" for s in ("bucket", "sum", "count")}

@@ -20,7 +20,6 @@ from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Store
 from ac_observe.daemon.webhooks import (AlertConfigError, Backoff, Receiver, WebhookSender,
                                         fingerprint, load_alerting, retry_after)
 
-from support.postgres import PostgresServer
 from support.servers import parse_metrics
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -77,21 +76,6 @@ class _Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    server = PostgresServer()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path):
-    url = None if request.param == "sqlite" else request.getfixturevalue("postgres").new_database()
-    store = Store(url, state_dir=tmp_path / "state")
-    yield store
-    store.close()
 
 
 @pytest.fixture

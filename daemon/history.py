@@ -1,0 +1,293 @@
+"""History: per-minute aggregates of every watched series, kept in the store for days.
+
+The in-memory windows hold the last hour at the collection interval. Each cycle also
+folds its samples into the current minute's aggregate (`MinuteAggregator`); a finished
+minute goes to the store by the writer's own thread (`HistoryWriter`), so a slow or
+unreachable store never stalls a collection cycle, and minutes not yet written are kept
+(and still read by queries) until it is back.
+
+What a minute holds, per series:
+- a counter (rate and ratio sources, a histogram's buckets, sum and count): its increase
+  over the cycles that ended in the minute (a drop is a reset, as `increase()` reads it),
+  and how many intervals that was;
+- a gauge: sample count, sum, min, max and last.
+
+That is enough to recompute, over any span of minutes, exactly what the in-memory query
+computes over cycles for: a rate's mean, a ratio (Σ increases / Σ increases), a
+histogram's quantiles, mean and shares (bucket increases add up), and a gauge's mean,
+min, max and last. Per-point statistics (a gauge's or a rate's p50/p95/p99, a ratio's
+spread) are taken over one-minute points instead of cycles: the answer says so
+(`source: history`, `resolution_seconds: 60`).
+
+NOTE: minutes are Unix minutes (`floor(t / 60)`); an increase belongs to the minute its
+interval ended in. A minute is written by merging (sums add, extremes widen, last wins),
+so a daemon restarted within a minute adds to what it wrote, and two daemons on one store
+reading the same engines would count twice: give each its own state directory.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+
+from ac_observe.daemon.windows import NAN, SeriesKey, WindowView
+from ac_observe.metrics import FRIENDLY
+
+log = logging.getLogger("ac_observe.daemon.history")
+
+COUNTER, GAUGE = "counter", "gauge"
+MINUTE = 60.0
+DEFAULT_RETENTION_SECONDS = 8 * 86400.0
+# A counter unseen for this long is forgotten: when it returns it counts as new.
+FORGET_AFTER_MINUTES = 60
+# Minutes kept in memory while the store cannot take them (then the oldest are dropped).
+MAX_UNWRITTEN_MINUTES = 24 * 60
+
+Row = list  # [n, total, min, max, last]; min/max/last are None for a counter
+
+
+def sample_kinds() -> dict[str, str]:
+    """Every sample name a friendly name reads -> counter or gauge."""
+    from ac_observe.daemon.query import samples_read
+    kinds = {}
+    for friendly in FRIENDLY.values():
+        for name in samples_read(friendly):
+            kinds[name] = GAUGE if friendly.kind == "gauge" else COUNTER
+    return kinds
+
+
+class MinuteAggregator:
+    """Folds each cycle's watched samples into the current minute's rows.
+
+    NOTE: called on the collection thread under the daemon's lock (queries read
+    `current()` under the same lock)."""
+
+    def __init__(self, kinds: dict[str, str] | None = None):
+        self.kinds = sample_kinds() if kinds is None else kinds
+        self.minute: int | None = None
+        self.last_time = NAN  # the latest cycle's timestamp
+        self.rows: dict[SeriesKey, Row] = {}
+        self._previous: dict[SeriesKey, tuple[float, int]] = {}  # counter -> (value, minute)
+        self._cycles = 0
+
+    def add(self, timestamp: float, samples: dict[SeriesKey, float]) -> tuple | None:
+        """Fold one cycle in; returns the (minute, rows) it finished, if any."""
+        minute = int(timestamp // MINUTE)
+        finished = None
+        if self.minute is not None and minute != self.minute:
+            finished = self.flush()
+        self.minute, self.last_time = minute, timestamp
+        kinds, rows, previous = self.kinds, self.rows, self._previous
+        for key, value in samples.items():
+            kind = kinds.get(key[0])
+            if kind is None or not math.isfinite(value):
+                continue
+            row = rows.get(key)
+            if kind == COUNTER:
+                before = previous.get(key)
+                previous[key] = (value, minute)
+                if before is None:
+                    if self._cycles == 0:
+                        continue  # its history before the daemon came is unknown
+                    rise = value  # born while watched: it counted from zero
+                else:
+                    rise = value - before[0] if value >= before[0] else value
+                if row is None:
+                    rows[key] = [1, rise, None, None, None]
+                else:
+                    row[0] += 1
+                    row[1] += rise
+            elif row is None:
+                rows[key] = [1, value, value, value, value]
+            else:
+                row[0] += 1
+                row[1] += value
+                if value < row[2]:
+                    row[2] = value
+                if value > row[3]:
+                    row[3] = value
+                row[4] = value
+        self._cycles += 1
+        return finished
+
+    def flush(self) -> tuple | None:
+        """Hand over the current minute (shutdown, or the minute turned)."""
+        if self.minute is None or not self.rows:
+            return None
+        finished = (self.minute, self.rows)
+        horizon = self.minute - FORGET_AFTER_MINUTES
+        self._previous = {k: v for k, v in self._previous.items() if v[1] >= horizon}
+        self.rows = {}
+        return finished
+
+    def current(self) -> tuple | None:
+        """(minute, a copy of its rows, the latest cycle's time) of the minute in progress,
+        for queries."""
+        if self.minute is None or not self.rows:
+            return None
+        return self.minute, {key: list(row) for key, row in self.rows.items()}, self.last_time
+
+
+class HistoryWriter:
+    """Writes finished minutes to the store on its own thread, and prunes old history
+    (and old alert transitions and finished deliveries) once an hour."""
+
+    def __init__(self, store, retention_seconds: float = DEFAULT_RETENTION_SECONDS):
+        self.store = store
+        self.retention_seconds = retention_seconds
+        self._queue: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self.io_lock = threading.Lock()  # a write and its dequeue, against history reads
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_prune = -math.inf
+        self.dropped_minutes = 0
+        self.failing = ""  # why the last write failed ("" when it did not)
+
+    def submit(self, finished: tuple | None) -> None:
+        if finished is None:
+            return
+        with self._lock:
+            self._queue.append(finished)
+            while len(self._queue) > MAX_UNWRITTEN_MINUTES:
+                self._queue.popleft()
+                self.dropped_minutes += 1
+        self._wake.set()
+
+    def unwritten(self) -> list[tuple]:
+        with self._lock:
+            return list(self._queue)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ac-history", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=60.0)
+            self._wake.clear()
+            self.write_pending()
+            if not self.failing and time.time() - self._last_prune >= 3600.0:
+                self.prune(time.time())
+            if self.failing:
+                self._stop.wait(5.0)  # the store is down: retry, keeping what is queued
+
+    def write_pending(self) -> None:
+        """Everything queued, in one transaction (after an outage, too)."""
+        with self.io_lock:
+            with self._lock:
+                batch = list(self._queue)
+            if not batch:
+                return
+            try:
+                self.store.write_minutes(batch)
+            except Exception as exc:  # an outage: keep the minutes, try again later
+                if not self.failing:
+                    log.warning("cannot write history to the store (%s); keeping it in "
+                                "memory and retrying", type(exc).__name__)
+                self.failing = type(exc).__name__
+                return
+            self.failing = ""
+            written = {id(item) for item in batch}  # alive in `batch`: ids are unique
+            with self._lock:  # (some may have been dropped over the cap meanwhile)
+                while self._queue and id(self._queue[0]) in written:
+                    self._queue.popleft()
+
+    def prune(self, now: float) -> None:
+        self._last_prune = now
+        try:
+            removed = self.store.prune(now - self.retention_seconds)
+        except Exception:
+            log.exception("pruning the store failed")
+            return
+        if any(removed.values()):
+            log.info("pruned history older than %.0f days: %s",
+                     self.retention_seconds / 86400, removed)
+
+    def stop(self, last: tuple | None = None) -> None:
+        self.submit(last)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.write_pending()  # what is left, once more (a store outage keeps it lost)
+
+
+class HistoryView(WindowView):
+    """A WindowView built from minutes: one point per minute (at its end), counters as
+    running sums of their increases from 0 one minute before their first, gauges as each
+    minute's mean; `gauges` keeps each gauge's exact (n, sum, min, max, last) over the
+    span and its per-minute (end, sum, n) for the trend; `coverage` is the share of the
+    span's minutes that hold any data."""
+    __slots__ = ("gauges", "coverage")
+
+    def __init__(self, times, series, gauges, coverage):
+        super().__init__(times, series, {k: -math.inf for k in series}, -math.inf)
+        self.gauges, self.coverage = gauges, coverage
+
+
+def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
+               first_minute: int, last_minute: int,
+               in_progress: tuple[int, float] | None = None) -> HistoryView:
+    """minutes: series -> [(minute, n, total, min, max, last), ...] in minute order.
+    in_progress: (minute, time of its latest cycle): that minute's point sits at that time,
+    not at the minute's end, so its rate is over the time it covers."""
+    from array import array
+    count = last_minute - first_minute + 1
+    times = array("d", [first_minute * MINUTE + MINUTE * i for i in range(count + 1)])
+    if in_progress is not None and first_minute <= in_progress[0] <= last_minute:
+        index = in_progress[0] - first_minute + 1
+        times[index] = max(times[index - 1] + 1e-3, min(times[index], in_progress[1]))
+    series, gauges, used = {}, {}, set()
+    for key, rows in minutes.items():
+        values = array("d", [NAN]) * (count + 1)
+        rows = [r for r in rows if first_minute <= r[0] <= last_minute]
+        if not rows:
+            continue
+        if kinds.get(key[0]) == COUNTER:
+            running = 0.0
+            values[rows[0][0] - first_minute] = 0.0
+            for minute, _n, total, *_ in rows:
+                running += total
+                values[minute - first_minute + 1] = running
+        else:
+            n_all = sum_all = 0.0
+            low, high = math.inf, -math.inf
+            trend = []
+            for minute, n, total, vmin, vmax, _last in rows:
+                values[minute - first_minute + 1] = total / n
+                n_all += n
+                sum_all += total
+                low, high = min(low, vmin), max(high, vmax)
+                trend.append((times[minute - first_minute + 1], total, n))
+            gauges[key] = (int(n_all), sum_all, low, high, rows[-1][5], trend)
+        used.update(r[0] for r in rows)
+        series[key] = values
+    return HistoryView(times, series, gauges, len(used) / count if count > 0 else 0.0)
+
+
+def merge_minutes(into: dict[SeriesKey, list[tuple]], minute: int,
+                  rows: dict[SeriesKey, Row], wanted: set[str]) -> None:
+    """Adds an unwritten (or in-progress) minute's rows to rows read from the store."""
+    for key, row in rows.items():
+        if key[0] not in wanted:
+            continue
+        existing = into.setdefault(key, [])
+        for i, old in enumerate(existing):
+            if old[0] == minute:  # partly written before a restart: merge as the store does
+                existing[i] = merge_row(old, (minute, *row))
+                break
+        else:
+            existing.append((minute, *row))
+            existing.sort(key=lambda r: r[0])
+
+
+def merge_row(old: tuple, new: tuple) -> tuple:
+    minute, n, total, vmin, vmax, last = old
+    _, n2, total2, vmin2, vmax2, last2 = new
+    if vmin is None or vmin2 is None:
+        return minute, n + n2, total + total2, vmin, vmax, last2
+    return minute, n + n2, total + total2, min(vmin, vmin2), max(vmax, vmax2), last2

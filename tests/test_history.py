@@ -1,0 +1,358 @@
+"""History: per-minute aggregates in the store answer windows longer than the in-memory
+hour with the same statistics, and give same_hour_yesterday its hour.
+
+Synthetic history is driven through the daemon's own aggregator (cycles every 20 s with
+uneven traffic, a gauge that is sometimes absent, a counter reset) into the store; the
+expected figures are computed from the raw events the test generated, never from the
+store."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+
+import pytest
+
+from ac_observe import metrics as m
+from ac_observe.collectors.base import Collector, new_family
+from ac_observe.daemon.config import DaemonConfig
+from ac_observe.daemon.history import HistoryWriter, MinuteAggregator
+from ac_observe.daemon.query import bucket_quantile
+from ac_observe.daemon.service import Daemon
+from ac_observe.daemon.store import Store, alert_transitions, deliveries
+
+from support.servers import AC_OBSERVE
+
+LAT = m.INFERENCE_LATENCY
+BOUNDS = list(LAT.buckets) + [math.inf]
+LAT_LABELS = (("engine", "e1"), ("model", "m"), ("stream", "low_latency"))
+KV_LABELS = (("engine", "e1"), ("model", "m"), ("skeleton", "s1"))
+USAGE_LABELS = (("engine", "e1"), ("model", "m"))
+REQ_LABELS = (("engine", "e1"), ("model", "m"), ("stream", "low_latency"), ("status", "ok"))
+ERR_LABELS = (("engine", "e1"), ("model", "m"), ("stream", "low_latency"), ("status", "error"))
+ERRORS_FROM = 1_800_000_000.0 - 10 * 3600  # the error counter is born inside the window
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(bound)
+
+
+class Synth:
+    """Cumulative engine state as the daemon would read it, one cycle at a time; `events`
+    keeps what each cycle added, for the expected figures."""
+
+    def __init__(self):
+        self.counts = [0] * len(BOUNDS)  # per bucket (not cumulative)
+        self.total = 0.0
+        self.hits = self.queries = self.requests = self.errors = 0
+        self.usage: float | None = None
+        self.events = []  # (t, latencies, hits, queries, usage or None, requests)
+
+    def step(self, t, latencies=(), hits=0, queries=0, usage=None, requests=0,
+             reset_requests=False):
+        for value in latencies:
+            self.counts[next(i for i, b in enumerate(BOUNDS) if value <= b)] += 1
+            self.total += value
+        self.hits += hits
+        self.queries += queries
+        if reset_requests:
+            self.requests = 0  # the engine restarted: its counter starts again
+        self.requests += requests
+        errors = 1 if t >= ERRORS_FROM and len(latencies) % 2 else 0
+        self.errors += errors
+        self.usage = usage
+        self.events.append((t, list(latencies), hits, queries, usage, requests, errors))
+
+    def samples(self) -> dict:
+        out, running = {}, 0
+        for bound, count in zip(BOUNDS, self.counts):
+            running += count
+            out["ac_inference_latency_seconds_bucket", LAT_LABELS + (("le", _le(bound)),)] = \
+                float(running)
+        out["ac_inference_latency_seconds_sum", LAT_LABELS] = self.total
+        out["ac_inference_latency_seconds_count", LAT_LABELS] = float(running)
+        out["ac_kv_cache_hit_blocks_total", KV_LABELS] = float(self.hits)
+        out["ac_kv_cache_query_blocks_total", KV_LABELS] = float(self.queries)
+        out["ac_requests_total", REQ_LABELS] = float(self.requests)
+        if self.errors:  # a series appears once it has counted something
+            out["ac_requests_total", ERR_LABELS] = float(self.errors)
+        if self.usage is not None:
+            out["ac_kv_cache_usage_ratio", USAGE_LABELS] = self.usage
+        return out
+
+
+class SynthCollector(Collector):
+    """The same state as families, for the daemon's live cycles."""
+    name = "synth"
+
+    def __init__(self, synth: Synth):
+        self.synth = synth
+
+    def collect(self):
+        s = self.synth
+        latency = new_family(LAT)
+        running, buckets = 0, []
+        for bound, count in zip(BOUNDS, s.counts):
+            running += count
+            buckets.append((_le(bound), float(running)))
+        latency.add_metric([v for _, v in LAT_LABELS], buckets, s.total)
+        return [latency]
+
+
+def load_history(store: Store, start: float, end: float, step: float, traffic) -> Synth:
+    """Cycles every `step` seconds over [start, end), through the daemon's aggregator,
+    written to the store as the daemon's writer writes them. `traffic(t, rng)` gives the
+    cycle's keyword arguments for Synth.step."""
+    rng = random.Random(7)
+    synth, aggregator, writer = Synth(), MinuteAggregator(), HistoryWriter(store)
+    t = start
+    while t < end:
+        synth.step(t, **traffic(t, rng))
+        writer.submit(aggregator.add(t, synth.samples()))
+        t += step
+    writer.submit(aggregator.flush())
+    writer.write_pending()
+    assert not writer.unwritten() and not writer.failing
+    return synth
+
+
+def _uneven(t, rng):
+    """Traffic whose per-minute shares differ a lot, so a mean of per-minute ratios, a
+    mean of minute means or a quantile of minute points all differ from the truth."""
+    busy = int(t // 3600) % 3 == 0
+    n = rng.randint(20, 40) if busy else rng.randint(0, 3)
+    latencies = [rng.choice((0.02, 0.022, 0.03, 0.3)) if busy else rng.choice((0.005, 1.5))
+                 for _ in range(n)]
+    queries = rng.randint(50, 90) if busy else rng.randint(1, 4)
+    hits = int(queries * (0.9 if busy else 0.1))
+    usage = None if rng.random() < 0.3 else (0.8 if busy else 0.2) + rng.random() / 10
+    return {"latencies": latencies, "hits": hits, "queries": queries, "usage": usage,
+            "requests": n, "reset_requests": abs(t % 7200 - 1000) < 10}
+
+
+def _expected(synth: Synth, since: float, until: float) -> dict:
+    """The statistics straight from the generated events in [since, until)."""
+    inside = [e for e in synth.events if since <= e[0] < until]
+    counts = [0] * len(BOUNDS)
+    latencies = [v for e in inside for v in e[1]]
+    for value in latencies:
+        counts[next(i for i, b in enumerate(BOUNDS) if value <= b)] += 1
+    cumulative, running = [], 0
+    for bound, count in zip(BOUNDS, counts):
+        running += count
+        cumulative.append((bound, running))
+    usages = [e[4] for e in inside if e[4] is not None]
+    # 25 ms lies inside the bucket (20.1587, 25.3984] ms: linear within it.
+    low, high = 0.0201587, 0.0253984
+    below = sum(1 for v in latencies if v <= low)
+    within = sum(1 for v in latencies if low < v <= high)
+    return {"p95": 1e9 * bucket_quantile(0.95, cumulative),
+            "p50": 1e9 * bucket_quantile(0.5, cumulative),
+            "mean": 1e9 * sum(latencies) / len(latencies), "count": len(latencies),
+            "under_100ms": 100.0 * sum(1 for v in latencies if v <= 0.101594) / len(latencies),
+            "hit_rate": 100.0 * sum(e[2] for e in inside) / sum(e[3] for e in inside),
+            "usage_mean": 100.0 * sum(usages) / len(usages), "usage_n": len(usages),
+            "usage_min": 100.0 * min(usages), "usage_max": 100.0 * max(usages),
+            "usage_last": 100.0 * usages[-1],
+            "under_25ms": 100.0 * (below + within * (0.025 - low) / (high - low))
+            / len(latencies),
+            "requests": sum(e[5] for e in inside), "errors": sum(e[6] for e in inside)}
+
+
+NOW = 1_800_000_000.0  # a whole minute (2027-01-15 08:00 UTC)
+
+
+def test_a_24h_window_from_history_equals_the_statistics_of_the_history(store, tmp_path):
+    # 26 hours of cycles, 5 s past each 20 s mark: the window cuts two hours off the start.
+    synth = load_history(store, NOW - 26 * 3600 + 5, NOW, 20.0, _uneven)
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=600,
+                                 store_url=None if store.is_sqlite else store.url,
+                                 state_dir=tmp_path / "state"), collectors=[])
+    try:
+        since = NOW - 86400
+        want = _expected(synth, since, NOW)
+        latency = daemon.query("inference_latency_ns", 86400, {}, now=NOW,
+                               shares={"share_below:100ms": 101.594e6,
+                                       "share_below:25ms": 25e6})
+        assert latency["history"] is True and latency["resolution_seconds"] == 60
+        assert latency["coverage"] == 1.0
+        [series] = latency["series"]
+        assert series["samples"] == want["count"]
+        assert series["p95"] == pytest.approx(want["p95"], rel=1e-12)
+        assert series["p50"] == pytest.approx(want["p50"], rel=1e-12)
+        assert series["mean"] == pytest.approx(want["mean"], rel=1e-9)
+        assert series["share_below:100ms"] == pytest.approx(want["under_100ms"], rel=1e-12)
+        assert series["share_below:25ms"] == pytest.approx(want["under_25ms"], rel=1e-12)
+        assert series["rate"] == pytest.approx(want["count"] / 86400, rel=1e-12)
+
+        [hits] = daemon.query("kv_cache_hit_rate", 86400, {}, now=NOW)["series"]
+        assert hits["mean"] == pytest.approx(want["hit_rate"], rel=1e-12)
+
+        [usage] = daemon.query("kv_cache_usage", 86400, {}, now=NOW)["series"]
+        assert usage["samples"] == want["usage_n"]
+        assert usage["mean"] == pytest.approx(want["usage_mean"], rel=1e-12)
+        assert (usage["min"], usage["max"], usage["last"]) == pytest.approx(
+            (want["usage_min"], want["usage_max"], want["usage_last"]), rel=1e-12)
+
+        # A counter reset inside the window is an increase from zero, as in memory.
+        # A series born inside the window counted from zero.
+        errors, rate = daemon.query("requests_per_second", 86400, {}, now=NOW)["series"]
+        assert rate["mean"] * (NOW - since) == pytest.approx(want["requests"], rel=1e-9)
+        assert rate["rate"] == rate["mean"]
+        assert errors["labels"]["status"] == "error" and want["errors"] > 100
+        born = next(e[0] for e in synth.events if e[6]) // 60 * 60  # its first minute
+        assert errors["mean"] * (NOW - born) == pytest.approx(want["errors"], rel=1e-9)
+
+        # A window that ended in the past (two hours of yesterday) is cut exactly too.
+        until = NOW - 86400 + 7200
+        past = _expected(synth, until - 3600, until)
+        [old] = daemon.query("kv_cache_hit_rate", 3600, {}, now=until)["series"]
+        assert old["mean"] == pytest.approx(past["hit_rate"], rel=1e-12)
+    finally:
+        daemon.close()
+
+
+def test_the_cli_answers_window_24h_from_the_daemons_history(tmp_path, start_daemon):
+    """`ac-observe --metric ... --window 24h --json` against a running daemon whose store
+    holds 23 hours that ended ten minutes ago."""
+    import time
+    state = tmp_path / "state"
+    end = (time.time() // 60 - 10) * 60
+    store = Store(None, state)
+    synth = load_history(store, end - 23 * 3600 + 5, end, 20.0, _uneven)
+    store.close()
+    daemon = start_daemon(None, "--state-dir", str(state), "--collectors", "engine")
+    # The first cycle only tells where the counters stood: it adds nothing.
+    want = _expected(synth, end - 23 * 3600 + 6, end)
+    out = subprocess.run([AC_OBSERVE, "--daemon", daemon.url, "--metric", "kv_cache_hit_rate",
+                          "--window", "24h", "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["history"] is True
+    [series] = answer["series"]
+    assert series["mean"] == pytest.approx(want["hit_rate"], rel=1e-12)
+
+
+RULE = """\
+rules:
+  - name: LatencyDrift
+    metric: inference_latency_ns
+    statistic: p95
+    window: 5m
+    baseline: same_hour_yesterday:1h
+    comparison: relative_increase
+    threshold: 0.5
+    annotations: {summary: "{{ baseline_source }}"}
+"""
+
+
+def _hourly(levels: dict[int, float]):
+    """Ten requests a minute, all at the latency of the hour (by its start, UTC)."""
+    def traffic(t, _rng):
+        return {"latencies": [levels.get(int(t // 3600) * 3600, 0.004)] * 10}
+    return traffic
+
+
+@pytest.mark.parametrize("with_history", [True, False])
+def test_same_hour_yesterday_compares_against_that_hour(tmp_path, with_history):
+    now = NOW + 32 * 60 + 30  # 08:32:30: the hour around the window's middle is 08:00-09:00
+    yesterday = NOW - 86400
+    levels = {yesterday: 0.1, yesterday - 3600: 0.4, yesterday + 3600: 0.6,
+              NOW - 2 * 86400: 0.8, NOW - 3600: 0.2}
+    state = tmp_path / "state"
+    store = Store(None, state)
+    if with_history:  # two days, a cycle a minute, each hour at its own latency
+        load_history(store, NOW - 2 * 86400 - 3600, NOW - 600, 60.0, _hourly(levels))
+    store.close()
+    (tmp_path / "alerts.yaml").write_text(RULE)
+    synth = Synth()
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=3600,
+                                 alerting_file=tmp_path / "alerts.yaml", state_dir=state,
+                                 alert_interval_seconds=1.0),
+                    collectors=[SynthCollector(synth)])
+    try:
+        # The last 65 minutes live at 120 ms: within 50 % of any baseline here, so nothing
+        # fires, until the last cycle brings 40 requests at 300 ms.
+        for t in range(int(now) - 3900, int(now), 5):
+            synth.step(t, latencies=[0.12] * 2)
+            daemon.run_cycle(now=float(t))
+        assert daemon.alerts.active() == []
+        synth.step(now, latencies=[0.12] * 2 + [0.3] * 40)
+        daemon.run_cycle(now=now)
+        [alert] = daemon.alerts.active()
+        assert alert["state"] == "firing" and alert["firing_since"] == now
+        source = alert["baseline_source"]
+        # The firing transition's summary annotation says the same ({{ baseline_source }}).
+        assert daemon.alerts.history()[0]["summary"] == source
+        if with_history:
+            # Yesterday 08:00-09:00 ran at 100 ms; its neighbours (400, 600 ms), the day
+            # before (800 ms) and the trailing hour (120 ms) would each give another
+            # baseline.
+            assert source == "same hour yesterday (08:00-09:00 UTC)"
+            assert alert["baseline"] == pytest.approx(1e9 * bucket_quantile(
+                0.95, [(b, 600 if b >= 0.101594 else 0) for b in BOUNDS]), rel=1e-12)
+        else:
+            assert source == ("trailing 3600 s before the window (no history for the same "
+                              "hour yesterday yet)")
+            assert alert["baseline"] < alert["value"] / 1.5
+    finally:
+        daemon.close()
+
+
+def test_minutes_the_store_cannot_take_are_kept_and_still_answered(tmp_path):
+    state = tmp_path / "state"
+    synth = Synth()
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=60, state_dir=state),
+                    collectors=[SynthCollector(synth)])
+    real = daemon.store.write_minutes
+
+    def down(_batch):
+        raise ConnectionError("store unreachable")
+
+    daemon.store.write_minutes = down
+    try:
+        for t in range(0, 300, 10):
+            synth.step(NOW + t, latencies=[0.01 * (1 + t % 3)])
+            daemon.run_cycle(now=NOW + t)
+        daemon.history_writer.write_pending()
+        assert daemon.history_writer.failing == "ConnectionError"
+        assert len(daemon.history_writer.unwritten()) == 4  # minutes 0-3 (4 is current)
+        answer = daemon.query("inference_latency_ns", 3600, {}, now=NOW + 300)
+        assert answer["history"] and answer["series"][0]["samples"] == 29  # first: base
+        daemon.store.write_minutes = real
+        daemon.history_writer.write_pending()
+        assert not daemon.history_writer.unwritten() and not daemon.history_writer.failing
+        again = daemon.query("inference_latency_ns", 3600, {}, now=NOW + 300)
+        assert again["series"][0]["samples"] == 29  # written once, not counted twice
+    finally:
+        daemon.close()
+    # The minute in progress is written at shutdown, merged into the same rows.
+    reopened = Store(None, state)
+    rows = reopened.read_minutes({"ac_inference_latency_seconds_count"}, 0, 10 ** 9)
+    assert sum(r[2] for r in rows["ac_inference_latency_seconds_count", LAT_LABELS]) == 29
+    reopened.close()
+
+
+def test_retention_prunes_history_transitions_and_finished_deliveries_only(store):
+    minutes = {("ac_requests_total", REQ_LABELS): [1, 5.0, None, None, None]}
+    store.write_minutes([(int(NOW // 60) - 9 * 1440, minutes), (int(NOW // 60), minutes)])
+    with store.engine.begin() as connection:
+        for at in (NOW - 9 * 86400, NOW):
+            connection.execute(alert_transitions.insert().values(
+                rule="r", fingerprint="f", labels="{}", from_state="pending",
+                to_state="firing", at=at))
+    old_done = store.add("ops", "test", {"n": 1}, NOW - 9 * 86400)
+    old_pending = store.add("ops", "test", {"n": 2}, NOW - 9 * 86400)
+    with store.engine.begin() as connection:
+        connection.execute(deliveries.update().where(deliveries.c.id == old_done)
+                           .values(state="delivered", finished_at=NOW - 9 * 86400))
+    removed = store.prune(NOW - 8 * 86400)
+    assert removed == {"minutes": 1, "transitions": 1, "deliveries": 1}
+    left = store.read_minutes({"ac_requests_total"}, 0, 10 ** 9)
+    assert [r[0] for r in left["ac_requests_total", REQ_LABELS]] == [int(NOW // 60)]
+    assert store.delivery(old_done) is None and store.delivery(old_pending) is not None
