@@ -46,6 +46,8 @@ _KIND_STATISTICS = {
 _TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _SHARE = re.compile(r"^share_below:\s*(\d+(?:\.\d+)?(?:e[+-]?\d+)?)\s*(ns|us|ms|s)?$")
 SAME_HOUR_SPAN_SECONDS = 3600.0
+# An instance without data this long is resolved (firing) or dropped (pending).
+NO_DATA_RESOLVE_SECONDS = 3600.0
 # same_hour_yesterday is used once the store holds data for this share of that hour.
 SAME_HOUR_MIN_COVERAGE = 0.75
 COMPARISONS = ("relative_increase", "relative_decrease", "absolute_increase",
@@ -297,6 +299,12 @@ DEFAULT_RULES = """\
 """
 
 
+def alert_labels(rule: Rule, series_labels: dict) -> dict:
+    """The labels a notification carries (and its fingerprint is taken over): the series'
+    own, the rule's, alertname and severity."""
+    return {**series_labels, **rule.labels, "alertname": rule.name, "severity": rule.severity}
+
+
 def load_alerting_config(path) -> tuple[dict, list[Rule]]:
     """(receivers, rules) of an alerting file; AlertConfigError names what to fix.
     `rules: defaults` stands for the shipped rules (DEFAULT_RULES)."""
@@ -353,6 +361,8 @@ class Instance:
     baseline_source: str = ""
     no_data: bool = False
     misses: int = 0  # evaluations in a row with the condition false while firing
+    no_data_since: float | None = None
+    resolved_because: str = ""
 
 
 class Evaluator:
@@ -368,26 +378,68 @@ class Evaluator:
         self.instances: dict[tuple[str, str], Instance] = {}
         self._last = -math.inf
         self._lock = threading.Lock()
+        self._orphans: list[dict] = []
         self._load()
 
     def _load(self) -> None:
-        """Pending and firing alerts survive a restart: no second firing delivery."""
+        """Pending and firing alerts survive a restart: no second firing delivery. An
+        instance whose rule is gone from the file, or whose rule now gives its series
+        another label set (labels or severity edited), is retired: a firing one gets its
+        resolved notification, so no receiver keeps an alert that nothing will resolve."""
         import sqlalchemy as sa
 
         from ac_observe.daemon.store import alert_instances
         with self.store.engine.connect() as connection:
-            for row in connection.execute(sa.select(alert_instances)).mappings():
-                if row["rule"] not in self.rules:
-                    continue
-                self.instances[row["rule"], row["fingerprint"]] = Instance(
-                    row["rule"], json.loads(row["labels"]), row["state"], row["active_since"],
-                    row["firing_since"], row["value"], row["baseline"])
+            rows = [dict(r) for r in connection.execute(sa.select(alert_instances)).mappings()]
+        for row in rows:
+            rule = self.rules.get(row["rule"])
+            labels = json.loads(row["labels"])
+            if rule is None or fingerprint(alert_labels(rule, labels)) != row["fingerprint"]:
+                self._orphans.append(row)
+                continue
+            self.instances[row["rule"], row["fingerprint"]] = Instance(
+                row["rule"], labels, row["state"], row["active_since"],
+                row["firing_since"], row["value"], row["baseline"])
+
+    def _retire_orphans(self, now: float) -> None:
+        from ac_observe.daemon.store import alert_instances, alert_transitions
+        for row in list(self._orphans):
+            labels = json.loads(row["labels"])
+            notified = json.loads(row["alert_labels"]) if row.get("alert_labels") else \
+                {**labels, "alertname": row["rule"]}
+            alert = None
+            if row["state"] == FIRING:
+                annotations = json.loads(row["annotations"]) if row.get("annotations") else {}
+                annotations["resolved_because"] = "its rule was removed or changed"
+                alert = Alert(labels=notified, annotations=annotations, status=RESOLVED,
+                              starts_at=row["firing_since"] or now, ends_at=now)
+            try:
+                with self.store.engine.begin() as connection:
+                    connection.execute(alert_transitions.insert().values(
+                        rule=row["rule"], fingerprint=row["fingerprint"], labels=row["labels"],
+                        from_state=row["state"], to_state=RESOLVED if alert else INACTIVE,
+                        at=now, value=row["value"], baseline=row["baseline"],
+                        summary="retired: its rule was removed or changed"))
+                    connection.execute(alert_instances.delete().where(
+                        alert_instances.c.rule == row["rule"],
+                        alert_instances.c.fingerprint == row["fingerprint"]))
+                    if alert is not None and self.sender is not None:
+                        self.sender.enqueue([alert], RESOLVED, connection=connection)
+            except Exception:
+                log.exception("alert %s %s: retiring it failed; retried next evaluation",
+                              row["rule"], row["fingerprint"])
+                continue
+            self._orphans.remove(row)
+            log.info("alert %s %s retired (its rule was removed or changed)", row["rule"],
+                     row["fingerprint"])
 
     def due(self, now: float) -> bool:
         return now - self._last >= self.interval_seconds
 
     def evaluate(self, now: float) -> None:
         self._last = now
+        if self._orphans:
+            self._retire_orphans(now)
         for rule in self.rules.values():
             try:
                 with self._lock:  # the HTTP threads read the instances
@@ -433,13 +485,13 @@ class Evaluator:
         seen = set()
         for key, value in values.items():
             labels = dict(key)
-            fp = fingerprint({**labels, "alertname": rule.name})
+            fp = fingerprint(alert_labels(rule, labels))  # as the notification carries it
             seen.add(fp)
             baseline = rule.baseline_value if source == "static" else baselines.get(key)
             self._step(rule, fp, labels, value, baseline, source, now)
         for (name, fp), instance in list(self.instances.items()):
             if name == rule.name and fp not in seen:
-                instance.no_data = True  # its series left the window: no state change
+                self._no_data(rule, instance, fp, now)  # its series left the window
 
     def _step(self, rule: Rule, fp: str, labels: dict, value: float,
               baseline: float | None, source: str, now: float) -> None:
@@ -452,9 +504,9 @@ class Evaluator:
             # with the new level must not resolve an alert whose problem is still there.
             baseline = instance.baseline
         if baseline is None:
-            instance.no_data = True
+            self._no_data(rule, instance, fp, now)
             return
-        instance.no_data = False
+        instance.no_data, instance.no_data_since = False, None
         instance.value, instance.baseline = value, baseline
         bad = breached(rule, value, baseline)
         state = instance.state
@@ -480,6 +532,25 @@ class Evaluator:
             if instance.misses >= 2:
                 self._move(rule, instance, fp, RESOLVED, now)
 
+    def _no_data(self, rule: Rule, instance: Instance, fp: str, now: float) -> None:
+        """No data changes nothing, for a while: an instance without data for
+        NO_DATA_RESOLVE_SECONDS (its series is gone: an engine removed, a label changed)
+        is resolved, saying why, rather than firing forever."""
+        instance.no_data = True
+        if instance.no_data_since is None:
+            instance.no_data_since = now
+        if now - instance.no_data_since < NO_DATA_RESOLVE_SECONDS:
+            return
+        if instance.state == FIRING and instance.value is not None \
+                and instance.baseline is not None:
+            instance.resolved_because = (f"no data for {_number(NO_DATA_RESOLVE_SECONDS)} s: "
+                                         "its series is gone")
+            self._move(rule, instance, fp, RESOLVED, now)
+        elif instance.state == PENDING:
+            self._move(rule, instance, fp, INACTIVE, now)
+        if instance.state in (INACTIVE, RESOLVED):
+            del self.instances[rule.name, fp]
+
     def _alert(self, rule: Rule, instance: Instance, status: str, now: float) -> Alert:
         value, baseline = instance.value, instance.baseline
         delta = value - baseline
@@ -493,9 +564,10 @@ class Evaluator:
                                           f"{fields['unit']} vs baseline {fields['baseline']}")
         annotations.update(value=fields["value"], baseline=fields["baseline"],
                            baseline_source=instance.baseline_source)
-        labels = {**instance.labels, **rule.labels, "alertname": rule.name,
-                  "severity": rule.severity}
-        return Alert(labels=labels, annotations=annotations, status=status,
+        if status == RESOLVED and instance.resolved_because:
+            annotations["resolved_because"] = instance.resolved_because
+        return Alert(labels=alert_labels(rule, instance.labels), annotations=annotations,
+                     status=status,
                      starts_at=instance.firing_since or now,
                      ends_at=now if status == RESOLVED else None)
 
@@ -533,7 +605,11 @@ class Evaluator:
                 connection.execute(alert_instances.insert().values(
                     rule=rule.name, fingerprint=fp, labels=labels_json, state=to,
                     active_since=instance.active_since, firing_since=instance.firing_since,
-                    value=instance.value, baseline=instance.baseline, updated_at=now))
+                    value=instance.value, baseline=instance.baseline, updated_at=now,
+                    alert_labels=json.dumps(alert_labels(rule, instance.labels),
+                                            sort_keys=True),
+                    annotations=json.dumps(alert.annotations, sort_keys=True)
+                    if alert else None))
             if alert is not None and self.sender is not None:
                 self.sender.enqueue([alert], to, connection=connection)
 

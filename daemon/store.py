@@ -71,6 +71,8 @@ alert_instances = sa.Table(
     sa.Column("value", sa.Float),
     sa.Column("baseline", sa.Float),
     sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("alert_labels", sa.Text),    # JSON: the notification's labels (all of them)
+    sa.Column("annotations", sa.Text),     # JSON: the last notification's annotations
 )
 alert_transitions = sa.Table(
     "alert_transitions", metadata,

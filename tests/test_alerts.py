@@ -436,3 +436,78 @@ def test_an_engine_whose_heartbeat_stopped_is_down_and_fires_until_it_returns(tm
     finally:
         writer.close()
         daemon.close()
+
+
+def _fire_kv_usage_high(tmp_path, gauges, t0):
+    """KvUsageHigh (e1 above 80 % for 4 s) firing; returns the closed daemon's outbox."""
+    daemon = _daemon(tmp_path, _write(tmp_path, RULES), gauges)
+    for t in range(0, 12):
+        gauges.values["e1"] = 0.95 if t >= 6 else 0.5
+        daemon.run_cycle(now=t0 + t)
+    [alert] = [a for a in daemon.alerts.active() if a["rule"] == "KvUsageHigh"]
+    assert alert["state"] == FIRING
+    outbox = _outbox(daemon)
+    body = json.loads(outbox[0]["body"])["alerts"][0]
+    assert alert["fingerprint"] == body["fingerprint"]  # the API's is the webhook body's
+    daemon.close()
+    return body
+
+
+@pytest.mark.parametrize("edit", ["removed", "severity changed"])
+def test_a_removed_or_changed_rule_resolves_what_it_left_firing(tmp_path, edit):
+    gauges, t0 = _Gauges(), 5_000_000.0
+    firing = _fire_kv_usage_high(tmp_path, gauges, t0)
+    if edit == "removed":
+        rules = RULES[RULES.index("  - name: KvUsageDrift"):]
+    else:
+        rules = RULES.replace("severity: critical", "severity: warning")
+    daemon = _daemon(tmp_path, _write(tmp_path, rules), gauges)
+    try:
+        daemon.run_cycle(now=t0 + 20)
+        resolved = [json.loads(r["body"])["alerts"][0] for r in _outbox(daemon)
+                    if r["kind"] == "resolved"]
+        assert len(resolved) == 1
+        [gone] = resolved
+        # The same alert as the receivers know it: labels, fingerprint; now resolved.
+        assert (gone["labels"], gone["fingerprint"]) == (firing["labels"],
+                                                          firing["fingerprint"])
+        assert gone["status"] == "resolved"
+        assert gone["annotations"]["resolved_because"] == "its rule was removed or changed"
+        assert gone["annotations"]["summary"] == firing["annotations"]["summary"]
+        assert all(a["fingerprint"] != firing["fingerprint"] for a in daemon.alerts.active())
+        for t in range(21, 27):  # the edited rule fires again under its new labels
+            daemon.run_cycle(now=t0 + t)
+        states = [(a["rule"], a["state"], a["labels"]["engine"]) for a in daemon.alerts.active()
+                  if a["rule"] == "KvUsageHigh"]
+        assert states == ([] if edit == "removed" else [("KvUsageHigh", FIRING, "e1")])
+    finally:
+        daemon.close()
+    # Retired once: a further restart sends nothing more.
+    again = _daemon(tmp_path, _write(tmp_path, rules), gauges)
+    again.run_cycle(now=t0 + 30)
+    assert len([r for r in _outbox(again) if r["kind"] == "resolved"]) == 1
+    again.close()
+
+
+def test_a_firing_alert_whose_series_is_gone_resolves_after_an_hour_without_data(tmp_path):
+    from ac_observe.daemon.alerts import NO_DATA_RESOLVE_SECONDS
+    gauges, t0 = _Gauges(), 6_000_000.0
+    firing = _fire_kv_usage_high(tmp_path, gauges, t0)
+    daemon = _daemon(tmp_path, _write(tmp_path, RULES), gauges)
+    try:
+        del gauges.values["e1"]  # engine e1 is gone for good
+        t = 12
+        while t < 12 + NO_DATA_RESOLVE_SECONDS - 30:
+            daemon.run_cycle(now=t0 + t)
+            t += 30
+        [alert] = [a for a in daemon.alerts.active() if a["rule"] == "KvUsageHigh"]
+        assert alert["state"] == FIRING and alert["no_data"]  # no data changes nothing...
+        for t in range(t, t + 90, 30):
+            daemon.run_cycle(now=t0 + t)
+        assert [a for a in daemon.alerts.active() if a["rule"] == "KvUsageHigh"] == []
+        [gone] = [json.loads(r["body"])["alerts"][0] for r in _outbox(daemon)
+                  if r["kind"] == "resolved"]
+        assert gone["fingerprint"] == firing["fingerprint"]  # ...for an hour
+        assert gone["annotations"]["resolved_because"] == "no data for 3600 s: its series is gone"
+    finally:
+        daemon.close()
