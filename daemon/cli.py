@@ -259,14 +259,30 @@ def up(
     daemon_port: int = typer.Option(DEFAULT_DAEMON_PORT, help="Daemon HTTP port."),
     model: str = typer.Option("tiny", help="'tiny' or a local Hugging Face folder."),
     demo_load: bool = typer.Option(False, "--demo-load", help="Send demo traffic."),
+    demo_drift: bool = typer.Option(False, "--demo-drift",
+                                    help="With demo traffic, slow the engine down now and "
+                                         "then so a drift alert fires and resolves "
+                                         "(ac-observe alerts)."),
+    demo_drift_schedule: str = typer.Option("150s,90s", help="--demo-drift's calm and "
+                                                             "slowed phases."),
     telemetry_root: str = typer.Option("", help="Telemetry root shared by engine and daemon."),
     engine_arg: list[str] = typer.Option([], "--engine-arg", help="Extra `engine` option."),
     daemon_arg: list[str] = typer.Option([], "--daemon-arg", help="Extra `daemon` option."),
 ) -> None:
     """Start an engine and a daemon on the embedded defaults; Ctrl-C stops both."""
+    from ac_observe.daemon.query import parse_duration
     from ac_observe.daemon.up import run_up
+    schedule = None
+    if demo_drift:
+        try:
+            calm, slowed = (parse_duration(p) for p in demo_drift_schedule.split(","))
+        except ValueError as exc:
+            typer.echo(f"error: --demo-drift-schedule {demo_drift_schedule!r}: use CALM,SLOWED "
+                       f"such as 150s,90s ({exc})", err=True)
+            raise typer.Exit(2)
+        schedule = (calm, slowed)
     raise typer.Exit(run_up(engine_port, daemon_port, model, demo_load, telemetry_root,
-                            engine_arg, daemon_arg))
+                            engine_arg, daemon_arg, schedule))
 
 
 @app.command()

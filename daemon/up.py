@@ -75,17 +75,27 @@ class Child:
 
 
 def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
-           telemetry_root: str, engine_args: list[str], daemon_args: list[str]) -> int:
+           telemetry_root: str, engine_args: list[str], daemon_args: list[str],
+           demo_drift: tuple[float, float] | None = None) -> int:
+    """demo_drift: (calm, slowed) seconds of the demo's drift cycle (daemon/demo_drift.py),
+    or None."""
     from ac_observe.telemetry_format import default_telemetry_root
     root = telemetry_root or str(default_telemetry_root())
     env = {**os.environ, "AC_OBSERVE_TELEMETRY_DIR": root}
     # Quiet children by default: the terminal shows where to look, not access logs.
     engine_cmd = ["engine", "--port", str(engine_port), "--model", model, "--log-level",
                   "warning", *engine_args]
-    if demo_load:
+    if demo_load or demo_drift:
         engine_cmd.append("--demo-load")
     daemon_cmd = ["daemon", "--port", str(daemon_port), "--telemetry-root", root, "--log-level",
                   "warning", *daemon_args]
+    driver = None
+    if demo_drift:
+        from ac_observe.daemon.demo_drift import DriftDriver, write_demo_alerting
+        engine_cmd.append("--fault-injection")
+        daemon_cmd += ["--alerting", str(write_demo_alerting()), "--alert-interval", "2s"]
+        driver = DriftDriver(f"http://127.0.0.1:{engine_port}",
+                             f"http://127.0.0.1:{daemon_port}", *demo_drift)
     children = [Child("daemon", daemon_cmd, env), Child("engine", engine_cmd, env)]
     stopping = False
 
@@ -105,6 +115,8 @@ ac-observe is up
            ac-observe --daemon http://127.0.0.1:{daemon_port} status
   stop     Ctrl-C
 """, file=sys.stderr, flush=True)
+    if driver is not None:
+        driver.start()
     try:
         while not stopping:
             now = time.monotonic()
@@ -112,6 +124,8 @@ ac-observe is up
                 child.check(now)
             time.sleep(0.2)
     finally:
+        if driver is not None:
+            driver.close()
         for child in children:
             child.stop()
         deadline = time.monotonic() + 15

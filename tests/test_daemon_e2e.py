@@ -357,3 +357,34 @@ def test_up_restarts_a_killed_engine_while_the_daemon_serves(tmp_path):
 def _metrics(url):
     from support.servers import parse_metrics
     return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def test_up_demo_drift_shows_an_alert_firing_and_resolving(tmp_path):
+    """`up --demo-drift`: demo traffic, the engine slowed through its fault route after a
+    calm phase, DemoLatencyDrift firing and then resolving once the delay is removed, each
+    said on the terminal and recorded by the daemon."""
+    engine_port, daemon_port = free_port(), free_port()
+    daemon_url = f"http://127.0.0.1:{daemon_port}"
+    log_path = tmp_path / "up.log"
+    log = open(log_path, "w")
+    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port", str(engine_port),
+                           "--daemon-port", str(daemon_port), "--demo-drift",
+                           "--demo-drift-schedule", "40s,30s",
+                           "--telemetry-root", str(tmp_path / "telemetry")],
+                          stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "alert DemoLatencyDrift resolved" in log_path.read_text(), 240,
+                 "the demo alert to fire and resolve")
+        said = log_path.read_text()
+        slowed = said.index("every engine step is now 150 ms slower")
+        firing = said.index("alert DemoLatencyDrift firing")
+        removed = said.index("the delay is removed")
+        assert slowed < firing < removed < said.index("alert DemoLatencyDrift resolved")
+        history = httpx.get(daemon_url + "/api/v1/alerts?history=1", timeout=10).json()
+        moves = [(h["from_state"], h["to_state"]) for h in reversed(history["history"])
+                 if h["rule"] == "DemoLatencyDrift"]
+        assert ("pending", "firing") in moves and moves[-1] == ("firing", "resolved")
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+        log.close()

@@ -1,0 +1,127 @@
+"""`ac-observe up --demo-drift`: watch a drift alert fire and resolve, on the bundled engine.
+
+The engine runs with `--fault-injection` and demo traffic; the daemon gets an alerting
+file with one rule (TTFT p95 of the last 30 s, 50 % over the two minutes before it, for
+10 s). A driver thread lets a baseline build, slows every engine step by 150 ms through
+the engine's loopback `/admin/faults` route, removes the delay, waits, and repeats; it
+prints each phase and every alert transition the daemon reports (`GET /api/v1/alerts`).
+Torch-free; only loopback HTTP.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+
+DEMO_RULES = """\
+# Written by `ac-observe up --demo-drift`: one drift rule with short windows.
+rules:
+  - name: DemoLatencyDrift
+    metric: inference_latency_ns
+    statistic: p95
+    window: 30s
+    baseline: trailing:2m
+    comparison: relative_increase
+    threshold: 0.5
+    for: 10s
+    annotations:
+      summary: "TTFT p95 {{ value }} ns is {{ delta_percent }} % over its baseline {{ baseline }} ns"
+"""
+STEP_DELAY_MS = 150
+
+
+def write_demo_alerting() -> Path:
+    """The demo's alerting file, in a private temporary folder."""
+    folder = Path(tempfile.mkdtemp(prefix="ac-observe-demo-"))
+    path = folder / "alerting.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(DEMO_RULES)
+    return path
+
+
+def _say(text: str) -> None:
+    print(f"ac-observe up: {text}", file=sys.stderr, flush=True)
+
+
+class DriftDriver:
+    """Alternates calm (`calm_seconds`) and slowed (`drift_seconds`) phases on the engine,
+    and reports the daemon's alert transitions as they happen."""
+
+    def __init__(self, engine_url: str, daemon_url: str, calm_seconds: float,
+                 drift_seconds: float, poll_seconds: float = 1.0):
+        self.engine_url, self.daemon_url = engine_url, daemon_url
+        self.calm_seconds, self.drift_seconds = calm_seconds, drift_seconds
+        self.poll_seconds = poll_seconds
+        self.stop = threading.Event()
+        self._states: dict[str, tuple[str, str]] = {}  # fingerprint -> (rule, state)
+        self._thread = threading.Thread(target=self._run, name="demo-drift", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self.stop.is_set():
+                _say(f"demo drift: building a baseline for {self.calm_seconds:g}s")
+                if self._watch(client, self.calm_seconds):
+                    return
+                if not self._faults(client, STEP_DELAY_MS):
+                    continue
+                _say(f"demo drift: every engine step is now {STEP_DELAY_MS} ms slower for "
+                     f"{self.drift_seconds:g}s; DemoLatencyDrift should fire "
+                     "(ac-observe alerts)")
+                stopped = self._watch(client, self.drift_seconds)
+                self._faults(client, 0)
+                if stopped:
+                    return
+                _say("demo drift: the delay is removed; the alert should resolve")
+
+    def _faults(self, client: httpx.Client, delay_ms: int) -> bool:
+        try:
+            client.post(f"{self.engine_url}/admin/faults",
+                        json={"step_delay_ms": delay_ms}).raise_for_status()
+            return True
+        except httpx.HTTPError as exc:
+            _say(f"demo drift: cannot reach the engine's fault route ({type(exc).__name__}); "
+                 "trying again")
+            self.stop.wait(2.0)
+            return False
+
+    def _watch(self, client: httpx.Client, seconds: float) -> bool:
+        """Report alert transitions for `seconds`; True when asked to stop."""
+        remaining = seconds
+        while remaining > 0:
+            step = min(self.poll_seconds, remaining)
+            if self.stop.wait(step):
+                return True
+            remaining -= step
+            self._report(client)
+        return False
+
+    def _report(self, client: httpx.Client) -> None:
+        try:
+            body = client.get(f"{self.daemon_url}/api/v1/alerts").json()
+        except (httpx.HTTPError, ValueError):
+            return  # the daemon is starting or restarting: the supervisor says so
+        now = {a["fingerprint"]: a for a in body.get("alerts", [])}
+        for fp, alert in now.items():
+            if self._states.get(fp, ("", ""))[1] != alert["state"]:
+                self._states[fp] = (alert["rule"], alert["state"])
+                _say(f"alert {alert['rule']} {alert['state']}: p95 {_ms(alert['value'])} vs "
+                     f"baseline {_ms(alert['baseline'])}")
+        for fp in [fp for fp in self._states if fp not in now]:
+            rule, state = self._states.pop(fp)
+            _say(f"alert {rule} " + ("resolved" if state == "firing" else "no longer pending"))
+
+
+def _ms(nanoseconds) -> str:
+    return f"{nanoseconds / 1e6:.1f} ms" if isinstance(nanoseconds, (int, float)) else "n/a"
