@@ -14,7 +14,8 @@ from support.servers import AC_OBSERVE, EngineServer, free_port, sample_value, w
 
 
 def _engine_series(metrics, engine):
-    return [k for k in metrics if ("engine", engine) in k[1]]
+    """The engine's own series (ac_engine_up, the daemon's view of it, outlives them)."""
+    return [k for k in metrics if ("engine", engine) in k[1] and k[0] != "ac_engine_up"]
 
 
 def _wait_ok_requests(daemon, engine: str, count: int, what: str, timeout=10):
@@ -56,6 +57,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
         metrics = _wait_ok_requests(daemon, "e1", 3, "the engine's series")
         assert sample_value(metrics, "ac_inference_latency_seconds_count", engine="e1",
                             stream="throughput") == 3
+        assert sample_value(metrics, "ac_engine_up", engine="e1") == 1
         os.kill(engine.proc.pid, signal.SIGKILL)
         engine.proc.wait()
         # The daemon keeps serving, the collector stays up, the series go after the grace.
@@ -65,6 +67,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
         assert _engine_series(metrics, "e1"), "series vanished before the grace period"
         wait_for(lambda: not _engine_series(daemon.metrics(), "e1"), 15, "series to vanish")
         assert sample_value(daemon.metrics(), "ac_collector_up", collector="engine") == 1
+        assert sample_value(daemon.metrics(), "ac_engine_up", engine="e1") == 0  # gone: down
         assert not (root / "e1").exists()  # the dead engine's files were cleaned up
     finally:
         engine.stop()
