@@ -82,12 +82,15 @@ def test_daemon_reader_equals_multiprocess_collector_across_restarts_and_dead_pi
     wheels = sorted(COMPAT_WHEELS.glob("prometheus_client-*.whl"))
     assert len(wheels) >= 2, f"scripts/install.sh fetches the pinned range's ends into {COMPAT_WHEELS}"
     directory = tmp_path / "telemetry" / "e1"
-    pids = []
-    # Two engines run and die in the directory; a third is alive while both readers read.
-    for k in (1, 2):
-        done = subprocess.run([sys.executable, "-c", WRITER, str(directory), str(k), "exit"],
-                              check=True, capture_output=True, text=True)
-        assert done.returncode == 0
+    # Engine 1 exits cleanly, engine 2 is killed with SIGKILL (its live-gauge file stays
+    # behind), engine 3 is alive while both readers read.
+    subprocess.run([sys.executable, "-c", WRITER, str(directory), "1", "exit"],
+                   check=True, capture_output=True, text=True)
+    killed = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), "2", "stay"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline().strip() == "ready"
+    killed.kill()
+    killed.wait()
     alive = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), "3", "stay"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -95,8 +98,11 @@ def test_daemon_reader_equals_multiprocess_collector_across_restarts_and_dead_pi
         files = sorted(p.name for p in directory.glob("*.db"))
         pids = {name.rsplit("_", 1)[1].split(".")[0] for name in files}
         assert len(pids) == 3, files  # counters and histograms of all three pids
+        # The killed engine's live gauges were removed by the next engine's start (as
+        # mark_process_dead would); its counters and histograms stay and are summed.
         assert sorted(p for p in files if p.startswith("gauge")) == \
-            [f"gauge_livesum_{alive.pid}.db"]  # the dead pids' live gauges were removed
+            [f"gauge_livesum_{alive.pid}.db"]
+        assert f"counter_{killed.pid}.db" in files
         ours = _ours(directory.parent)
         for wheel in wheels:
             theirs = _multiprocess_collector(wheel, directory)
