@@ -244,14 +244,8 @@ CUDA_MEMCPY_BYTES = _ebpf("ac_cuda_memcpy_bytes_total", COUNTER,
                           "Bytes copied by cuMemcpy*/cudaMemcpy* by direction.",
                           ("direction",), "bytes")
 
-EBPF_MAP_ENTRIES = _ebpf("ac_ebpf_map_entries", GAUGE,
-                         "Entries the eBPF collector's BPF maps hold for the process (its "
-                         "counts, histogram slots and sums, calls in flight), read from the "
-                         "kernel after the entries of exited processes are deleted.", (),
-                         "entries")
-
 EBPF_METRICS = (CUDA_KERNEL_LAUNCHES, CUDA_GRAPH_LAUNCHES, CUDA_LAUNCH_CALL, CUDA_SYNC_WAIT,
-                CUDA_MEMCPY_BYTES, EBPF_MAP_ENTRIES)
+                CUDA_MEMCPY_BYTES)
 
 
 def _daemon(name, typ, help_text, labels, unit=""):
@@ -284,15 +278,11 @@ BUILD_INFO = _daemon("ac_build_info", GAUGE, "ac-observe build.", ("version",))
 ENGINE_RESTARTS = _daemon("ac_engine_restarts_total", COUNTER,
                           "A new engine process taking over an engine's telemetry directory, "
                           "as the daemon saw it.", ("engine",), "restarts")
-ENGINE_UP = _daemon("ac_engine_up", GAUGE,
-                    "1 while the engine's heartbeat is fresh, 0 once it is stale; a gone "
-                    "engine stays at 0 for an hour after its last heartbeat.",
-                    ("engine", "model"))
 
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
                   ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
                   WEBHOOK_OLDEST_PENDING, BUILD_INFO,
-                  ENGINE_RESTARTS, ENGINE_UP)
+                  ENGINE_RESTARTS)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS
 BY_NAME = {spec.name: spec for spec in ALL_METRICS}

@@ -29,16 +29,3 @@ def test_gpu_check_dry_run_passes_and_reports_every_check(tmp_path):
                  "eBPF launches per lane and sync waits move with load"):
         assert verdicts[name] is None, name
     assert results["figures"]["tokens/s at batch 16"] > 0
-    # The closing lines name every skipped check with why; the eBPF one included, whether
-    # its collector could not run here (no root, bcc or CUDA library) or only a GPU judges.
-    lines = done.stdout.splitlines()
-    (closing,) = [i for i, line in enumerate(lines)
-                  if line.startswith("all checks that ran passed")]
-    summary = lines[closing + 1:]
-    skipped = [c for c in results["checks"] if c["ok"] is None]
-    assert summary == [f"skipped: {c['name']} — {c['detail']}" for c in skipped], summary
-    assert f"({len(skipped)} skipped;" in lines[closing]
-    (ebpf,) = [c for c in skipped if c["name"].startswith("eBPF")]
-    assert ebpf["detail"].startswith(("the collector cannot run here: ",
-                                      "judged on a GPU only")), ebpf
-    assert any(line.startswith(f"skipped: {ebpf['name']} — ") for line in summary), summary

@@ -5,9 +5,6 @@
  *               1000 bytes host to device, K of 4096 device to host, K of 777 device to
  *               device; one stream sync of 3.1 ms, one event sync of 0.38 ms, one device
  *               sync of 24 ms. Prints "done".
- *   waits       how long each of those syncs took, measured here around the call
- *               (CLOCK_MONOTONIC), one "stream,event,device" triple of ns per round so
- *               far: the probes' wait times lie between the asked and these.
  *   bench N     N cuLaunchKernel calls, prints the ns per call.
  *   exit
  */
@@ -41,15 +38,6 @@ int cudaMemcpy(void *, const void *, size_t, int);
 int cudaMemcpyAsync(void *, const void *, size_t, int, void *);
 
 static char buffer[8192];
-#define MAX_ROUNDS 4096
-static long long waited[MAX_ROUNDS][3];  /* ns inside each round's three syncs */
-static int rounds_done;
-
-static long long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000LL + t.tv_nsec;
-}
 
 static void round_of(int k) {
     dim3 grid = {4, 1, 1}, block = {128, 1, 1};
@@ -67,17 +55,10 @@ static void round_of(int k) {
         cudaMemcpy(buffer, (void *)0x10, 4096, 2);
         cuMemcpyDtoDAsync_v2(0x10, 0x20, 777, (void *)0x2000);
     }
-    long long *took = waited[rounds_done < MAX_ROUNDS ? rounds_done++ : MAX_ROUNDS - 1];
-    long long started = now_ns();
     cudaStreamSynchronize((void *)(0x100000 | 3100));
-    took[0] = now_ns() - started;
-    started = now_ns();
     cuEventSynchronize((void *)(0x200000 | 380));
-    took[1] = now_ns() - started;
     standin_set_ctx_sync_us(24000);
-    started = now_ns();
     cudaDeviceSynchronize();
-    took[2] = now_ns() - started;
 }
 
 int main(void) {
@@ -96,11 +77,6 @@ int main(void) {
                 cuLaunchKernel((void *)1, 4, 1, 1, 128, 1, 1, 0, (void *)0x1000, NULL, NULL);
             clock_gettime(CLOCK_MONOTONIC, &b);
             printf("%.1f\n", ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n);
-        } else if (strncmp(line, "waits", 5) == 0) {
-            for (int i = 0; i < rounds_done; i++)
-                printf("%s%lld,%lld,%lld", i ? " " : "", waited[i][0], waited[i][1],
-                       waited[i][2]);
-            printf("\n");
         } else if (strncmp(line, "exit", 4) == 0) {
             break;
         }

@@ -30,11 +30,6 @@ def build_cuda(folder: Path) -> Path:
     return folder
 
 
-# The synchronisations a `round` makes, in order, and how long each asks to wait.
-PATTERN_WAITS = {"cudaStreamSynchronize": 0.0031, "cuEventSynchronize": 0.00038,
-                 "cudaDeviceSynchronize": 0.024}
-
-
 class Pattern:
     """A `cuda_pattern` process, driven line by line."""
 
@@ -48,12 +43,6 @@ class Pattern:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         return self.proc.stdout.readline().strip()
-
-    def waits(self) -> dict[str, list[float]]:
-        """{API: seconds} of every synchronisation so far, as the caller timed them."""
-        rounds = [[int(ns) / 1e9 for ns in triple.split(",")]
-                  for triple in self.run("waits").split()]
-        return {api: [r[i] for r in rounds] for i, api in enumerate(PATTERN_WAITS)}
 
     def exit(self) -> None:
         if self.proc.poll() is None:
