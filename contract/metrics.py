@@ -278,11 +278,15 @@ BUILD_INFO = _daemon("ac_build_info", GAUGE, "ac-observe build.", ("version",))
 ENGINE_RESTARTS = _daemon("ac_engine_restarts_total", COUNTER,
                           "A new engine process taking over an engine's telemetry directory, "
                           "as the daemon saw it.", ("engine",), "restarts")
+ENGINE_UP = _daemon("ac_engine_up", GAUGE,
+                    "1 while the engine's heartbeat is fresh, 0 once it is stale; a gone "
+                    "engine stays at 0 for an hour after its last heartbeat.",
+                    ("engine", "model"))
 
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
                   ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
                   WEBHOOK_OLDEST_PENDING, BUILD_INFO,
-                  ENGINE_RESTARTS)
+                  ENGINE_RESTARTS, ENGINE_UP)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS
 BY_NAME = {spec.name: spec for spec in ALL_METRICS}

@@ -465,7 +465,10 @@ class Evaluator:
             # The hour around this window's middle, a day back (or the window, if longer).
             span = max(rule.window_seconds, SAME_HOUR_SPAN_SECONDS)
             end = now - 86400.0 - rule.window_seconds / 2 + span / 2
-            values, answer = self._statistic(rule, span, end)
+            try:
+                values, answer = self._statistic(rule, span, end)
+            except RuntimeError:  # the history store cannot be read: fall back below
+                values, answer = {}, {}
             if answer.get("coverage", 0.0) >= SAME_HOUR_MIN_COVERAGE:
                 return values, (f"same hour yesterday ({_clock(end - span)}-{_clock(end)} "
                                 f"UTC)")
