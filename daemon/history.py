@@ -144,7 +144,6 @@ class HistoryWriter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_prune = -math.inf
-        self.dropped_minutes = 0
         self.failing = ""  # why the last write failed ("" when it did not)
 
     def submit(self, finished: tuple | None) -> None:
@@ -153,8 +152,7 @@ class HistoryWriter:
         with self._lock:
             self._queue.append(finished)
             while len(self._queue) > MAX_UNWRITTEN_MINUTES:
-                self._queue.popleft()
-                self.dropped_minutes += 1
+                self._queue.popleft()  # the oldest unwritten minute is lost
         self._wake.set()
 
     def unwritten(self) -> list[tuple]:
