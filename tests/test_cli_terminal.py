@@ -25,23 +25,28 @@ ESCAPE = "\x1b["
 
 
 class Tmux:
-    """A detached tmux session of a given size running one shell command."""
+    """A detached tmux session of a given size running one shell command.
+
+    Each session runs on its own tmux server (its own socket): sessions sharing the default
+    server race its exit when the last one closes ("server exited unexpectedly")."""
 
     def __init__(self, command: str, columns: int, rows: int = 50, env: dict | None = None):
         self.name = f"ac-{uuid.uuid4().hex[:8]}"
+        self.tmux = ["tmux", "-L", self.name, "-f", "/dev/null"]
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", str(columns),
-                        "-y", str(rows), f"{exports}{command}; sleep 600"], check=True)
+        subprocess.run(self.tmux + ["new-session", "-d", "-s", self.name, "-x", str(columns),
+                                    "-y", str(rows), f"{exports}{command}; sleep 600"],
+                       check=True)
 
     def screen(self, escapes: bool = False) -> str:
-        args = ["tmux", "capture-pane", "-p", "-t", self.name] + (["-e"] if escapes else [])
+        args = self.tmux + ["capture-pane", "-p", "-t", self.name] + (["-e"] if escapes else [])
         return subprocess.run(args, capture_output=True, text=True, check=True).stdout
 
     def keys(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+        subprocess.run(self.tmux + ["send-keys", "-t", self.name, *keys], check=True)
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        subprocess.run(self.tmux + ["kill-server"], capture_output=True)
 
 
 @pytest.fixture(scope="module")
