@@ -379,7 +379,15 @@ class Evaluator:
         self._last = -math.inf
         self._lock = threading.Lock()
         self._orphans: list[dict] = []
+        # rule -> (the minute its same-hour-yesterday span ended in, values, coverage):
+        # that baseline moves a minute at a time, so history is read once a minute.
+        self._same_hour: dict[str, tuple[int, dict, float]] = {}
+        # (rule, severity) -> firing instances, as the last evaluation left them: the
+        # cycle reads it without waiting on an evaluation in progress.
+        self.firing_counts: dict[tuple[str, str], int] = {
+            (rule.name, rule.severity): 0 for rule in rules}
         self._load()
+        self._publish()
 
     def _load(self) -> None:
         """Pending and firing alerts survive a restart: no second firing delivery. An
@@ -442,10 +450,20 @@ class Evaluator:
             self._retire_orphans(now)
         for rule in self.rules.values():
             try:
+                values, baselines, source = self._inputs(rule, now)  # reads: no lock held
                 with self._lock:  # the HTTP threads read the instances
-                    self._evaluate_rule(rule, now)
+                    self._evaluate_rule(rule, values, baselines, source, now)
             except Exception:  # one bad rule (or a store outage) never stops the others
                 log.exception("rule %s failed to evaluate", rule.name)
+        self._publish()
+
+    def _publish(self) -> None:
+        counts = {(rule.name, rule.severity): 0 for rule in self.rules.values()}
+        with self._lock:
+            for (name, _fp), instance in self.instances.items():
+                if instance.state == FIRING:
+                    counts[name, self.rules[name].severity] += 1
+        self.firing_counts = counts
 
     def _statistic(self, rule: Rule, window: float, until: float) -> tuple[dict, dict]:
         """(label set -> the rule's statistic, the query's answer)."""
@@ -465,11 +483,17 @@ class Evaluator:
             # The hour around this window's middle, a day back (or the window, if longer).
             span = max(rule.window_seconds, SAME_HOUR_SPAN_SECONDS)
             end = now - 86400.0 - rule.window_seconds / 2 + span / 2
-            try:
-                values, answer = self._statistic(rule, span, end)
-            except RuntimeError:  # the history store cannot be read: fall back below
-                values, answer = {}, {}
-            if answer.get("coverage", 0.0) >= SAME_HOUR_MIN_COVERAGE:
+            cached = self._same_hour.get(rule.name)
+            if cached is not None and cached[0] == int(end // 60):
+                values, coverage = cached[1], cached[2]
+            else:
+                try:
+                    values, answer = self._statistic(rule, span, end)
+                    coverage = answer.get("coverage", 0.0)
+                    self._same_hour[rule.name] = (int(end // 60), values, coverage)
+                except RuntimeError:  # the history store cannot be read: fall back below
+                    values, coverage = {}, 0.0
+            if coverage >= SAME_HOUR_MIN_COVERAGE:
                 return values, (f"same hour yesterday ({_clock(end - span)}-{_clock(end)} "
                                 f"UTC)")
         values, _ = self._statistic(rule, rule.baseline_seconds, now - rule.window_seconds)
@@ -478,13 +502,15 @@ class Evaluator:
             return values, trailing
         return values, f"{trailing} (no history for the same hour yesterday yet)"
 
-    def _evaluate_rule(self, rule: Rule, now: float) -> None:
+    def _inputs(self, rule: Rule, now: float) -> tuple[dict, dict, str]:
+        """(label set -> the window's statistic, label set -> baseline, its source)."""
         values, _ = self._statistic(rule, rule.window_seconds, now)
-        baselines: dict[tuple, float] = {}
         if rule.baseline == "static" or rule.comparison in ("above", "below"):
-            source = "static"
-        else:
-            baselines, source = self._baselines(rule, now)
+            return values, {}, "static"
+        return values, *self._baselines(rule, now)
+
+    def _evaluate_rule(self, rule: Rule, values: dict, baselines: dict, source: str,
+                       now: float) -> None:
         seen = set()
         for key, value in values.items():
             labels = dict(key)

@@ -26,6 +26,7 @@ reading the same engines would count twice: give each its own state directory.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import math
@@ -173,26 +174,35 @@ class HistoryWriter:
             if self.failing:
                 self._stop.wait(5.0)  # the store is down: retry, keeping what is queued
 
-    def write_pending(self) -> None:
+    def write_pending(self, timeout: float = -1) -> None:
         """Everything queued, in one transaction (after an outage, too)."""
-        with self.io_lock:
-            with self._lock:
-                batch = list(self._queue)
-            if not batch:
-                return
-            try:
-                self.store.write_minutes(batch)
-            except Exception as exc:  # an outage: keep the minutes, try again later
-                if not self.failing:
-                    log.warning("cannot write history to the store (%s); keeping it in "
-                                "memory and retrying", type(exc).__name__)
-                self.failing = type(exc).__name__
-                return
-            self.failing = ""
-            written = {id(item) for item in batch}  # alive in `batch`: ids are unique
-            with self._lock:  # (some may have been dropped over the cap meanwhile)
-                while self._queue and id(self._queue[0]) in written:
-                    self._queue.popleft()
+        if not self.io_lock.acquire(timeout=timeout):
+            log.warning("history: %d minutes not written (a query held the store past "
+                        "the shutdown)", len(self._queue))
+            return
+        try:
+            self._write_pending()
+        finally:
+            self.io_lock.release()
+
+    def _write_pending(self) -> None:
+        with self._lock:
+            batch = list(self._queue)
+        if not batch:
+            return
+        try:
+            self.store.write_minutes(batch)
+        except Exception as exc:  # an outage: keep the minutes, try again later
+            if not self.failing:
+                log.warning("cannot write history to the store (%s); keeping it in "
+                            "memory and retrying", type(exc).__name__)
+            self.failing = type(exc).__name__
+            return
+        self.failing = ""
+        written = {id(item) for item in batch}  # alive in `batch`: ids are unique
+        with self._lock:  # (some may have been dropped over the cap meanwhile)
+            while self._queue and id(self._queue[0]) in written:
+                self._queue.popleft()
 
     def prune(self, now: float) -> None:
         self._last_prune = now
@@ -211,7 +221,7 @@ class HistoryWriter:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.write_pending()  # what is left, once more (a store outage keeps it lost)
+        self.write_pending(timeout=10.0)  # what is left, once more (an outage loses it)
 
 
 class HistoryView(WindowView):
@@ -274,13 +284,15 @@ def merge_minutes(into: dict[SeriesKey, list[tuple]], minute: int,
         if key[0] not in wanted:
             continue
         existing = into.setdefault(key, [])
-        for i, old in enumerate(existing):
-            if old[0] == minute:  # partly written before a restart: merge as the store does
-                existing[i] = merge_row(old, (minute, *row))
-                break
-        else:
+        if not existing or existing[-1][0] < minute:  # the usual case: a later minute
             existing.append((minute, *row))
-            existing.sort(key=lambda r: r[0])
+            continue
+        i = bisect.bisect_left(existing, minute, key=lambda r: r[0])
+        if i < len(existing) and existing[i][0] == minute:
+            # partly written before a restart: merge as the store does
+            existing[i] = merge_row(existing[i], (minute, *row))
+        else:
+            existing.insert(i, (minute, *row))
 
 
 def merge_row(old: tuple, new: tuple) -> tuple:

@@ -19,7 +19,7 @@ from urllib.parse import parse_qs
 
 from ac_observe.daemon.http_server import HttpServer, Request, Response
 from ac_observe.daemon.query import describe_friendly, parse_duration, parse_labels
-from ac_observe.daemon.service import Daemon, HistoryUnavailable
+from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
 from ac_observe.metrics import FRIENDLY
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -71,6 +71,8 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
             return json_response(400, {"error": str(exc)})
         try:
             return json_response(200, daemon.query(metric, window, labels))
+        except WindowTooLong as exc:
+            return json_response(400, {"error": str(exc)})
         except HistoryUnavailable as exc:
             return json_response(503, {"error": str(exc)})
 

@@ -44,6 +44,10 @@ class HistoryUnavailable(RuntimeError):
     """A query that needs the store's history while the store cannot be read."""
 
 
+class WindowTooLong(ValueError):
+    """A window reaching further back than the history is kept."""
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig, collectors: list[Collector] | None = None):
         self.config = config
@@ -64,6 +68,11 @@ class Daemon:
         self._busy_previous: dict[tuple, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Alert rules are evaluated on their own thread once the daemon is started (a rule
+        # reading days of history never delays a cycle); driven by hand, in the cycle.
+        self._alert_thread: threading.Thread | None = None
+        self._alert_wake = threading.Event()
+        self._alert_now = 0.0
         self.webhooks = self.alerts = self.store = None
         self.history = self.history_writer = None
         receivers, rules = {}, []
@@ -73,8 +82,15 @@ class Daemon:
             receivers, rules = load_alerting_config(config.alerting_file)
         if receivers or rules or config.history:
             from ac_observe.daemon.store import Store
-            self.store = Store(config.store_url, config.state_dir)
-        if config.history:
+            try:
+                self.store = Store(config.store_url, config.state_dir)
+            except Exception as exc:
+                if receivers or rules:
+                    raise  # alerts without their store would lose state: fail fast
+                log.warning("history is off: its store cannot be opened (%s: %s); queries "
+                            "reach back only as far as the in-memory windows",
+                            type(exc).__name__, str(exc)[:200])
+        if config.history and self.store is not None:  # (history alone runs on without it)
             from ac_observe.daemon.history import HistoryWriter, MinuteAggregator
             self.history = MinuteAggregator()
             self.history_writer = HistoryWriter(self.store, config.history_retention_seconds)
@@ -109,8 +125,12 @@ class Daemon:
             with self._lock:
                 self._remember(now, watched)
             if self.alerts.due(now):
-                self.alerts.evaluate(now)  # reads the windows just appended
-            families.extend(self._alert_metrics())  # the states this cycle left
+                if self._alert_thread is None:
+                    self.alerts.evaluate(now)  # reads the windows just appended
+                else:
+                    self._alert_now = now
+                    self._alert_wake.set()
+            families.extend(self._alert_metrics())  # the states the last evaluation left
             with self._lock:
                 self._snapshot = families
                 self._generation += 1
@@ -155,10 +175,7 @@ class Daemon:
 
     def _alert_metrics(self) -> list[Metric]:
         firing = new_family(m.ALERTS_FIRING)
-        counts = {(rule.name, rule.severity): 0 for rule in self.alerts.rules.values()}
-        for alert in self.alerts.active():
-            if alert["state"] == "firing":
-                counts[alert["rule"], alert["severity"]] += 1
+        counts = self.alerts.firing_counts  # published by each evaluation: no lock waited on
         for (rule, severity), count in sorted(counts.items()):
             firing.add_metric([rule, severity], count)
         return [firing]
@@ -227,6 +244,10 @@ class Daemon:
         names = samples_read(friendly)
         if self.history is not None and (window_seconds > self.config.window_seconds
                                          or until < self.windows.earliest_time):
+            kept = self.config.history_retention_seconds
+            if until - since > kept or since < time.time() - kept - 60.0:
+                raise WindowTooLong(f"the window reaches back further than the history is "
+                                    f"kept ({kept / 86400:g} days; --history-retention)")
             view = self._history_view(names, since, until)
         else:
             with self._lock:
@@ -242,9 +263,9 @@ class Daemon:
             except Exception as exc:
                 raise HistoryUnavailable(f"the history store cannot be read: "
                                          f"{type(exc).__name__}") from None
-            unwritten = self.history_writer.unwritten()
-        with self._lock:
-            current = self.history.current()
+            with self._lock:  # the cycle hands a finished minute over under this lock
+                unwritten = self.history_writer.unwritten()
+                current = self.history.current()
         for minute, rows, *_ in unwritten + ([current] if current else []):
             if first <= minute <= last:
                 merge_minutes(minutes, minute, rows, names)
@@ -258,6 +279,7 @@ class Daemon:
         return {"version": __version__, "interval_seconds": self.config.interval_seconds,
                 "window_seconds": self.config.window_seconds,
                 "telemetry_root": str(self.config.telemetry_root),
+                "history": self.history is not None,
                 "collectors": [{"name": r.name, "up": r.up, "reason": r.reason,
                                 "errors_total": r.errors_total,
                                 "duration_seconds": round(r.duration_seconds, 6)}
@@ -267,12 +289,27 @@ class Daemon:
     # ----- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.alerts is not None:  # before the first cycle, which hands evaluations to it
+            self._alert_thread = threading.Thread(target=self._alert_loop, name="ac-alerts",
+                                                  daemon=True)
+            self._alert_thread.start()
         self._thread = threading.Thread(target=self._loop, name="ac-daemon-loop", daemon=True)
         self._thread.start()
         if self.webhooks is not None:
             self.webhooks.start()
         if self.history_writer is not None:
             self.history_writer.start()
+
+    def _alert_loop(self) -> None:
+        while not self._stop.is_set():
+            self._alert_wake.wait()
+            self._alert_wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.alerts.evaluate(self._alert_now)
+            except Exception:  # the thread itself must never die
+                log.exception("alert evaluation failed")
 
     def _loop(self) -> None:
         interval = self.config.interval_seconds
@@ -291,8 +328,11 @@ class Daemon:
 
     def close(self) -> None:
         self._stop.set()
+        self._alert_wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._alert_thread is not None:
+            self._alert_thread.join(timeout=10)
         if self.webhooks is not None:
             self.webhooks.stop()
         if self.history_writer is not None:

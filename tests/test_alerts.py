@@ -511,3 +511,83 @@ def test_a_firing_alert_whose_series_is_gone_resolves_after_an_hour_without_data
         assert gone["annotations"]["resolved_because"] == "no data for 3600 s: its series is gone"
     finally:
         daemon.close()
+
+
+def test_a_slow_rule_never_delays_a_collection_cycle(tmp_path):
+    """Started, the daemon evaluates rules on their own thread: while a rule's reads take
+    long (days of history from a slow store), cycles go on at their interval and the scrape
+    shows the states the last evaluation left; once it returns, the alert fires."""
+    from support.servers import parse_metrics, sample_value, wait_for
+    gauges = _Gauges()
+    gauges.values["e1"] = 0.95  # KvUsageHigh breaches from the start
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=0.2, window_seconds=600,
+                                 alerting_file=_write(tmp_path, RULES),
+                                 state_dir=tmp_path / "state", alert_interval_seconds=0.2),
+                    collectors=[gauges])
+    entered, release = threading.Event(), threading.Event()
+    inputs = daemon.alerts._inputs
+
+    def slow(rule, now):
+        entered.set()
+        release.wait(30)
+        return inputs(rule, now)
+
+    daemon.alerts._inputs = slow
+    daemon.start()
+    try:
+        assert entered.wait(10), "no evaluation began"
+        generation = daemon._generation
+        time.sleep(1.5)
+        assert daemon._generation - generation >= 4, "the cycle waited on the evaluation"
+        metrics = parse_metrics(daemon.render_metrics().decode())
+        assert sample_value(metrics, "ac_alerts_firing", rule="KvUsageHigh") == 0
+        release.set()
+        wait_for(lambda: sample_value(parse_metrics(daemon.render_metrics().decode()),
+                                      "ac_alerts_firing", rule="KvUsageHigh") == 1,
+                 20, "KvUsageHigh to fire once evaluations run")
+        assert [a["state"] for a in daemon.alerts.active()
+                if a["rule"] == "KvUsageHigh"] == [FIRING]
+    finally:
+        release.set()
+        daemon.close()
+
+
+def test_same_hour_yesterday_reads_history_once_a_minute(tmp_path):
+    """The same hour yesterday moves a minute at a time: evaluations within one minute
+    read the store's history once, and the next minute reads it again."""
+    gauges = _Gauges()
+    path = _write(tmp_path, """\
+  - name: UsageVsYesterday
+    metric: kv_cache_usage
+    statistic: mean
+    window: 2s
+    baseline: same_hour_yesterday:4s
+    comparison: relative_increase
+    threshold: 0.5
+""", receivers=False)
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=600, alerting_file=path,
+                                 state_dir=tmp_path / "state", alert_interval_seconds=1.0),
+                    collectors=[gauges])
+    t0 = time.time() // 60 * 60 + 1  # the span (to 30 min after the window's middle,
+    # a day back) ends in one minute for the cycles at t0 + 0 ... 58
+    yesterday = []
+    read_minutes = daemon.store.read_minutes
+
+    def counted(names, first, last):
+        if last < (t0 - 3600) // 60:
+            yesterday.append((first, last))
+        return read_minutes(names, first, last)
+
+    daemon.store.read_minutes = counted
+    try:
+        for t in range(0, 50, 1):
+            daemon.run_cycle(now=t0 + t)
+        assert len(yesterday) == 1, yesterday
+        for t in range(60, 70):
+            daemon.run_cycle(now=t0 + t)
+        assert len(yesterday) == 2, yesterday
+        assert yesterday[1][0] == yesterday[0][0] + 1  # the span moved a minute on
+    finally:
+        daemon.close()

@@ -12,6 +12,7 @@ import math
 import random
 import subprocess
 
+import httpx
 import pytest
 
 from ac_observe import metrics as m
@@ -234,6 +235,28 @@ def test_the_cli_answers_window_24h_from_the_daemons_history(tmp_path, start_dae
     assert answer["history"] is True
     [series] = answer["series"]
     assert series["mean"] == pytest.approx(want["hit_rate"], rel=1e-12)
+    # Further back than the history is kept (8 days by default): refused, saying so.
+    out = subprocess.run([AC_OBSERVE, "--daemon", daemon.url, "--metric", "kv_cache_hit_rate",
+                          "--window", "9d"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "history is kept (8 days" in out.stderr, out
+    assert httpx.get(daemon.url + "/api/v1/query", params={
+        "metric": "kv_cache_hit_rate", "window": "9d"}, timeout=10).status_code == 400
+
+
+def test_a_state_dir_it_cannot_write_leaves_history_off_not_the_daemon(tmp_path,
+                                                                        start_daemon):
+    """History is on by default; a state directory it cannot create (here a path under a
+    regular file) turns history off with a warning, and the daemon serves on."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    daemon = start_daemon(None, "--state-dir", str(blocker / "state"), "--collectors",
+                          "engine")
+    status = httpx.get(daemon.url + "/api/v1/status", timeout=10).json()
+    assert status["history"] is False
+    assert "history is off: its store cannot be opened" in daemon.log_path.read_text()
+    answer = httpx.get(daemon.url + "/api/v1/query", params={
+        "metric": "kv_cache_hit_rate", "window": "60s"}, timeout=10)
+    assert answer.status_code == 200
 
 
 RULE = """\
