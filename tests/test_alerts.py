@@ -19,7 +19,7 @@ from ac_observe.daemon.service import Daemon
 from ac_observe.daemon.store import deliveries
 from ac_observe.daemon.webhooks import AlertConfigError
 
-from support.servers import EngineServer
+from support.servers import EngineServer, wait_for
 from test_webhooks import SECRET, _Receiver
 
 USAGE = m.KV_USAGE  # a gauge: kv_cache_usage, in % (scale 100)
@@ -298,22 +298,25 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
         deadline = time.time() + 20
         while not receiver.requests and time.time() < deadline:
             time.sleep(0.05)
-        (headers, body), = receiver.requests
-        payload = Webhook(SECRET).verify(body, headers)
+        assert receiver.requests, "no firing delivery"
+        first, body = receiver.requests[0]  # (a slow receiver may see a retry of it too)
+        payload = Webhook(SECRET).verify(body, first)
         assert payload["version"] == "4" and payload["status"] == "firing"
         (alert,) = payload["alerts"]
         assert alert["labels"]["alertname"] == "TtftDrift"
         assert alert["labels"]["stream"] == "low_latency" and alert["labels"]["engine"] == "e1"
         assert alert["annotations"]["summary"].startswith("TTFT p95 ")
         httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 0}).raise_for_status()
-        deadline = time.time() + 40
-        while len(receiver.requests) < 2 and time.time() < deadline:
-            time.sleep(0.1)
-        assert len(receiver.requests) == 2, "no resolved delivery"
-        headers, body = receiver.requests[1]
-        resolved = Webhook(SECRET).verify(body, headers)
-        assert resolved["status"] == "resolved"
-        assert headers["webhook-id"] != receiver.requests[0][0]["webhook-id"]
+        seen = len(receiver.requests)
+
+        def last_status():
+            headers, body = receiver.requests[-1]
+            return (len(receiver.requests) > seen
+                    and Webhook(SECRET).verify(body, headers)["status"] == "resolved"
+                    and headers)
+
+        headers = wait_for(last_status, 40, "a resolved delivery once the fault is gone")
+        assert headers["webhook-id"] != first["webhook-id"]
     finally:
         stop.set()
         sender.join(timeout=30)
@@ -517,7 +520,7 @@ def test_a_slow_rule_never_delays_a_collection_cycle(tmp_path):
     """Started, the daemon evaluates rules on their own thread: while a rule's reads take
     long (days of history from a slow store), cycles go on at their interval and the scrape
     shows the states the last evaluation left; once it returns, the alert fires."""
-    from support.servers import parse_metrics, sample_value, wait_for
+    from support.servers import parse_metrics, sample_value
     gauges = _Gauges()
     gauges.values["e1"] = 0.95  # KvUsageHigh breaches from the start
     daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
