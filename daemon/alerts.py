@@ -299,6 +299,11 @@ DEFAULT_RULES = """\
 """
 
 
+def default_rules() -> list[Rule]:
+    import yaml
+    return parse_rules(yaml.safe_load(DEFAULT_RULES), "the shipped defaults")
+
+
 def alert_labels(rule: Rule, series_labels: dict) -> dict:
     """The labels a notification carries (and its fingerprint is taken over): the series'
     own, the rule's, alertname and severity."""

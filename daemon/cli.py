@@ -422,3 +422,71 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+dashboards_app = typer.Typer(help="Grafana dashboards and Prometheus rules generated from "
+                                  "the metric contract.")
+app.add_typer(dashboards_app, name="dashboards")
+
+
+@dashboards_app.command("generate")
+def dashboards_generate(
+    out: Path = typer.Option(Path("dashboards"), help="The dashboards/ folder to write."),
+    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 if any "
+                               "generated file is missing or differs."),
+) -> None:
+    """Write the dashboards' JSON, Grafana provisioning and Prometheus rules."""
+    from ac_observe.dashboards import generate
+    if check:
+        stale = generate.stale(out)
+        for path in stale:
+            typer.echo(f"stale: {out / path}", err=True)
+        raise typer.Exit(1 if stale else 0)
+    for path in generate.write(out):
+        typer.echo(f"wrote {out / path}")
+
+
+@dashboards_app.command("push")
+def dashboards_push(
+    grafana_url: str = typer.Option(..., envvar="GRAFANA_URL", help="Grafana's URL."),
+    token: str = typer.Option(None, envvar="GRAFANA_TOKEN", help="A service account token "
+                              "(Editor); the environment is safer than the command line."),
+    folder: str = typer.Option("ac-observe", help="Folder to put the dashboards in."),
+    datasource_uid: str = typer.Option("", help="Uid of the Prometheus datasource to point "
+                                       "the dashboards at (default: the stack's own)."),
+) -> None:
+    """Upload the dashboards to a Grafana that is not file-provisioned (Grafana Cloud)."""
+    from ac_observe.dashboards import push
+    try:
+        for line in push.push(grafana_url, token, folder, datasource_uid or None):
+            typer.echo(line)
+    except push.PushError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1)
+
+
+rules_app = typer.Typer(help="The drift rules for other evaluators.")
+app.add_typer(rules_app, name="rules")
+
+
+@rules_app.command("export")
+def rules_export(
+    fmt: str = typer.Option("prometheus", "--format", help="prometheus (a rule file)."),
+    alerting: Path = typer.Option(None, help="Alerting file whose rules to export "
+                                  "(default: the shipped rules)."),
+) -> None:
+    """Print the drift rules as a Prometheus rule file: one source, two evaluators."""
+    import yaml
+
+    from ac_observe.daemon.alerts import default_rules, load_alerting_config
+    from ac_observe.dashboards import promql
+    if fmt != "prometheus":
+        typer.echo(f"error: unknown format {fmt!r}; use prometheus", err=True)
+        raise typer.Exit(2)
+    try:
+        rules = default_rules() if alerting is None else load_alerting_config(alerting)[1]
+        document = promql.alert_groups(rules)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(yaml.safe_dump(document, sort_keys=False, width=100), nl=False)

@@ -1,0 +1,395 @@
+"""The Grafana dashboards, built from the metric contract with Grafana's own SDK
+(grafana-foundation-sdk), and their provisioning.
+
+Every query is made by `promql.statistic_expr` from a friendly name (the same definitions
+the daemon's answers and the drift rules use) or names a family through the contract's
+MetricSpec, so a renamed family changes the dashboards when they are regenerated, and
+`tests/test_dashboards.py` fails if the committed JSON differs or if a query names a
+family the contract lacks. Dashboards refer to the Prometheus datasource by its pinned
+uid (DATASOURCE_UID), never by an import placeholder.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from ac_observe import metrics as m
+from ac_observe.dashboards import promql
+from ac_observe.metrics import FRIENDLY
+
+DATASOURCE_UID = "ac-prometheus"
+HOME_UID = "ac-overview"
+RANGE = "$__rate_interval"
+ENGINE = {"engine": "$engine"}  # every family with an engine label follows the variable
+
+
+@dataclass
+class Panel:
+    title: str
+    targets: list[tuple[str, str]]      # (PromQL, legend)
+    unit: str = "short"
+    kind: str = "timeseries"            # timeseries | stat | heatmap | table
+    description: str = ""
+    width: int = 12
+    height: int = 8
+
+
+@dataclass
+class Board:
+    uid: str
+    title: str
+    description: str
+    rows: list[tuple[str, list[Panel]]] = field(default_factory=list)
+
+
+def stat(name: str, statistic: str, by: tuple[str, ...] | None = None, window: str = RANGE,
+         **kw) -> str:
+    return promql.statistic_expr(FRIENDLY[name], statistic, window, by=by, regex=ENGINE, **kw)
+
+
+def quantiles(name: str, by: tuple[str, ...], legend: str) -> list[tuple[str, str]]:
+    return [(stat(name, q, by), f"{q} {legend}") for q in ("p50", "p95", "p99")]
+
+
+def sel(spec: m.MetricSpec, suffix: str = "") -> str:
+    """A family's selector under the dashboard's engine filter."""
+    if "engine" in spec.labels:
+        return f'{spec.name}{suffix}{{engine=~"$engine"}}'
+    return spec.name + suffix
+
+
+def gauge_by(spec: m.MetricSpec, by: tuple[str, ...], how: str = "sum") -> str:
+    return f"{how} by ({', '.join(by)}) ({sel(spec)})"
+
+
+def rate_by(spec: m.MetricSpec, by: tuple[str, ...], suffix: str = "") -> str:
+    return f"sum by ({', '.join(by)}) (rate({sel(spec, suffix)}[{RANGE}]))"
+
+
+def heatmap(spec: m.MetricSpec) -> str:
+    return f"sum by (le) (increase({sel(spec, '_bucket')}[{RANGE}]))"
+
+
+LANE = ("engine", "stream")
+GPU = ("gpu",)
+
+
+def overview() -> Board:
+    return Board(HOME_UID, "ac-observe / Engine overview",
+                 "Latency (time to first token from the engine's own timers, inter-token, "
+                 "end to end), throughput, the queue and the two lanes, per engine.", [
+        ("Now", [
+            Panel("Engines up", [(f"sum({sel(m.ENGINE_UP)})", "up")], "short", "stat",
+                  width=6, height=4),
+            Panel("Requests / s", [(f"sum({rate_by(m.REQUESTS, ('engine',))})", "req/s")],
+                  "reqps", "stat", width=6, height=4),
+            Panel("TTFT p95", [(stat("inference_latency_ns", "p95", ()), "p95")], "ns",
+                  "stat", width=6, height=4),
+            Panel("KV block hit rate", [(stat("kv_cache_hit_rate", "mean", ()), "hit rate")],
+                  "percent", "stat", width=6, height=4),
+        ]),
+        ("Latency", [
+            Panel("Time to first token (p50 / p95 / p99)",
+                  quantiles("inference_latency_ns", LANE, "{{engine}} {{stream}}"), "ns",
+                  description=m.INFERENCE_LATENCY.help),
+            Panel("Inter-token latency (p50 / p95 / p99)",
+                  quantiles("inter_token_latency_ms", LANE, "{{engine}} {{stream}}"), "ms",
+                  description=m.INTER_TOKEN_LATENCY.help),
+            Panel("End to end (p50 / p95 / p99)",
+                  quantiles("e2e_latency_ms", LANE, "{{engine}} {{stream}}"), "ms",
+                  description=m.E2E_LATENCY.help),
+            Panel("Where the first token's time goes (p95)", [
+                (stat("frontend_ns", "p95", LANE), "frontend {{engine}} {{stream}}"),
+                (stat("queue_time_ns", "p95", LANE), "queue {{engine}} {{stream}}"),
+                (stat("prefill_gpu_ms", "p95", LANE) + " * 1e6",
+                 "prefill step {{engine}} {{stream}}"),
+            ], "ns", description="Frontend (HTTP, validation, tokenization), the engine's "
+                                 "queue and the prefill step's device time."),
+        ]),
+        ("Throughput and queue", [
+            Panel("Tokens / s", [
+                (stat("generation_tokens_per_second", "mean", ("engine",)),
+                 "generated {{engine}}"),
+                (stat("prompt_tokens_per_second", "mean", ("engine",)), "prompt {{engine}}"),
+            ], "short"),
+            Panel("Requests / s by outcome",
+                  [(rate_by(m.REQUESTS, ("engine", "stream", "status")),
+                    "{{engine}} {{stream}} {{status}}")], "reqps"),
+            Panel("Running and waiting, per lane", [
+                (gauge_by(m.REQUESTS_RUNNING, LANE), "running {{engine}} {{stream}}"),
+                (gauge_by(m.REQUESTS_WAITING, LANE), "waiting {{engine}} {{stream}}"),
+            ], "short"),
+            Panel("Lane stream utilisation", [
+                (gauge_by(m.STREAM_UTILIZATION, LANE, "max") + " * 100",
+                 "{{engine}} {{stream}}")], "percent",
+                  description=m.STREAM_UTILIZATION.help),
+            Panel("Steps / s by phase", [
+                (rate_by(m.ENGINE_STEPS, ("engine", "stream", "phase")),
+                 "{{engine}} {{stream}} {{phase}}")], "short"),
+            Panel("Decode step device time (p50 / p95 / p99)",
+                  quantiles("decode_step_gpu_ms", LANE, "{{engine}} {{stream}}"), "ms",
+                  description=m.DECODE_STEP_GPU.help),
+        ]),
+    ])
+
+
+def kv_and_prompts() -> Board:
+    return Board("ac-kv-cache", "ac-observe / KV cache & prompts",
+                 "Prefix-cache hits and why blocks missed, KV usage, evictions and "
+                 "preemptions; prompt skeleton complexity and the busiest skeletons.", [
+        ("Prefix cache", [
+            Panel("Block and token hit rate", [
+                (stat("kv_cache_hit_rate", "mean", ("engine",)), "blocks {{engine}}"),
+                (stat("kv_cache_token_hit_rate", "mean", ("engine",)), "tokens {{engine}}"),
+            ], "percent", description=FRIENDLY["kv_cache_hit_rate"].help),
+            Panel("Why looked-up blocks missed (share of lookups)",
+                  [(stat("kv_cache_miss_reasons", "mean", ("engine", "reason")),
+                    "{{engine}} {{reason}}")], "percent",
+                  description=m.KV_MISS_BLOCKS.help),
+            Panel("KV usage", [(gauge_by(m.KV_USAGE, ("engine",), "max") + " * 100",
+                                "{{engine}}")], "percent"),
+            Panel("Evictions and preemptions / s", [
+                (rate_by(m.KV_EVICTIONS, ("engine",)), "evicted blocks {{engine}}"),
+                (rate_by(m.PREEMPTIONS, ("engine",)), "preempted requests {{engine}}"),
+            ], "short"),
+            Panel("Unused age of evicted blocks (p50 / p95)", [
+                (stat("kv_cache_eviction_age_s", "p50", ("engine",)), "p50 {{engine}}"),
+                (stat("kv_cache_eviction_age_s", "p95", ("engine",)), "p95 {{engine}}"),
+            ], "s", description=m.KV_EVICTION_AGE.help),
+            Panel("Hit rate of the busiest skeletons", [
+                (f"topk(10, {stat('kv_cache_hit_rate', 'mean', ('engine', 'skeleton'))})",
+                 "{{engine}} {{skeleton}}")], "percent"),
+        ]),
+        ("Prompts", [
+            Panel("Skeleton complexity", [(heatmap(m.SKELETON_COMPLEXITY), "{{le}}")],
+                  "short", "heatmap", description=m.SKELETON_COMPLEXITY.help, width=12),
+            Panel("Mean skeleton complexity", [
+                (stat("skeleton_complexity", "mean", ("engine",)), "{{engine}}")], "short"),
+            Panel("Top skeletons (requests / s)", [
+                (f"topk(10, {rate_by(m.SKELETON_REQUESTS, ('engine', 'skeleton'))})",
+                 "{{engine}} {{skeleton}}")], "reqps", "table", width=24,
+                  description=m.SKELETON_REQUESTS.help),
+        ]),
+    ])
+
+
+def gpu_and_cuda() -> Board:
+    return Board("ac-gpu-cuda", "ac-observe / GPU & CUDA",
+                 "NVML and GPM state per GPU, the lanes' stream utilisation, sampled "
+                 "kernel time, and CUDA driver activity from eBPF probes (launches per "
+                 "stream, synchronisation waits, copies).", [
+        ("GPU (NVML)", [
+            Panel("GPU utilisation", [(gauge_by(m.GPU_UTILIZATION, GPU, "max") + " * 100",
+                                       "gpu {{gpu}}")], "percent"),
+            Panel("Memory used / installed", [
+                (gauge_by(m.GPU_MEMORY_USED, GPU, "max"), "used gpu {{gpu}}"),
+                (gauge_by(m.GPU_MEMORY_TOTAL, GPU, "max"), "installed gpu {{gpu}}"),
+            ], "bytes"),
+            Panel("Power and temperature", [
+                (gauge_by(m.GPU_POWER, GPU, "max"), "W gpu {{gpu}}"),
+                (gauge_by(m.GPU_TEMPERATURE, GPU, "max"), "°C gpu {{gpu}}"),
+            ], "short"),
+            Panel("SM clock", [(gauge_by(m.GPU_SM_CLOCK, GPU, "max"), "gpu {{gpu}}")],
+                  "hertz"),
+            Panel("Memory per process", [
+                (gauge_by(m.GPU_PROCESS_MEMORY, ("gpu", "pid"), "max"),
+                 "gpu {{gpu}} pid {{pid}}")], "bytes"),
+            Panel("GPM: SM occupancy, SM / tensor / DRAM active", [
+                (gauge_by(m.GPU_SM_OCCUPANCY, GPU, "max") + " * 100", "occupancy {{gpu}}"),
+                (gauge_by(m.GPU_SM_ACTIVE, GPU, "max") + " * 100", "SM active {{gpu}}"),
+                (gauge_by(m.GPU_TENSOR_ACTIVE, GPU, "max") + " * 100", "tensor {{gpu}}"),
+                (gauge_by(m.GPU_DRAM_ACTIVE, GPU, "max") + " * 100", "DRAM {{gpu}}"),
+            ], "percent", description="GPU performance metrics (Hopper and later)."),
+        ]),
+        ("Engine streams and kernels", [
+            Panel("Lane stream utilisation", [
+                (gauge_by(m.STREAM_UTILIZATION, LANE, "max") + " * 100",
+                 "{{engine}} {{stream}}")], "percent"),
+            Panel("Kernel time by class (p95 of a sampled step)", [
+                (stat("kernel_time_ms", "p95", ("engine", "phase", "class")),
+                 "{{engine}} {{phase}} {{class}}")], "ms",
+                  description=m.KERNEL_SECONDS.help),
+            Panel("Prefill and decode step device time (p95)", [
+                (stat("prefill_gpu_ms", "p95", LANE), "prefill {{engine}} {{stream}}"),
+                (stat("decode_step_gpu_ms", "p95", LANE), "decode {{engine}} {{stream}}"),
+            ], "ms"),
+            Panel("Sampled share of steps", [
+                (stat("kernel_sampled_fraction", "mean", ("engine", "stream")),
+                 "{{engine}} {{stream}}")], "percent",
+                  description=m.KERNEL_SAMPLED_STEPS.help),
+        ]),
+        ("CUDA driver (eBPF)", [
+            Panel("Kernel launches / s per stream", [
+                (rate_by(m.CUDA_KERNEL_LAUNCHES, ("pid", "comm", "stream")),
+                 "{{comm}} {{pid}} {{stream}}")], "short"),
+            Panel("Graph launches / s", [
+                (rate_by(m.CUDA_GRAPH_LAUNCHES, ("pid", "comm")), "{{comm}} {{pid}}")],
+                  "short"),
+            Panel("Synchronisation waits", [(heatmap(m.CUDA_SYNC_WAIT), "{{le}}")], "s",
+                  "heatmap", description=m.CUDA_SYNC_WAIT.help),
+            Panel("Sync wait p95 by API, launch call p95", [
+                (stat("sync_wait_ns", "p95", ("pid", "comm", "api")),
+                 "wait {{comm}} {{pid}} {{api}}"),
+                (f"histogram_quantile(0.95, sum by (le, pid, comm) "
+                 f"(rate({m.CUDA_LAUNCH_CALL.name}_bucket[{RANGE}]))) * 1e9",
+                 "launch call {{comm}} {{pid}}"),
+            ], "ns"),
+            Panel("Copies / s by direction", [
+                (rate_by(m.CUDA_MEMCPY_BYTES, ("pid", "comm", "direction")),
+                 "{{comm}} {{pid}} {{direction}}")], "Bps"),
+        ]),
+    ])
+
+
+def drift_and_alerts(rules) -> Board:
+    panels = []
+    for rule in rules:
+        friendly = FRIENDLY[rule.metric]
+        window = promql.duration(rule.window_seconds)
+        current = promql.statistic_expr(friendly, rule.statistic, window, rule.match,
+                                        share_threshold=rule.share_threshold, regex=ENGINE)
+        targets = [(current, f"{rule.statistic} {{{{engine}}}}")]
+        if rule.comparison in ("above", "below"):
+            targets.append((f"{current} * 0 + {rule.threshold:g}", "threshold"))
+        else:
+            targets.append((promql.baseline_expr(rule, regex=ENGINE), "baseline {{engine}}"))
+        unit = {"ns": "ns", "ms": "ms", "s": "s", "%": "percent"}.get(friendly.unit, "short")
+        panels.append(Panel(f"{rule.name}: {rule.metric} {rule.statistic} ({window})",
+                            targets, unit, description=promql.describe(rule)))
+    return Board("ac-drift", "ac-observe / Drift & alerts",
+                 "Each shipped drift rule's statistic against its baseline, the alerts "
+                 "firing (the daemon's and Prometheus'), and webhook delivery health.", [
+        ("Drift rules", panels),
+        ("Alerts and deliveries", [
+            Panel("Alerts firing (daemon)", [
+                (f"sum by (rule, severity) ({m.ALERTS_FIRING.name})",
+                 "{{rule}} {{severity}}")], "short"),
+            Panel("Alerts firing (Prometheus rules)", [
+                ("count by (alertname, severity) (ALERTS{alertstate=\"firing\", "
+                 f"alertname=~\"{'|'.join(rule.name for rule in rules)}\"}})",
+                 "{{alertname}} {{severity}}")], "short",
+                  description="The same rules exported to Prometheus "
+                              "(`ac-observe rules export`)."),
+            Panel("Webhook deliveries / s by outcome", [
+                (f"sum by (receiver, outcome) (rate({m.WEBHOOK_DELIVERIES.name}[{RANGE}]))",
+                 "{{receiver}} {{outcome}}")], "short"),
+            Panel("Webhook outbox: depth and oldest pending", [
+                (f"max by (receiver) ({m.WEBHOOK_QUEUE_DEPTH.name})", "depth {{receiver}}"),
+                (f"max by (receiver) ({m.WEBHOOK_OLDEST_PENDING.name})",
+                 "oldest s {{receiver}}"),
+            ], "short"),
+            Panel("Collectors up", [(f"max by (collector) ({m.COLLECTOR_UP.name})",
+                                     "{{collector}}")], "short"),
+            Panel("Engines up", [(f"max by (engine, model) ({sel(m.ENGINE_UP)})",
+                                  "{{engine}} {{model}}")], "short"),
+        ]),
+    ])
+
+
+def boards(rules=None) -> list[Board]:
+    if rules is None:
+        from ac_observe.daemon.alerts import default_rules
+        rules = default_rules()
+    return [overview(), kv_and_prompts(), gpu_and_cuda(), drift_and_alerts(rules)]
+
+
+# ----- the SDK's models ---------------------------------------------------------------------
+
+def build(board: Board) -> dict:
+    """The dashboard's JSON model (a dict), built with the SDK's typed builders."""
+    from grafana_foundation_sdk.builders import heatmap as sdk_heatmap
+    from grafana_foundation_sdk.builders import stat as sdk_stat
+    from grafana_foundation_sdk.builders import table as sdk_table
+    from grafana_foundation_sdk.builders import timeseries as sdk_timeseries
+    from grafana_foundation_sdk.builders.dashboard import Dashboard, QueryVariable, Row
+    from grafana_foundation_sdk.builders.prometheus import Dataquery
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos
+    from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+    source = DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
+    kinds = {"timeseries": sdk_timeseries.Panel, "stat": sdk_stat.Panel,
+             "heatmap": sdk_heatmap.Panel, "table": sdk_table.Panel}
+    engine = (QueryVariable("engine").label("Engine").datasource(source)
+              .query(f"label_values({m.ENGINE_UP.name}, engine)").multi(True)
+              .include_all(True).all_value(".*").refresh(2).sort(1))
+    dashboard = (Dashboard(board.title).uid(board.uid).description(board.description)
+                 .tags(["ac-observe", "generated"]).refresh("10s").time("now-1h", "now")
+                 .timezone("browser").editable().with_variable(engine))
+    y, next_id = 0, 1
+    for title, panels in board.rows:
+        dashboard = dashboard.with_row(Row(title).id(next_id).grid_pos(
+            GridPos(h=1, w=24, x=0, y=y)))
+        next_id, y, x, row_height = next_id + 1, y + 1, 0, 0
+        for panel in panels:
+            if x + panel.width > 24:
+                x, y, row_height = 0, y + row_height, 0
+            built = (kinds[panel.kind]().id(next_id).title(panel.title).datasource(source)
+                     .unit(panel.unit).grid_pos(GridPos(h=panel.height, w=panel.width,
+                                                        x=x, y=y)))
+            if panel.description:
+                built = built.description(panel.description)
+            for i, (expr, legend) in enumerate(panel.targets):
+                query = (Dataquery().ref_id(chr(ord("A") + i)).expr(expr)
+                         .legend_format(legend).datasource(source))
+                if panel.kind == "heatmap":
+                    query = query.format(PromQueryFormat.HEATMAP)
+                elif panel.kind == "table":
+                    query = query.format(PromQueryFormat.TABLE).instant()
+                built = built.with_target(query)
+            dashboard = dashboard.with_panel(built)
+            next_id += 1
+            x += panel.width
+            row_height = max(row_height, panel.height)
+        y += row_height
+    return json.loads(JSONEncoder(sort_keys=True).encode(dashboard.build()))
+
+
+def queries(model: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every panel target of a dashboard model."""
+    out = []
+    for panel in model.get("panels", []):
+        for target in panel.get("targets") or []:
+            out.append((panel["title"], target["expr"]))
+    return out
+
+
+_NAME = re.compile(r"\b(ac_[a-z0-9_]+)\b")
+
+
+def families_named(expr: str) -> set[str]:
+    """Contract families a query names (a histogram's _bucket/_sum/_count as the family)."""
+    names = set()
+    for name in _NAME.findall(expr):
+        for suffix in ("_bucket", "_sum", "_count"):
+            if name.endswith(suffix) and name[:-len(suffix)] in m.BY_NAME:
+                name = name[:-len(suffix)]
+        names.add(name)
+    return names
+
+
+def needs_hardware(expr: str) -> str | None:
+    """'gpu' or 'ebpf' when a query reads only what a GPU (NVML) or the eBPF probes make."""
+    sources = {m.BY_NAME[name].source for name in families_named(expr) if name in m.BY_NAME}
+    if sources and sources <= {"nvml"}:
+        return "gpu (NVML)"
+    if sources and sources <= {"ebpf"}:
+        return "eBPF (CUDA driver probes)"
+    return None
+
+
+def provisioning() -> dict[str, str]:
+    """Grafana's provisioning files: the datasource with its pinned uid and the provider."""
+    import yaml
+    datasource = {"apiVersion": 1, "datasources": [{
+        "name": "Prometheus", "type": "prometheus", "uid": DATASOURCE_UID,
+        "access": "proxy", "url": "http://prometheus:9090", "isDefault": True,
+        "editable": False, "jsonData": {"timeInterval": "5s"}}]}
+    provider = {"apiVersion": 1, "providers": [{
+        "name": "ac-observe", "folder": "ac-observe", "type": "file",
+        "disableDeletion": True, "allowUiUpdates": False, "updateIntervalSeconds": 30,
+        "options": {"path": "/var/lib/grafana/dashboards/ac-observe",
+                    "foldersFromFilesStructure": False}}]}
+    return {"datasources/prometheus.yml": yaml.safe_dump(datasource, sort_keys=False),
+            "dashboards/ac-observe.yml": yaml.safe_dump(provider, sort_keys=False)}

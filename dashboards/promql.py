@@ -1,0 +1,245 @@
+"""The daemon's statistics as PromQL, and its drift rules as Prometheus alert rules.
+
+One source, two evaluators: `ac-observe rules export --format prometheus` turns the rules
+the daemon evaluates (DEFAULT_RULES, or an alerting file's) into a Prometheus rule group,
+so users who route through Alertmanager get the same rules from Prometheus. What each
+statistic means is the daemon's (daemon/query.py):
+
+- a histogram's p50/p95/p99: `histogram_quantile` over the window's bucket increases;
+  its mean: Σ sum / Σ count; its rate: observations per second; `share_below:<v>`: the
+  share (in %) of observations at or below v, interpolated linearly inside the bucket
+  that holds v, as the daemon does;
+- a gauge's mean/min/max/last/p50...: `avg_over_time`, `min_over_time`, ...;
+- a rate's mean: `rate()`; a ratio's mean: Σ increases over Σ increases, summed over the
+  ratio's `summed` labels unless the rule matches on one.
+
+Every value is scaled to the friendly name's unit (ns, ms, %), so thresholds are the
+ones the daemon's rules carry. Baselines: `static` and above/below compare with the
+threshold; `trailing:<d>` is the statistic over the d before the window (`offset`);
+`same_hour_yesterday` is the statistic over the hour around the window's middle a day
+back, `or` the trailing fallback for the label sets yesterday lacks. (Prometheus has no
+coverage figure: any data yesterday counts, where the daemon asks for 75 % of the hour.)
+
+NOTE: Prometheus adds `job` and `instance`; every expression aggregates `by` the
+family's own labels, so a series here is a series in the daemon's answers.
+"""
+from __future__ import annotations
+
+import math
+
+from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec
+
+SAME_HOUR_SPAN_SECONDS = 3600.0
+
+
+def duration(seconds: float) -> str:
+    """A PromQL duration: whole seconds, in the largest unit that divides them."""
+    whole = int(round(seconds))
+    if whole <= 0 or abs(whole - seconds) > 1e-9:
+        raise ValueError(f"{seconds} s is not a whole number of seconds, as PromQL needs")
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if whole % size == 0:
+            return f"{whole // size}{unit}"
+    return f"{whole}s"
+
+
+def go_float(value: float) -> str:
+    """A bucket bound as the `le` label carries it (prometheus_client's floatToGoString)."""
+    from prometheus_client.utils import floatToGoString
+    return floatToGoString(value)
+
+
+def _select(name: str, spec: MetricSpec, match: dict, extra: str = "",
+              regex: dict | None = None) -> str:
+    matchers = [f'{k}="{_escape(v)}"' for k, v in sorted(match.items()) if k in spec.labels]
+    matchers += [f'{k}=~"{_escape(v)}"' for k, v in sorted((regex or {}).items())
+                 if k in spec.labels and k not in match]
+    if extra:
+        matchers.append(extra)
+    return f"{name}{{{','.join(matchers)}}}" if matchers else name
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _range(window: str, offset: str) -> str:
+    return f"[{window}]" + (f" offset {offset}" if offset else "")
+
+
+def group_labels(friendly: Friendly, match: dict) -> tuple[str, ...]:
+    """The labels a friendly name's series are told apart by."""
+    labels = friendly.source.labels
+    return tuple(label for label in labels
+                 if label not in friendly.summed or label in match)
+
+
+def statistic_expr(friendly: Friendly, statistic: str, window: str, match: dict | None = None,
+                   offset: str = "", share_threshold: float = 0.0,
+                   by: tuple[str, ...] | None = None, regex: dict | None = None) -> str:
+    """PromQL for one statistic of a friendly name over `window` ending `offset` ago, in the
+    friendly unit, one series per label set (`by`: a coarser grouping; `regex`: label ->
+    regular expression, for the families that carry the label, as dashboards filter)."""
+    match = match or {}
+
+    def _selector(name, spec, match, extra=""):
+        return _select(name, spec, match, extra, regex)
+    spec = friendly.source
+    by = group_labels(friendly, match) if by is None else by
+    group = ", ".join(by)
+    scale = "" if friendly.scale == 1.0 else f" * {friendly.scale:g}"
+    r = _range(window, offset)
+    kind = friendly.kind
+    if kind == "histogram":
+        def summed(suffix, extra=""):
+            return (f"sum by ({group}) (rate({_selector(spec.name + suffix, spec, match, extra)}"
+                    f"{r}))")
+        if statistic in ("p50", "p95", "p99"):
+            q = int(statistic[1:]) / 100
+            inner = (f"sum by ({', '.join(('le',) + by)}) "
+                     f"(rate({_selector(spec.name + '_bucket', spec, match)}{r}))")
+            return f"histogram_quantile({q:g}, {inner}){scale}"
+        if statistic == "mean":
+            return f"({summed('_sum')} / {summed('_count')}){scale}"
+        if statistic == "rate":
+            return summed("_count")
+        if statistic.startswith("share_below"):
+            return _share_below(spec, share_threshold / friendly.scale, summed)
+        raise ValueError(f"{friendly.name}: no PromQL for a histogram's {statistic!r}")
+    if kind == "gauge":
+        selector = _selector(spec.name, spec, match)
+        over_time = {"mean": "avg_over_time", "min": "min_over_time", "max": "max_over_time",
+                     "last": "last_over_time"}
+        if statistic in over_time:
+            return f"max by ({group}) ({over_time[statistic]}({selector}{r})){scale}"
+        if statistic in ("p50", "p95", "p99"):
+            q = int(statistic[1:]) / 100
+            return f"max by ({group}) (quantile_over_time({q:g}, {selector}{r})){scale}"
+        raise ValueError(f"{friendly.name}: no PromQL for a gauge's {statistic!r}")
+    if kind == "rate":
+        if statistic in ("mean", "rate"):
+            return f"sum by ({group}) (rate({_selector(spec.name, spec, match)}{r})){scale}"
+        raise ValueError(f"{friendly.name}: no PromQL for a rate's {statistic!r}")
+    if kind == "ratio":
+        if statistic != "mean":
+            raise ValueError(f"{friendly.name}: no PromQL for a ratio's {statistic!r} "
+                             "(only its mean, Σ over Σ)")
+        den = friendly.denominator
+        num = f"sum by ({group}) (rate({_selector(spec.name, spec, match)}{r}))"
+        den_by = tuple(label for label in by if label in den.labels)
+        den_expr = (f"sum by ({', '.join(den_by)}) "
+                    f"(rate({_selector(den.name, den, match)}{r}))")
+        lacking = [label for label in by if label not in den.labels]
+        if lacking:
+            return f"({num} / ignoring({', '.join(lacking)}) group_left {den_expr}){scale}"
+        return f"({num} / {den_expr}){scale}"
+    raise ValueError(f"{friendly.name}: unknown kind {kind}")
+
+
+def _share_below(spec: MetricSpec, bound: float, summed) -> str:
+    """% of observations at or below `bound`, interpolated inside its bucket."""
+    edges = [b for b in spec.buckets if not math.isinf(b)]
+    count = summed("_count")
+    if bound >= edges[-1]:
+        return f"100 * {summed('_bucket', 'le=' + chr(34) + go_float(edges[-1]) + chr(34))} / {count}"
+    index = next(i for i, edge in enumerate(edges) if bound <= edge)
+    upper = edges[index]
+    upper_rate = summed("_bucket", f'le="{go_float(upper)}"')
+    if bound == upper:
+        return f"100 * {upper_rate} / {count}"
+    lower = edges[index - 1] if index > 0 else 0.0
+    inside = (bound - lower) / (upper - lower)
+    if index == 0:
+        return f"100 * ({upper_rate} * {inside:.12g}) / {count}"
+    lower_rate = summed("_bucket", f'le="{go_float(lower)}"')
+    return (f"100 * ({lower_rate} + ({upper_rate} - {lower_rate}) * {inside:.12g}) "
+            f"/ {count}")
+
+
+def baseline_expr(rule, regex: dict | None = None) -> str:
+    """The baseline a relative or absolute rule compares with, as PromQL."""
+    friendly = FRIENDLY[rule.metric]
+    window = duration(rule.window_seconds)
+
+    def stat(win: str, offset: str = "") -> str:
+        return statistic_expr(friendly, rule.statistic, win, rule.match, offset,
+                              rule.share_threshold, regex=regex)
+
+    if rule.baseline == "static":  # a constant, on the value's own label sets
+        return f"({stat(window)} * 0 + {rule.baseline_value:g})"
+    trailing = stat(duration(rule.baseline_seconds), window)
+    if rule.baseline == "same_hour_yesterday":
+        span = max(rule.window_seconds, SAME_HOUR_SPAN_SECONDS)
+        back = 86400.0 + rule.window_seconds / 2 - span / 2
+        return f"(({stat(duration(span), duration(back))}) or ({trailing}))"
+    return f"({trailing})"
+
+
+def rule_expr(rule) -> str:
+    """A daemon rule (daemon/alerts.py Rule) as one PromQL alert expression."""
+    current = statistic_expr(FRIENDLY[rule.metric], rule.statistic,
+                             duration(rule.window_seconds), rule.match,
+                             share_threshold=rule.share_threshold)
+    t = f"{rule.threshold:g}"
+    if rule.comparison == "above":
+        return f"{current} > {t}"
+    if rule.comparison == "below":
+        return f"{current} < {t}"
+    baseline = baseline_expr(rule)
+    if rule.comparison == "absolute_increase":
+        return f"({current}) - {baseline} >= {t}"
+    if rule.comparison == "absolute_decrease":
+        return f"{baseline} - ({current}) >= {t}"
+    nonzero = f"abs({baseline} != 0)"
+    if rule.comparison == "relative_increase":
+        return f"(({current}) - {baseline}) / {nonzero} >= {t}"
+    return f"({baseline} - ({current})) / {nonzero} >= {t}"
+
+
+def unit(rule) -> str:
+    """The unit of a rule's statistic: a share is in %, a rate per second."""
+    if rule.statistic.startswith("share_below"):
+        return "%"
+    if rule.statistic == "rate":
+        return "1/s"
+    return FRIENDLY[rule.metric].unit
+
+
+def describe(rule) -> str:
+    if rule.comparison in ("above", "below"):
+        return f"{rule.comparison} {rule.threshold:g} {unit(rule)}".rstrip()
+    if rule.baseline == "same_hour_yesterday":
+        base = (f"the same hour yesterday (else the trailing "
+                f"{duration(rule.baseline_seconds)})")
+    elif rule.baseline == "trailing":
+        base = f"the trailing {duration(rule.baseline_seconds)}"
+    else:
+        base = f"{rule.baseline_value:g}"
+    if rule.comparison.startswith("relative"):
+        amount = f"{rule.threshold * 100:g} %"
+    else:
+        amount = f"{rule.threshold:g} {'points' if unit(rule) == '%' else unit(rule)}".rstrip()
+    return f"{rule.comparison.replace('_', ' ')} of {amount} against {base}"
+
+
+def alert_rule(rule) -> dict:
+    value = ("the change" if rule.comparison.startswith("relative")
+             else "the difference" if rule.comparison.startswith("absolute") else "the value")
+    entry = {"alert": rule.name, "expr": rule_expr(rule)}
+    if rule.for_seconds:
+        entry["for"] = duration(rule.for_seconds)
+    entry["labels"] = {**rule.labels, "severity": rule.severity}
+    measure = ("a share of the baseline" if rule.comparison.startswith("relative")
+               else f"in {unit(rule)}" if unit(rule) else "")
+    entry["annotations"] = {
+        "summary": (f"{rule.metric} {rule.statistic} over {duration(rule.window_seconds)}: "
+                    f"{describe(rule)}"),
+        "description": (f"{value}: {{{{ $value | printf \"%.4g\" }}}}"
+                        f"{f' ({measure})' if measure else ''}; series: {{{{ $labels }}}}"),
+    }
+    return entry
+
+
+def alert_groups(rules) -> dict:
+    """A Prometheus rule file (as a dict) holding every rule."""
+    return {"groups": [{"name": "ac-observe-drift", "rules": [alert_rule(rule) for rule in rules]}]}

@@ -1,0 +1,116 @@
+"""The stack's other parts for real: Prometheus and Alertmanager (Debian packages) started
+from the shipped configuration under dashboards/, on free loopback ports."""
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from support.servers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "dashboards"
+
+
+class _Process:
+    def __init__(self, args: list[str], log: Path):
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, url: str, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args[0]} exited: "
+                                   f"{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.proc.args[0]} not ready: "
+                                   f"{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class Prometheus(_Process):
+    """The shipped prometheus.yml and rules, with only the addresses of this machine's
+    daemon and Alertmanager put in for the compose service names."""
+
+    def __init__(self, base: Path, daemon_target: str, alertmanager_target: str | None,
+                 data: Path | None = None):
+        base.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(SHIPPED / "prometheus", base / "etc", dirs_exist_ok=True)
+        config = yaml.safe_load((base / "etc" / "prometheus.yml").read_text())
+        for job in config["scrape_configs"]:
+            if job["job_name"] == "ac-observe":
+                job["static_configs"] = [{"targets": [daemon_target]}]
+        self.port = free_port()
+        for job in config["scrape_configs"]:
+            if job["job_name"] == "prometheus":
+                job["static_configs"] = [{"targets": [f"127.0.0.1:{self.port}"]}]
+        if alertmanager_target is None:
+            config.pop("alerting")
+        else:
+            config["alerting"]["alertmanagers"][0]["static_configs"] = [
+                {"targets": [alertmanager_target]}]
+        (base / "etc" / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(["prometheus", f"--config.file={base / 'etc' / 'prometheus.yml'}",
+                          f"--storage.tsdb.path={data or base / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{self.port}",
+                          "--web.enable-lifecycle"], base / "prometheus.log")
+        self.wait_ready(self.url + "/-/ready")
+
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        params = {"query": expr}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        answer = httpx.get(self.url + "/api/v1/query", params=params, timeout=30).json()
+        assert answer["status"] == "success", (expr, answer)
+        return answer["data"]["result"]
+
+    def targets_up(self) -> bool:
+        answer = httpx.get(self.url + "/api/v1/targets", timeout=10).json()
+        return all(t["health"] == "up" for t in answer["data"]["activeTargets"]) and \
+            bool(answer["data"]["activeTargets"])
+
+
+class Alertmanager(_Process):
+    """The shipped alertmanager.yml with the webhook URL put in from the environment's
+    variable, as the compose service does."""
+
+    def __init__(self, base: Path, webhook_url: str):
+        base.mkdir(parents=True, exist_ok=True)
+        text = (SHIPPED / "alertmanager" / "alertmanager.yml").read_text()
+        (base / "alertmanager.yml").write_text(text.replace("${AC_ALERT_WEBHOOK_URL}",
+                                                            webhook_url))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(["prometheus-alertmanager",
+                          f"--config.file={base / 'alertmanager.yml'}",
+                          f"--storage.path={base / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{self.port}",
+                          "--cluster.listen-address="], base / "alertmanager.log")
+        self.wait_ready(self.url + "/-/ready")
+
+
+def finite(result: list[dict]) -> bool:
+    """Some series of an instant query's answer holds a number (not NaN)."""
+    return any(math.isfinite(float(r["value"][1])) for r in result)
