@@ -431,11 +431,13 @@ app.add_typer(dashboards_app, name="dashboards")
 
 @dashboards_app.command("generate")
 def dashboards_generate(
-    out: Path = typer.Option(Path("dashboards"), help="The dashboards/ folder to write."),
+    out: Path = typer.Option(Path("."), "--root", help="The repository's root (dashboards/ "
+                             "and deploy/kubernetes/ are written under it)."),
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 if any "
                                "generated file is missing or differs."),
 ) -> None:
-    """Write the dashboards' JSON, Grafana provisioning and Prometheus rules."""
+    """Write the dashboards' JSON, Grafana provisioning, Prometheus rules and the
+    Kubernetes PrometheusRule."""
     from ac_observe.dashboards import generate
     if check:
         stale = generate.stale(out)

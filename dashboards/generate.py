@@ -1,5 +1,6 @@
-"""What `ac-observe dashboards generate` writes under dashboards/ (and `--check` compares):
-the Grafana dashboards and provisioning, Prometheus' drift and recording rules.
+"""What `ac-observe dashboards generate` writes (paths from the repository's root; `--check`
+compares): the Grafana dashboards and provisioning, Prometheus' drift and recording rules,
+and the same rules as a Kubernetes PrometheusRule.
 
 prometheus.yml, alertmanager.yml and the promtool tests are written by hand next to them:
 the tests are the independent check of the generated rules."""
@@ -39,18 +40,29 @@ def _yaml(document: dict) -> str:
     return HEADER + yaml.safe_dump(document, sort_keys=False, width=100)
 
 
+def prometheus_rule(rules) -> dict:
+    """The drift and recording rules as a Prometheus Operator PrometheusRule."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "ac-observe", "namespace": "ac-observe",
+                         "labels": {"app.kubernetes.io/part-of": "ac-observe",
+                                    "release": "kube-prometheus-stack"}},
+            "spec": {"groups": recording_rules()["groups"] +
+                     promql.alert_groups(rules)["groups"]}}
+
+
 def files(rules=None) -> dict[str, str]:
-    """Relative path under dashboards/ -> content."""
+    """Path from the repository's root -> content."""
     from ac_observe.daemon.alerts import default_rules
     rules = default_rules() if rules is None else rules
     out = {}
     for board in grafana.boards(rules):
-        out[f"grafana/dashboards/{board.uid}.json"] = json.dumps(
+        out[f"dashboards/grafana/dashboards/{board.uid}.json"] = json.dumps(
             grafana.build(board), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     for path, text in grafana.provisioning().items():
-        out[f"grafana/provisioning/{path}"] = HEADER + text
-    out["prometheus/rules/drift.rules.yml"] = _yaml(promql.alert_groups(rules))
-    out["prometheus/rules/recording.rules.yml"] = _yaml(recording_rules())
+        out[f"dashboards/grafana/provisioning/{path}"] = HEADER + text
+    out["dashboards/prometheus/rules/drift.rules.yml"] = _yaml(promql.alert_groups(rules))
+    out["dashboards/prometheus/rules/recording.rules.yml"] = _yaml(recording_rules())
+    out["deploy/kubernetes/prometheusrule.yaml"] = _yaml(prometheus_rule(rules))
     return out
 
 

@@ -7,20 +7,23 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # System packages the tests drive for real: promtool (Debian `prometheus`), Alertmanager,
 # PostgreSQL's server, gcc, tmux (the CLI is tested in a real terminal), bcc and kernel
-# headers (the eBPF collector).
+# headers (the eBPF collector), a Docker engine, docker-compose and debootstrap (the
+# compose stack, built from an offline base image).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if ! command -v promtool >/dev/null || ! command -v gcc >/dev/null \
       || ! command -v tmux >/dev/null || [ ! -d /usr/lib/python3/dist-packages/bcc ] \
       || ! command -v prometheus-alertmanager >/dev/null \
       || { ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; } \
-      || ! ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1; then
+      || ! ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1 \
+      || ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null \
+      || ! command -v debootstrap >/dev/null; then
     apt-get update -qq
     # postgresql: the store's second backend; prometheus-alertmanager: webhook bodies are
     # compared with the real Alertmanager's.
     pg=; command -v initdb >/dev/null || pg=postgresql
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       prometheus prometheus-alertmanager $pg gcc libc6-dev tmux python3-bpfcc \
-      linux-headers-amd64 >/dev/null
+      linux-headers-amd64 docker.io docker-compose debootstrap >/dev/null
   fi
   # bcc compiles against /lib/modules/$(uname -r)/build. A kernel with no headers package
   # of its own (a VM's) can use Debian's: uprobe programs need no kernel internals.

@@ -6,6 +6,9 @@ configuration delivering an alert the real Prometheus fired to a loopback receiv
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import shutil
 import subprocess
 import threading
 import time
@@ -20,7 +23,7 @@ from ac_observe import metrics as m
 from ac_observe.dashboards import generate, grafana, promql
 from ac_observe.daemon.alerts import default_rules, parse_rules
 from support.servers import AC_OBSERVE, DaemonProcess, EngineServer, run_cli, wait_for
-from support.stack import SHIPPED, Alertmanager, Prometheus
+from support.stack import REPO, SHIPPED, Alertmanager, Prometheus
 from test_webhooks import SECRET, _Receiver
 
 BOARDS = sorted((SHIPPED / "grafana" / "dashboards").glob("*.json"))
@@ -34,8 +37,8 @@ def _models() -> dict[str, dict]:
 
 def test_the_committed_files_are_what_generation_gives():
     """`ac-observe dashboards generate` run on the contract as it is changes nothing."""
-    assert generate.stale(SHIPPED) == [], "run `ac-observe dashboards generate`"
-    out = run_cli("dashboards", "generate", "--out", str(SHIPPED), "--check")
+    assert generate.stale(REPO) == [], "run `ac-observe dashboards generate`"
+    out = run_cli("dashboards", "generate", "--root", str(REPO), "--check")
     assert out.returncode == 0, out.stderr
 
 
@@ -43,10 +46,10 @@ def test_a_stale_or_hand_edited_file_is_caught(tmp_path):
     for path, text in generate.files().items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
-    assert run_cli("dashboards", "generate", "--out", str(tmp_path), "--check").returncode == 0
-    board = tmp_path / "grafana" / "dashboards" / "ac-overview.json"
+    assert run_cli("dashboards", "generate", "--root", str(tmp_path), "--check").returncode == 0
+    board = tmp_path / "dashboards" / "grafana" / "dashboards" / "ac-overview.json"
     board.write_text(board.read_text().replace("ac_requests_total", "ac_requests_finished"))
-    out = run_cli("dashboards", "generate", "--out", str(tmp_path), "--check")
+    out = run_cli("dashboards", "generate", "--root", str(tmp_path), "--check")
     assert out.returncode == 1 and "ac-overview.json" in out.stderr
 
 
@@ -95,9 +98,17 @@ def test_the_drift_board_has_a_panel_per_shipped_rule_with_its_baseline():
 
 # ----- promtool -------------------------------------------------------------------------------
 
-def test_promtool_checks_the_config_and_rules_and_unit_tests_every_alert_rule():
+def test_promtool_checks_the_config_and_rules_and_unit_tests_every_alert_rule(tmp_path):
     prometheus = SHIPPED / "prometheus"
-    out = subprocess.run(["promtool", "check", "config", str(prometheus / "prometheus.yml")],
+    # (promtool opens the token file: the compose secret's path, put somewhere that exists)
+    shutil.copytree(prometheus, tmp_path / "prometheus")
+    (tmp_path / "token").write_text("x\n")
+    config = (prometheus / "prometheus.yml").read_text()
+    assert "/run/secrets/ac_observe_token" in config
+    (tmp_path / "prometheus" / "prometheus.yml").write_text(
+        config.replace("/run/secrets/ac_observe_token", str(tmp_path / "token")))
+    out = subprocess.run(["promtool", "check", "config",
+                          str(tmp_path / "prometheus" / "prometheus.yml")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     rules = sorted((prometheus / "rules").glob("*.yml"))
@@ -193,7 +204,7 @@ def _backfill(daemon: DaemonProcess, data: Path, seconds: float = 12.0) -> None:
     from prometheus_client.parser import text_string_to_metric_families
     scrapes = []
     for _ in range(int(seconds)):
-        text = httpx.get(daemon.url + "/metrics", timeout=10).text
+        text = httpx.get(daemon.url + "/metrics", headers=daemon.headers, timeout=10).text
         scrapes.append({(s.name, tuple(sorted(s.labels.items()))): s.value
                         for f in text_string_to_metric_families(text) for s in f.samples})
         time.sleep(1.0)
@@ -232,9 +243,11 @@ def stack(tmp_path_factory):
         "rules: defaults\n")
     engine = EngineServer(base / "telemetry" / "e1", "--engine-name", "e1").wait_ready()
     # nvml is down here (no GPU): CollectorDown is the alert both evaluators fire.
+    token = secrets.token_hex(16)  # the daemon asks for it, as in the stack
     daemon = DaemonProcess(base / "telemetry", "--collectors", "engine,nvml", "--alerting",
                            str(base / "alerting.yaml"), "--state-dir", str(base / "state"),
-                           "--alert-interval", "1s").wait_ready()
+                           "--alert-interval", "1s", "--token", token).wait_ready()
+    daemon.headers = {"authorization": f"Bearer {token}"}
     stop, errors = threading.Event(), []
     senders = [threading.Thread(target=_load, args=(engine.url, stop, errors, i), daemon=True)
                for i in range(2)]
@@ -243,12 +256,13 @@ def stack(tmp_path_factory):
     parts = []
     try:
         wait_for(lambda: (m.INFERENCE_LATENCY.name + "_bucket") in
-                 httpx.get(daemon.url + "/metrics", timeout=10).text, 60, "engine series")
+                 httpx.get(daemon.url + "/metrics", headers=daemon.headers, timeout=10).text,
+                 60, "engine series")
         _backfill(daemon, base / "prometheus" / "data")
         alertmanager = Alertmanager(base / "alertmanager", am_hook.url)
         parts.append(alertmanager)
         prometheus = Prometheus(base / "prometheus", f"127.0.0.1:{daemon.port}",
-                                f"127.0.0.1:{alertmanager.port}")
+                                f"127.0.0.1:{alertmanager.port}", token)
         parts.append(prometheus)
         wait_for(prometheus.targets_up, 30, "Prometheus to scrape the daemon")
         yield {"prometheus": prometheus, "daemon_hook": daemon_hook, "am_hook": am_hook,
@@ -307,3 +321,92 @@ def test_every_panel_query_returns_data(stack):
     # What is left to the GPU check is exactly the NVML and eBPF panels.
     assert {uid for uid, _, _ in hardware} == {"ac-gpu-cuda"}
     assert {need for _, _, need in hardware} == {"gpu (NVML)", "eBPF (CUDA driver probes)"}
+
+
+# ----- dashboards push ---------------------------------------------------------------------
+
+class _Grafana:
+    """Grafana's HTTP API as far as `dashboards push` uses it (folders, dashboards/db):
+    Grafana itself cannot be had on these machines. Records what it is sent."""
+
+    def __init__(self, token: str):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        owner, self.token = self, token
+        self.folders: dict[str, str] = {}
+        self.dashboards: list[dict] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _authorized(self):
+                if self.headers.get("authorization") != f"Bearer {owner.token}":
+                    self._answer(401, {"message": "Unauthorized"})
+                    return False
+                return True
+
+            def do_GET(self):
+                if not self._authorized():
+                    return
+                uid = self.path.rsplit("/", 1)[-1]
+                if self.path.startswith("/api/folders/") and uid in owner.folders:
+                    return self._answer(200, {"uid": uid, "title": owner.folders[uid]})
+                self._answer(404, {"message": "folder not found"})
+
+            def do_POST(self):
+                if not self._authorized():
+                    return
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                if self.path == "/api/folders":
+                    owner.folders[body["uid"]] = body["title"]
+                    return self._answer(200, {"uid": body["uid"], "title": body["title"]})
+                if self.path == "/api/dashboards/db":
+                    owner.dashboards.append(body)
+                    uid = body["dashboard"]["uid"]
+                    return self._answer(200, {"status": "success", "uid": uid,
+                                              "url": f"/d/{uid}/x"})
+                self._answer(404, {"message": "not found"})
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_dashboards_push_uploads_every_board_into_its_folder_pointed_at_a_datasource():
+    grafana_api = _Grafana("glsa_test")
+    try:
+        env = {**os.environ, "GRAFANA_TOKEN": "glsa_test"}
+        out = run_cli("dashboards", "push", "--grafana-url", grafana_api.url,
+                      "--datasource-uid", "cloud-prom", env=env)
+        assert out.returncode == 0, out.stderr
+        assert list(grafana_api.folders.values()) == ["ac-observe"]
+        assert {d["dashboard"]["uid"] for d in grafana_api.dashboards} == set(_models())
+        for body in grafana_api.dashboards:
+            assert body["overwrite"] is True
+            assert body["folderUid"] in grafana_api.folders
+            text = json.dumps(body["dashboard"])
+            assert grafana.DATASOURCE_UID not in text and '"uid": "cloud-prom"' in text
+        # Again: the folder is found, the boards overwritten (no second folder).
+        assert run_cli("dashboards", "push", "--grafana-url", grafana_api.url,
+                       env=env).returncode == 0
+        assert len(grafana_api.folders) == 1 and len(grafana_api.dashboards) == 8
+        # A wrong token and an unreachable Grafana: a clear error, exit 1.
+        out = run_cli("dashboards", "push", "--grafana-url", grafana_api.url,
+                      env={**os.environ, "GRAFANA_TOKEN": "wrong"})
+        assert out.returncode == 1 and "refused" in out.stderr and "wrong" not in out.stderr
+    finally:
+        grafana_api.close()
+    out = run_cli("dashboards", "push", "--grafana-url", grafana_api.url, env=env)
+    assert out.returncode == 1 and "cannot reach Grafana" in out.stderr

@@ -29,7 +29,8 @@ class _Receiver:
     """A loopback webhook receiver: records every request; `mode` picks the answer
     (ok, 500, 410, 429, hang) and `down()` closes its port (connections refused)."""
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
         self.requests: list[tuple[dict, bytes]] = []
         self.mode = "ok"
         self.retry_after = None
@@ -57,7 +58,7 @@ class _Receiver:
                 pass
 
         ThreadingHTTPServer.allow_reuse_address = True
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port or 0), Handler)
+        self._server = ThreadingHTTPServer((self.host, self.port or 0), Handler)
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
@@ -67,7 +68,7 @@ class _Receiver:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hook"
+        return f"http://{self.host}:{self.port}/hook"
 
 
 class _Clock:

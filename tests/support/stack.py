@@ -51,16 +51,22 @@ class _Process:
 
 class Prometheus(_Process):
     """The shipped prometheus.yml and rules, with only the addresses of this machine's
-    daemon and Alertmanager put in for the compose service names."""
+    daemon and Alertmanager put in for the compose service names, and the daemon's token
+    in a file of its own for the compose secret's."""
 
     def __init__(self, base: Path, daemon_target: str, alertmanager_target: str | None,
-                 data: Path | None = None):
+                 token: str, data: Path | None = None):
         base.mkdir(parents=True, exist_ok=True)
         shutil.copytree(SHIPPED / "prometheus", base / "etc", dirs_exist_ok=True)
         config = yaml.safe_load((base / "etc" / "prometheus.yml").read_text())
+        (base / "etc" / "daemon.token").write_text(token + "\n")
         for job in config["scrape_configs"]:
             if job["job_name"] == "ac-observe":
                 job["static_configs"] = [{"targets": [daemon_target]}]
+                # (the compose secret's file, in the container)
+                assert job["authorization"]["credentials_file"] == \
+                    "/run/secrets/ac_observe_token"
+                job["authorization"]["credentials_file"] = str(base / "etc" / "daemon.token")
         self.port = free_port()
         for job in config["scrape_configs"]:
             if job["job_name"] == "prometheus":

@@ -1,0 +1,94 @@
+"""The shipped stack files, checked without running them: docker-compose.yml and the GPU
+override against the Compose Specification's schema, their wiring (the token secret, the
+mounts eBPF needs, loopback-only ports, the provisioning Grafana reads), and the
+Kubernetes manifests against the Kubernetes version they name (kubernetes-validate; the
+Prometheus Operator's kinds by promtool and by their selectors)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from support.stack import REPO
+
+SCHEMA = json.loads((Path(__file__).parent / "schemas" / "compose-spec.json").read_text())
+KUBERNETES_VERSION = "1.31.0"  # deploy/kubernetes/README.md says so
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml"])
+def test_compose_files_follow_the_compose_specification(name):
+    document = yaml.safe_load((REPO / name).read_text())
+    jsonschema.Draft7Validator(SCHEMA).validate(document)
+
+
+def test_compose_wiring():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"engine", "daemon", "prometheus", "alertmanager", "grafana"}
+    for name, service in services.items():
+        assert service.get("restart") == "unless-stopped", name
+        for port in service.get("ports", []):  # published on loopback unless told otherwise
+            assert port.startswith("${AC_PUBLISH_ADDRESS:-127.0.0.1}:"), (name, port)
+    daemon = services["daemon"]
+    assert daemon["pid"] == "host" and services["engine"]["pid"] == "host"
+    assert "SYS_ADMIN" in daemon["cap_add"]
+    mounts = {v.split(":")[1] for v in daemon["volumes"]}
+    assert {"/sys/kernel/debug", "/lib/modules", "/usr/src", "/telemetry"} <= mounts
+    assert "--token-file=/run/secrets/ac_observe_token" in daemon["command"]
+    assert "ac_observe_token" in services["prometheus"]["secrets"]
+    # Prometheus reads the same secret for its scrapes.
+    prometheus = yaml.safe_load((REPO / "dashboards" / "prometheus" / "prometheus.yml")
+                                .read_text())
+    (job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "ac-observe"]
+    assert job["authorization"]["credentials_file"] == "/run/secrets/ac_observe_token"
+    assert job["static_configs"][0]["targets"] == ["daemon:9410"]
+    # Grafana: the provisioning and the dashboards it mounts exist, and it opens on the
+    # overview.
+    grafana = services["grafana"]
+    for volume in grafana["volumes"]:
+        source = volume.split(":")[0]
+        if source.startswith("./"):
+            assert (REPO / source).is_dir(), source
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (REPO / "dashboards" / "grafana" / "dashboards" / Path(home).name).is_file()
+    # The GPU override reserves the GPUs for the engine and the daemon.
+    gpu = yaml.safe_load((REPO / "docker-compose.gpu.yml").read_text())["services"]
+    for name in ("engine", "daemon"):
+        (device,) = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+
+
+def test_kubernetes_manifests_validate_for_their_version(tmp_path):
+    manifests = sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
+    assert KUBERNETES_VERSION.rsplit(".", 1)[0] in \
+        (REPO / "deploy" / "kubernetes" / "README.md").read_text()
+    out = subprocess.run([str(Path(sys.executable).with_name("kubernetes-validate")), "-k", KUBERNETES_VERSION, "--strict",
+                          *map(str, manifests)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    kinds = {}
+    for path in manifests:
+        for doc in yaml.safe_load_all(path.read_text()):
+            kinds[doc["kind"]] = doc
+    assert {"DaemonSet", "Deployment", "Service", "ServiceMonitor", "PrometheusRule"} <= \
+        set(kinds)
+    # The Prometheus Operator's kinds (no schema in kubernetes-validate): the rules pass
+    # promtool; the ServiceMonitor selects the daemon's Service by its labels and port.
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(
+        {"groups": kinds["PrometheusRule"]["spec"]["groups"]}))
+    check = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yml")],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    services = [doc for path in manifests for doc in yaml.safe_load_all(path.read_text())
+                if doc["kind"] == "Service"]
+    monitor = kinds["ServiceMonitor"]["spec"]
+    selected = [s for s in services if monitor["selector"]["matchLabels"].items()
+                <= s["metadata"]["labels"].items()]
+    assert [s["metadata"]["name"] for s in selected] == ["ac-observe-daemon"]
+    assert monitor["endpoints"][0]["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
+    daemonset = kinds["DaemonSet"]["spec"]["template"]["spec"]
+    assert daemonset["hostPID"] is True
