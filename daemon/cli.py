@@ -344,7 +344,8 @@ def engine(
     max_body_mb: int = typer.Option(8, help="Largest accepted request body (413 beyond)."),
     telemetry_dir: str = typer.Option("", help="Telemetry directory (default: "
                                                 "$AC_OBSERVE_TELEMETRY_DIR/<engine name>)."),
-    demo_load: bool = typer.Option(False, "--demo-load", help="Send demo traffic to itself."),
+    demo_load: bool = typer.Option(False, "--demo-load", envvar="AC_OBSERVE_DEMO_LOAD",
+                                   help="Send demo traffic to itself."),
     fault_injection: bool = typer.Option(False, "--fault-injection",
                                          help="Serve /admin/faults (loopback only): an added "
                                               "per-step delay, forced prefix-cache misses."),

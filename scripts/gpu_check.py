@@ -276,6 +276,32 @@ def lanes_overlap(model: str, device: str) -> None:
     no_errors(outs + outs_low + outs_high, "overlapping lanes")
 
 
+# Families the NVML and eBPF collectors gave samples for under load (contract names), for
+# the dashboards' hardware panels (dashboard_panels).
+SEEN: set[str] = set()
+
+
+def _seen(families) -> None:
+    from ac_observe.metrics import BY_FAMILY
+    for family in families:
+        if family.samples and family.name in BY_FAMILY:
+            SEEN.add(BY_FAMILY[family.name].name)
+
+
+def dashboard_panels(model: str, device: str) -> None:
+    """The panels tests/test_dashboards.py leaves to this script (NVML and eBPF ones): every
+    family each of their queries names had samples from the collectors under load."""
+    from ac_observe.dashboards import grafana
+    hardware = [(board.uid, panel.title, expr) for board in grafana.boards()
+                for _, panels in board.rows for panel in panels
+                for expr, _ in panel.targets if grafana.needs_hardware(expr)]
+    missing = [(title, sorted(grafana.families_named(expr) - SEEN))
+               for _, title, expr in hardware if grafana.families_named(expr) - SEEN]
+    figure("hardware panel queries", len(hardware))
+    check("every NVML and eBPF panel's families have samples", not missing, str(missing),
+          gpu_only=True)
+
+
 def nvml_under_load(model: str, device: str) -> None:
     import threading
 
@@ -296,6 +322,7 @@ def nvml_under_load(model: str, device: str) -> None:
             collector.collect()
             time.sleep(1.0)
             families = {f.name: f for f in collector.collect()}
+            _seen(families.values())
         finally:
             collector.close()
         threading.Thread(target=lambda: [h.abort() for h in handles]).start()
@@ -344,7 +371,9 @@ def ebpf_on_the_engine(model: str, device: str) -> None:
 
 def _ebpf_counts(collector) -> dict:
     counts = {}
-    for family in collector.collect():
+    families = collector.collect()
+    _seen(families)
+    for family in families:
         for sample in family.samples:
             if sample.labels.get("pid") != str(os.getpid()):
                 continue
@@ -433,7 +462,7 @@ def main() -> int:
         greedy_float64(folder, device)
         two_lanes(folder, device)
     for run in (no_hidden_syncs, timing_vs_profiler, kernel_classes, lanes_overlap,
-                nvml_under_load, ebpf_on_the_engine):
+                nvml_under_load, ebpf_on_the_engine, dashboard_panels):
         run(big, device)
     big_model(big, device, args.skip_bench)
     figure("seconds", round(time.perf_counter() - started, 1))

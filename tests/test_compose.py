@@ -134,12 +134,10 @@ def stack(dockerd, tmp_path_factory):
            "AC_PIP_CERT": "docker/ca.pem", "AC_WITH_BCC": "0",
            "AC_ALERT_WEBHOOK_URL": f"http://host.docker.internal:{hook.port}/hook",
            **{f"AC_{name}_PORT": str(port) for name, port in ports.items()}}
-    # The test's override: demo traffic on the CPU; Prometheus and Alertmanager from the
-    # offline base (Debian's binaries) instead of the registry's images.
+    # The test's override: Prometheus and Alertmanager from the offline base (Debian's
+    # binaries) instead of the registry's images. (The engine runs as shipped: the tiny
+    # model with demo traffic.)
     (context / "docker-compose.test.yml").write_text(yaml.safe_dump({"services": {
-        "engine": {"command": ["engine", "--host=0.0.0.0", "--port=8000",
-                               "--engine-name=engine-0", "--model=tiny", "--device=cpu",
-                               "--telemetry-dir=/telemetry/engine-0", "--demo-load"]},
         "prometheus": {"image": BASE, "entrypoint": ["/usr/bin/prometheus"]},
         "alertmanager": {"image": BASE,
                          "environment": {"ALERTMANAGER_BINARY":

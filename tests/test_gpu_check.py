@@ -26,6 +26,8 @@ def test_gpu_check_dry_run_passes_and_reports_every_check(tmp_path):
     for name in ("steps synchronise only on their own end event",
                  "event step times within 10 % of kernel time",
                  "lanes overlap: both together take under 90 % of each alone", "NVML",
-                 "eBPF launches per lane and sync waits move with load"):
+                 "eBPF launches per lane and sync waits move with load",
+                 "every NVML and eBPF panel's families have samples"):
         assert verdicts[name] is None, name
+    assert results["figures"]["hardware panel queries"] > 10
     assert results["figures"]["tokens/s at batch 16"] > 0
