@@ -496,8 +496,8 @@ class Evaluator:
                     values, answer = self._statistic(rule, span, end)
                     coverage = answer.get("coverage", 0.0)
                     self._same_hour[rule.name] = (int(end // 60), values, coverage)
-                except RuntimeError:  # the history store cannot be read: fall back below
-                    values, coverage = {}, 0.0
+                except (RuntimeError, ValueError):  # the store cannot be read, or the hour
+                    values, coverage = {}, 0.0      # is past the retention: fall back below
             if coverage >= SAME_HOUR_MIN_COVERAGE:
                 return values, (f"same hour yesterday ({_clock(end - span)}-{_clock(end)} "
                                 f"UTC)")

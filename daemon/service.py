@@ -85,8 +85,10 @@ class Daemon:
             try:
                 self.store = Store(config.store_url, config.state_dir)
             except Exception as exc:
-                if receivers or rules:
-                    raise  # alerts without their store would lose state: fail fast
+                if receivers or rules or config.store_url is not None:
+                    raise  # alerts without their store would lose state; a named store
+                    # (PostgreSQL) that is not up yet is an error, not a reason to go on
+                    # without history: fail fast either way
                 log.warning("history is off: its store cannot be opened (%s: %s); queries "
                             "reach back only as far as the in-memory windows",
                             type(exc).__name__, str(exc)[:200])

@@ -251,10 +251,11 @@ def drift_and_alerts(rules) -> Board:
                                         share_threshold=rule.share_threshold, regex=ENGINE)
         targets = [(current, f"{rule.statistic} {{{{engine}}}}")]
         if rule.comparison in ("above", "below"):
-            targets.append((f"{current} * 0 + {rule.threshold:g}", "threshold"))
+            targets.append((f"{current} * 0 + {promql.number(rule.threshold)}", "threshold"))
         else:
             targets.append((promql.baseline_expr(rule, regex=ENGINE), "baseline {{engine}}"))
-        unit = {"ns": "ns", "ms": "ms", "s": "s", "%": "percent"}.get(friendly.unit, "short")
+        unit = {"ns": "ns", "ms": "ms", "s": "s", "%": "percent"}.get(promql.unit(rule),
+                                                                       "short")
         panels.append(Panel(f"{rule.name}: {rule.metric} {rule.statistic} ({window})",
                             targets, unit, description=promql.describe(rule)))
     return Board("ac-drift", "ac-observe / Drift & alerts",

@@ -30,6 +30,14 @@ import math
 from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec
 
 SAME_HOUR_SPAN_SECONDS = 3600.0
+# Prometheus' target label: an alert rule keeps it, so each node's daemon is its own series
+# (as each daemon evaluates its own), where the dashboards sum over nodes.
+INSTANCE = "instance"
+
+
+def number(value: float) -> str:
+    """A threshold in PromQL, every digit kept."""
+    return repr(float(value))
 
 
 def duration(seconds: float) -> str:
@@ -85,6 +93,10 @@ def statistic_expr(friendly: Friendly, statistic: str, window: str, match: dict 
     def _selector(name, spec, match, extra=""):
         return _select(name, spec, match, extra, regex)
     spec = friendly.source
+    unknown = sorted(set(match) - set(spec.labels))
+    if unknown:  # the daemon matches no series on a label they lack: refuse, do not widen
+        raise ValueError(f"{friendly.name}: its series have no label {unknown[0]!r} to match "
+                         f"(labels: {', '.join(spec.labels)})")
     by = group_labels(friendly, match) if by is None else by
     group = ", ".join(by)
     scale = "" if friendly.scale == 1.0 else f" * {friendly.scale:g}"
@@ -126,10 +138,10 @@ def statistic_expr(friendly: Friendly, statistic: str, window: str, match: dict 
                              "(only its mean, Σ over Σ)")
         den = friendly.denominator
         num = f"sum by ({group}) (rate({_selector(spec.name, spec, match)}{r}))"
-        den_by = tuple(label for label in by if label in den.labels)
+        den_by = tuple(label for label in by if label in den.labels or label == INSTANCE)
         den_expr = (f"sum by ({', '.join(den_by)}) "
                     f"(rate({_selector(den.name, den, match)}{r}))")
-        lacking = [label for label in by if label not in den.labels]
+        lacking = [label for label in by if label not in den.labels and label != INSTANCE]
         if lacking:
             return f"({num} / ignoring({', '.join(lacking)}) group_left {den_expr}){scale}"
         return f"({num} / {den_expr}){scale}"
@@ -161,12 +173,14 @@ def baseline_expr(rule, regex: dict | None = None) -> str:
     friendly = FRIENDLY[rule.metric]
     window = duration(rule.window_seconds)
 
+    by = None if regex else group_labels(friendly, rule.match) + (INSTANCE,)
+
     def stat(win: str, offset: str = "") -> str:
         return statistic_expr(friendly, rule.statistic, win, rule.match, offset,
-                              rule.share_threshold, regex=regex)
+                              rule.share_threshold, by=by, regex=regex)
 
     if rule.baseline == "static":  # a constant, on the value's own label sets
-        return f"({stat(window)} * 0 + {rule.baseline_value:g})"
+        return f"({stat(window)} * 0 + {number(rule.baseline_value)})"
     trailing = stat(duration(rule.baseline_seconds), window)
     if rule.baseline == "same_hour_yesterday":
         span = max(rule.window_seconds, SAME_HOUR_SPAN_SECONDS)
@@ -177,10 +191,11 @@ def baseline_expr(rule, regex: dict | None = None) -> str:
 
 def rule_expr(rule) -> str:
     """A daemon rule (daemon/alerts.py Rule) as one PromQL alert expression."""
-    current = statistic_expr(FRIENDLY[rule.metric], rule.statistic,
-                             duration(rule.window_seconds), rule.match,
-                             share_threshold=rule.share_threshold)
-    t = f"{rule.threshold:g}"
+    friendly = FRIENDLY[rule.metric]
+    current = statistic_expr(friendly, rule.statistic, duration(rule.window_seconds),
+                             rule.match, share_threshold=rule.share_threshold,
+                             by=group_labels(friendly, rule.match) + (INSTANCE,))
+    t = number(rule.threshold)
     if rule.comparison == "above":
         return f"{current} > {t}"
     if rule.comparison == "below":

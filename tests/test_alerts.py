@@ -417,7 +417,7 @@ def test_an_engine_whose_heartbeat_stopped_is_down_and_fires_until_it_returns(tm
     daemon = Daemon(config, collectors=[EngineCollector(config)])
 
     def up():
-        [series] = daemon.query("engine_up", 0.3, {})["series"]
+        [series] = daemon.query("engine_up", 5.0, {})["series"]
         return series["labels"]["engine"], series["last"]
 
     try:

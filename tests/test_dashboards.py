@@ -165,6 +165,15 @@ rules:
 """)
     out = run_cli("rules", "export", "--alerting", str(tmp_path / "alerts.yaml"))
     assert out.returncode == 2 and "no PromQL for a histogram's 'last'" in out.stderr
+    # A match on a label the metric lacks matches nothing in the daemon: refused, not
+    # widened to every series.
+    (tmp_path / "alerts.yaml").write_text("""\
+rules:
+  - {name: Wide, metric: kv_cache_usage, statistic: mean, window: 1m, comparison: above,
+     threshold: 0.9, match: {stream: throughput}}
+""")
+    out = run_cli("rules", "export", "--alerting", str(tmp_path / "alerts.yaml"))
+    assert out.returncode == 2 and "no label 'stream'" in out.stderr
 
 
 # ----- live: engine + daemon + Prometheus + Alertmanager -------------------------------------
@@ -284,11 +293,17 @@ def test_alertmanager_with_the_shipped_config_delivers_what_prometheus_fired(sta
     rules; the real Alertmanager, with the shipped configuration and the receiver's URL
     from the environment's variable, posts it to the loopback receiver."""
     hook = stack["am_hook"]
-    wait_for(lambda: hook.requests, 180, "Alertmanager's delivery")
-    body = json.loads(hook.requests[0][1])
+
+    def collector_down():  # (other rules' groups may arrive first)
+        for _, raw in list(hook.requests):
+            body = json.loads(raw)
+            if any(a["labels"]["alertname"] == "CollectorDown" for a in body["alerts"]):
+                return body
+    body = wait_for(collector_down, 180, "Alertmanager's delivery of CollectorDown")
     assert body["version"] == "4" and body["status"] == "firing"
     assert body["receiver"] == "ac-observe-webhook"
-    (alert,) = [a for a in body["alerts"] if a["labels"]["alertname"] == "CollectorDown"]
+    (alert,) = [a for a in body["alerts"] if a["labels"]["alertname"] == "CollectorDown"
+                and a["labels"]["collector"] == "nvml"]
     assert alert["labels"]["collector"] == "nvml"
     assert alert["labels"]["severity"] == "warning"
     assert alert["labels"]["stack"] == "ac-observe"  # Prometheus' external label
