@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from support.servers import AC_OBSERVE, free_port, wait_for
-from support.stack import REPO
+from support.stack import REPO, delivery_of
 from test_webhooks import _Receiver
 
 BASE = "ac-observe-test-base:bookworm"
@@ -199,13 +199,8 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
 
     # An alert Prometheus fires reaches the host's receiver through Alertmanager.
     hook = stack["hook"]
-
-    def collector_down():  # (other rules' groups may arrive first)
-        for _, raw in list(hook.requests):
-            body = json.loads(raw)
-            if any(a["labels"]["alertname"] == "CollectorDown" for a in body["alerts"]):
-                return body
-    body = wait_for(collector_down, 240, "Alertmanager's delivery of CollectorDown")
+    body = wait_for(lambda: delivery_of(hook, "CollectorDown"), 240,
+                    "Alertmanager's delivery of CollectorDown")
     assert body["version"] == "4" and body["receiver"] == "ac-observe-webhook"
 
 

@@ -23,7 +23,7 @@ from ac_observe import metrics as m
 from ac_observe.dashboards import generate, grafana, promql
 from ac_observe.daemon.alerts import default_rules, parse_rules
 from support.servers import AC_OBSERVE, DaemonProcess, EngineServer, run_cli, wait_for
-from support.stack import REPO, SHIPPED, Alertmanager, Prometheus
+from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of
 from test_webhooks import SECRET, _Receiver
 
 BOARDS = sorted((SHIPPED / "grafana" / "dashboards").glob("*.json"))
@@ -304,13 +304,8 @@ def test_alertmanager_with_the_shipped_config_delivers_what_prometheus_fired(sta
     rules; the real Alertmanager, with the shipped configuration and the receiver's URL
     from the environment's variable, posts it to the loopback receiver."""
     hook = stack["am_hook"]
-
-    def collector_down():  # (other rules' groups may arrive first)
-        for _, raw in list(hook.requests):
-            body = json.loads(raw)
-            if any(a["labels"]["alertname"] == "CollectorDown" for a in body["alerts"]):
-                return body
-    body = wait_for(collector_down, 180, "Alertmanager's delivery of CollectorDown")
+    body = wait_for(lambda: delivery_of(hook, "CollectorDown"), 180,
+                    "Alertmanager's delivery of CollectorDown")
     assert body["version"] == "4" and body["status"] == "firing"
     assert body["receiver"] == "ac-observe-webhook"
     (alert,) = [a for a in body["alerts"] if a["labels"]["alertname"] == "CollectorDown"

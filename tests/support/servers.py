@@ -71,13 +71,18 @@ class ServerProcess:
         raise TimeoutError(f"{self.proc.args[1]} did not become ready")
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class EngineServer(ServerProcess):

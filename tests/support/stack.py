@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from support.servers import free_port
+from support.servers import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "dashboards"
@@ -35,17 +35,13 @@ class _Process:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                self.stop()  # not left running behind a failed fixture
                 raise TimeoutError(f"{self.proc.args[0]} not ready: "
                                    f"{self.log_path.read_text()[-3000:]}")
             time.sleep(0.2)
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 
@@ -115,6 +111,17 @@ class Alertmanager(_Process):
                           f"--web.listen-address=127.0.0.1:{self.port}",
                           "--cluster.listen-address="], base / "alertmanager.log")
         self.wait_ready(self.url + "/-/ready")
+
+
+def delivery_of(hook, alertname: str):
+    """The first body a webhook receiver got that carries an alert named `alertname`
+    (other rules' groups may arrive before it); None until one has."""
+    import json
+    for _, raw in list(hook.requests):
+        body = json.loads(raw)
+        if any(a["labels"]["alertname"] == alertname for a in body["alerts"]):
+            return body
+    return None
 
 
 def finite(result: list[dict]) -> bool:
