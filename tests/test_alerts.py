@@ -285,7 +285,8 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
     sender.start()
     try:
         time.sleep(10)  # a baseline: 6 s before a 3 s window
-        assert daemon.alerts.active() == []
+        # (a loaded machine's own hiccup may make it pending for a moment: quiet first)
+        wait_for(lambda: daemon.alerts.active() == [], 30, "no alert before the fault")
         httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 300}).raise_for_status()
         injected = time.time()
         fired = None

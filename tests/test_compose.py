@@ -193,9 +193,9 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
                if t["labels"]["job"] == "ac-observe"]
         return job and job[0]["health"] == "up"
     wait_for(scraped, 120, "Prometheus to scrape the daemon")
-    result = httpx.get(prometheus + "/api/v1/query", params={
-        "query": 'ac_inference_latency_seconds_count{engine="engine-0"}'}, timeout=10).json()
-    assert result["data"]["result"], result
+    wait_for(lambda: httpx.get(prometheus + "/api/v1/query", params={
+        "query": 'ac_inference_latency_seconds_count{engine="engine-0"}'}, timeout=10)
+        .json()["data"]["result"], 60, "the engine's series in Prometheus")
 
     # An alert Prometheus fires reaches the host's receiver through Alertmanager.
     hook = stack["hook"]
