@@ -270,7 +270,7 @@ class Store:
     def claim_one(self, now: float, receivers: list[str], lease_seconds: float,
                   only: list[str] | None = None) -> Delivery | None:
         """The most overdue pending delivery to these receivers (and among `only`, when
-        given), claimed in one statement: pushed `lease_seconds` ahead under a fresh claim
+        given), claimed in one transaction: pushed `lease_seconds` ahead under a fresh claim
         token, so a sender that dies mid-post leaves it due again after the lease, and no
         two senders hold it at once (on PostgreSQL, rows another sender locks are
         skipped)."""
@@ -282,13 +282,24 @@ class Store:
                 .order_by(deliveries.c.next_attempt_at, deliveries.c.created_at).limit(1))
         if not self.is_sqlite:
             pick = pick.with_for_update(skip_locked=True)
-        token = secrets.token_hex(8)
-        claim = (deliveries.update()
-                 .where(deliveries.c.id.in_(pick.scalar_subquery()), *due)
-                 .values(next_attempt_at=now + lease_seconds, claim=token)
-                 .returning(deliveries))
-        with self.engine.begin() as connection:
-            row = connection.execute(claim).mappings().first()
+        # Pick, then claim by id, in one transaction. (Not `UPDATE ... WHERE id IN (SELECT
+        # ... LIMIT 1 FOR UPDATE SKIP LOCKED)`: PostgreSQL may run that subquery more than
+        # once and claim several rows, of which only one is returned and attempted.) The
+        # claim repeats the due conditions, so a row another sender took in between (on
+        # SQLite) is not claimed twice; then the next is picked.
+        row = None
+        for _ in range(3):
+            token = secrets.token_hex(8)
+            with self.engine.begin() as connection:
+                picked = connection.execute(pick).scalar()
+                if picked is None:
+                    return None
+                row = connection.execute(
+                    deliveries.update().where(deliveries.c.id == picked, *due)
+                    .values(next_attempt_at=now + lease_seconds, claim=token)
+                    .returning(deliveries)).mappings().first()
+            if row is not None:
+                break
         if row is None:
             return None
         return Delivery(row["id"], row["receiver"], row["kind"], row["body"],
