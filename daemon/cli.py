@@ -111,6 +111,14 @@ def daemon(
     history_retention: str = typer.Option("8d", help="How long history, alert "
                                                       "transitions and finished deliveries "
                                                       "are kept."),
+    grafana_url: str = typer.Option(None, envvar="AC_OBSERVE_GRAFANA_URL", show_envvar=True,
+                                    help="A Grafana to mark alert transitions in, as "
+                                         "annotations (a receiver named 'grafana')."),
+    grafana_token_file: Path = typer.Option(None, envvar="AC_OBSERVE_GRAFANA_TOKEN_FILE",
+                                            show_envvar=True,
+                                            help="File holding that Grafana's service "
+                                                 "account token (Editor); else "
+                                                 "$GRAFANA_TOKEN."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
@@ -140,7 +148,10 @@ def daemon(
             ebpf_pids=tuple(int(p) for p in _names(ebpf_pids)),
             alerting_file=alerting, store_url=store, state_dir=state_dir,
             alert_interval_seconds=parse_duration(alert_interval), history=history,
-            history_retention_seconds=parse_duration(history_retention))
+            history_retention_seconds=parse_duration(history_retention),
+            grafana_url=grafana_url or None,
+            grafana_token=_read_token(os.environ.get("GRAFANA_TOKEN") or None,
+                                      grafana_token_file) if grafana_url else None)
         service = Daemon(config)
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)

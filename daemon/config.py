@@ -41,6 +41,8 @@ class DaemonConfig:
     state_dir: Path | None = None         # None: $AC_OBSERVE_STATE_DIR, $XDG_STATE_HOME/ac-observe
     history: bool = True                  # per-minute history in the store (daemon/history.py)
     history_retention_seconds: float = 8 * 86400.0
+    grafana_url: str | None = None        # alerts become annotations in this Grafana
+    grafana_token: str | None = field(default=None, repr=False)  # its service-account token
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)

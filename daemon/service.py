@@ -80,6 +80,17 @@ class Daemon:
             from ac_observe.daemon.alerts import load_alerting_config
             # AlertConfigError (a ValueError) names the file and field: fail fast.
             receivers, rules = load_alerting_config(config.alerting_file)
+        if config.grafana_url:
+            from ac_observe.daemon.webhooks import grafana_receiver
+            grafana = grafana_receiver(config.grafana_url, config.grafana_token)
+            if grafana.name in receivers:
+                raise ValueError(f"--grafana-url adds a receiver named {grafana.name!r}, and "
+                                 f"{config.alerting_file} has one: rename it")
+            receivers = {**receivers, grafana.name: grafana}
+            if not rules:
+                log.warning("--grafana-url is set but no alert rules are: nothing will be "
+                            "annotated (an alerting file with `rules: defaults` adds the "
+                            "shipped ones)")
         if receivers or rules or config.history:
             from ac_observe.daemon.store import Store
             try:

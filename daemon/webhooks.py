@@ -12,8 +12,16 @@ the same `webhook-id`, so a receiver dedupes retries by that id. Deliveries live
 store: a daemon killed mid-post posts again after the claim's lease (60 s), under the
 same id.
 
-NOTE: the sender never logs a body, a signature or a secret; a receiver is named by its
-`name`, and its URL only in the status it came from (the alerting file).
+A receiver of format `grafana` is a Grafana (its base URL): each transition becomes an
+annotation (`POST /api/annotations`, a service-account token as bearer), a point when the
+alert fires and a region from start to end when it resolves, tagged `ac-observe`, the
+status and every label as `name:value`, so the generated dashboards' "ac-observe alerts"
+annotation query shows them on every board. Grafana has no idempotency key: before a retry
+the sender looks for the annotation an unanswered earlier attempt may have left (same
+tags, time and text) and counts it delivered instead of posting a second.
+
+NOTE: the sender never logs a body, a signature, a token or a secret; a receiver is named by
+its `name`, and its URL only in the status it came from (the alerting file).
 """
 from __future__ import annotations
 
@@ -35,7 +43,8 @@ from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Delive
 
 log = logging.getLogger("ac_observe.daemon.webhooks")
 
-FORMATS = ("alertmanager", "slack")
+FORMATS = ("alertmanager", "slack", "grafana")
+ANNOTATION_TAG = "ac-observe"  # every Grafana annotation carries it; the dashboards filter on it
 ZERO_TIME = "0001-01-01T00:00:00Z"  # Alertmanager's endsAt of an alert still firing
 
 
@@ -50,6 +59,7 @@ class Receiver:
     format: str = "alertmanager"
     secret: str | None = field(default=None, repr=False)  # standardwebhooks "whsec_..."
     timeout_seconds: float = 10.0
+    token: str | None = field(default=None, repr=False)   # grafana: bearer token
 
     def signer(self):
         if self.secret is None:
@@ -75,27 +85,38 @@ def _check_url(url: str, where: str) -> str:
     return url.strip()
 
 
-def _secret(entry: dict, where: str) -> str | None:
-    given = [key for key in ("secret", "secret_file", "secret_env") if key in entry]
+def _credential(entry: dict, where: str, key: str) -> tuple[str, str] | None:
+    """(field given, value) of `key`, `key_file` or `key_env` (at most one), or None."""
+    given = [k for k in (key, f"{key}_file", f"{key}_env") if k in entry]
     if len(given) > 1:
-        raise AlertConfigError(f"{where}: give one of secret, secret_file, secret_env")
+        raise AlertConfigError(f"{where}: give one of {key}, {key}_file, {key}_env")
     if not given:
         return None
-    key = given[0]
-    value = entry[key]
+    name = given[0]
+    value = entry[name]
     if not isinstance(value, str) or not value.strip():
-        raise AlertConfigError(f"{where}.{key}: must be a non-empty string")
-    if key == "secret_file":
+        raise AlertConfigError(f"{where}.{name}: must be a non-empty string")
+    if name.endswith("_file"):
         try:
-            secret = Path(value).read_text().strip()
+            read = Path(value).read_text().strip()
         except OSError as exc:
-            raise AlertConfigError(f"{where}.secret_file: {exc.strerror}: {value}") from None
-    elif key == "secret_env":
-        secret = os.environ.get(value, "").strip()
-        if not secret:
-            raise AlertConfigError(f"{where}.secret_env: ${value} is unset or empty")
-    else:
-        secret = value.strip()
+            raise AlertConfigError(f"{where}.{name}: {exc.strerror}: {value}") from None
+        if not read:
+            raise AlertConfigError(f"{where}.{name}: the file is empty: {value}")
+        return name, read
+    if name.endswith("_env"):
+        read = os.environ.get(value, "").strip()
+        if not read:
+            raise AlertConfigError(f"{where}.{name}: ${value} is unset or empty")
+        return name, read
+    return name, value.strip()
+
+
+def _secret(entry: dict, where: str) -> str | None:
+    given = _credential(entry, where, "secret")
+    if given is None:
+        return None
+    key, secret = given
     from standardwebhooks.webhooks import Webhook
     try:
         Webhook(secret)
@@ -105,6 +126,16 @@ def _secret(entry: dict, where: str) -> str | None:
     if len(Webhook(secret)._whsecret) < 24:
         raise AlertConfigError(f"{where}.{key}: the secret is shorter than 24 bytes")
     return secret
+
+
+def _token(entry: dict, where: str) -> str | None:
+    given = _credential(entry, where, "token")
+    if given is None:
+        return None
+    key, token = given
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise AlertConfigError(f"{where}.{key}: a token is one line without spaces")
+    return token
 
 
 def parse_receivers(raw, source: str) -> dict[str, Receiver]:
@@ -119,7 +150,8 @@ def parse_receivers(raw, source: str) -> dict[str, Receiver]:
         if not isinstance(entry, dict):
             raise AlertConfigError(f"{where}: must be a mapping")
         unknown = set(entry) - {"name", "url", "format", "secret", "secret_file",
-                                "secret_env", "timeout_seconds"}
+                                "secret_env", "token", "token_file", "token_env",
+                                "timeout_seconds"}
         if unknown:
             raise AlertConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
         name = entry.get("name")
@@ -135,9 +167,27 @@ def parse_receivers(raw, source: str) -> dict[str, Receiver]:
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or \
                 not 0 < timeout <= 300:
             raise AlertConfigError(f"{where}.timeout_seconds: a number in (0, 300]")
+        # Grafana is reached with a token and posts no signature; a webhook the reverse.
+        unused = "secret" if fmt == "grafana" else "token"
+        wrong = [k for k in entry if k.startswith(unused)]
+        if wrong:
+            raise AlertConfigError(f"{where}.{wrong[0]}: format {fmt} takes no {unused} "
+                                   f"(a grafana receiver takes a token, a webhook a secret)")
         receivers[name] = Receiver(name, _check_url(entry.get("url"), f"{where}.url"), fmt,
-                                   _secret(entry, where), float(timeout))
+                                   _secret(entry, where), float(timeout),
+                                   _token(entry, where))
     return receivers
+
+
+def grafana_receiver(url: str, token: str | None, name: str = "grafana") -> Receiver:
+    """The receiver the daemon's --grafana-url stands for: annotations in that Grafana."""
+    url = _check_url(url, "--grafana-url")
+    if token is not None:
+        token = token.strip()
+        if not token or any(c.isspace() or not c.isprintable() for c in token):
+            raise AlertConfigError("the Grafana token is empty or not one line without "
+                                   "spaces")
+    return Receiver(name, url, "grafana", token=token)
 
 
 def load_alerting(path: str | os.PathLike) -> dict[str, Receiver]:
@@ -239,9 +289,31 @@ def slack_body(alerts: list[Alert]) -> dict:
     return {"text": "\n".join(lines)}
 
 
+def grafana_annotation(alerts: list[Alert]) -> dict:
+    """A Grafana annotation (`POST /api/annotations`) of one alert's transition: a point at
+    its start when it fires, a region from start to end when it resolves."""
+    if len(alerts) != 1:
+        raise ValueError("a Grafana annotation is one alert's transition")
+    alert, = alerts
+    name = alert.labels.get("alertname", "alert")
+    text = f"{alert.status.upper()}: {alert.annotations.get('summary') or name}"
+    if alert.annotations.get("description"):
+        text += "\n" + alert.annotations["description"]
+    body = {"time": int(round(alert.starts_at * 1000)),
+            "tags": [ANNOTATION_TAG, alert.status,
+                     f"fingerprint:{fingerprint(alert.labels)}"]
+            + [f"{k}:{v}" for k, v in sorted(alert.labels.items())],
+            "text": text}
+    if alert.status == "resolved" and alert.ends_at is not None:
+        body["timeEnd"] = int(round(alert.ends_at * 1000))
+    return body
+
+
 def body_for(receiver: Receiver, alerts: list[Alert], external_url: str) -> dict:
     if receiver.format == "slack":
         return slack_body(alerts)
+    if receiver.format == "grafana":
+        return grafana_annotation(alerts)
     return alertmanager_body(receiver.name, alerts, external_url)
 
 
@@ -296,6 +368,21 @@ class Backoff:
 
 
 OUTCOMES = ("delivered", "retried", "failed", "disabled")
+
+
+def _holds(found: httpx.Response, annotation: dict) -> bool:
+    """Whether Grafana's find-annotations answer holds `annotation` already."""
+    try:
+        items = found.json()
+    except ValueError:
+        return False
+    want_end = annotation.get("timeEnd", annotation["time"])
+    return isinstance(items, list) and any(
+        isinstance(item, dict) and item.get("time") == annotation["time"]
+        and item.get("timeEnd", item.get("time")) == want_end
+        and item.get("text") == annotation["text"]
+        and set(annotation["tags"]) <= set(item.get("tags") or ())
+        for item in items)
 
 
 class WebhookSender:
@@ -372,10 +459,7 @@ class WebhookSender:
         status = error = None
         wait = None
         try:
-            response = self._client.post(receiver.url, content=delivery.body.encode(),
-                                         headers=signed_headers(receiver, delivery.id,
-                                                                delivery.body, now),
-                                         timeout=receiver.timeout_seconds)
+            response = self._send(receiver, delivery, now)
             status = response.status_code
             wait = retry_after(response.headers.get("retry-after"), now)
         except httpx.HTTPError as exc:
@@ -407,6 +491,29 @@ class WebhookSender:
         self._count(receiver.name, "retried")
         log.info("webhook delivery %s to %s: %s; next try in %.1f s", delivery.id,
                  receiver.name, error, delay)
+
+    def _send(self, receiver: Receiver, delivery: Delivery, now: float) -> httpx.Response:
+        if receiver.format != "grafana":
+            return self._client.post(receiver.url, content=delivery.body.encode(),
+                                     headers=signed_headers(receiver, delivery.id,
+                                                            delivery.body, now),
+                                     timeout=receiver.timeout_seconds)
+        api = receiver.url.rstrip("/") + "/api/annotations"
+        headers = {"content-type": "application/json", "user-agent": "ac-observe"}
+        if receiver.token:
+            headers["authorization"] = f"Bearer {receiver.token}"
+        if delivery.attempts:  # an unanswered earlier attempt may have landed
+            annotation = json.loads(delivery.body)
+            found = self._client.get(api, headers=headers, timeout=receiver.timeout_seconds,
+                                     params={"from": annotation["time"],
+                                             "to": annotation.get("timeEnd",
+                                                                  annotation["time"]),
+                                             "tags": annotation["tags"], "type": "annotation",
+                                             "limit": 100})
+            if found.status_code == 200 and _holds(found, annotation):
+                return found
+        return self._client.post(api, content=delivery.body.encode(), headers=headers,
+                                 timeout=receiver.timeout_seconds)
 
     def _count(self, receiver: str, outcome: str) -> None:
         key = (receiver, outcome)

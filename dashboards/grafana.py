@@ -303,7 +303,8 @@ def build(board: Board) -> dict:
     from grafana_foundation_sdk.builders import stat as sdk_stat
     from grafana_foundation_sdk.builders import table as sdk_table
     from grafana_foundation_sdk.builders import timeseries as sdk_timeseries
-    from grafana_foundation_sdk.builders.dashboard import Dashboard, QueryVariable, Row
+    from grafana_foundation_sdk.builders.dashboard import (AnnotationQuery, AnnotationTarget,
+                                                           Dashboard, QueryVariable, Row)
     from grafana_foundation_sdk.builders.prometheus import Dataquery
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos
@@ -317,7 +318,8 @@ def build(board: Board) -> dict:
               .include_all(True).all_value(".*").refresh(2).sort(1))
     dashboard = (Dashboard(board.title).uid(board.uid).description(board.description)
                  .tags(["ac-observe", "generated"]).refresh("10s").time("now-1h", "now")
-                 .timezone("browser").editable().with_variable(engine))
+                 .timezone("browser").editable().with_variable(engine)
+                 .annotations(annotation_queries(AnnotationQuery, AnnotationTarget)))
     y, next_id = 0, 1
     for title, panels in board.rows:
         dashboard = dashboard.with_row(Row(title).id(next_id).grid_pos(
@@ -345,6 +347,26 @@ def build(board: Board) -> dict:
             row_height = max(row_height, panel.height)
         y += row_height
     return json.loads(JSONEncoder(sort_keys=True).encode(dashboard.build()))
+
+
+# Grafana's own annotation store, where the daemon's `grafana` receiver writes.
+GRAFANA_BUILTIN = {"type": "grafana", "uid": "-- Grafana --"}
+
+
+def annotation_queries(query, target) -> list:
+    """Grafana's built-in annotations, and the alert transitions the daemon marks (every
+    annotation tagged `ac-observe`, from a receiver of format grafana or --grafana-url)."""
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
+    from ac_observe.daemon.webhooks import ANNOTATION_TAG
+    builtin = DataSourceRef(type_val=GRAFANA_BUILTIN["type"], uid=GRAFANA_BUILTIN["uid"])
+    return [
+        query().name("Annotations & Alerts").datasource(builtin).enable(True).hide(True)
+        .icon_color("rgba(0, 211, 255, 1)").type("dashboard").built_in(1),
+        query().name("ac-observe alerts").datasource(builtin).enable(True).hide(False)
+        .icon_color("red").target(target().type("tags").tags([ANNOTATION_TAG])
+                                  .match_any(False).limit(100)),
+    ]
 
 
 def queries(model: dict) -> list[tuple[str, str]]:

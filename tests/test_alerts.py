@@ -166,6 +166,46 @@ def test_states_for_resolution_and_outbox_rows_written_with_the_transition(tmp_p
     again.close()
 
 
+def test_with_a_grafana_url_alerts_are_marked_on_the_dashboards(tmp_path):
+    """`--grafana-url`: every transition of a rule becomes an annotation in that Grafana,
+    tagged for the dashboards' `ac-observe alerts` query, beside the file's receivers."""
+    from support.grafana import Grafana
+    grafana, gauges = Grafana("glsa_k"), _Gauges()
+    try:
+        daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                     interval_seconds=1.0, window_seconds=600,
+                                     alerting_file=_write(tmp_path, RULES, receivers=False),
+                                     state_dir=tmp_path / "state", alert_interval_seconds=1.0,
+                                     grafana_url=grafana.url, grafana_token="glsa_k"),
+                        collectors=[gauges])
+        t0 = float(int(time.time()))  # (history is kept 8 days back from the clock)
+        for t in range(0, 16):
+            gauges.values["e1"] = 0.95 if 2 <= t < 10 else 0.5
+            daemon.run_cycle(now=t0 + t)
+        assert daemon.webhooks.run_once() == 2
+        daemon.close()
+        fired, resolved = grafana.annotations
+        # Pending from t=2, firing (its start) at t=6 (`for: 4s`), resolved at the second
+        # miss (t=11).
+        assert (fired["time"], fired["timeEnd"]) == (int(t0 + 6) * 1000,) * 2
+        assert (resolved["time"], resolved["timeEnd"]) == (int(t0 + 6) * 1000,
+                                                          int(t0 + 11) * 1000)
+        assert {"ac-observe", "firing", "alertname:KvUsageHigh", "engine:e1",
+                "team:infra"} <= set(fired["tags"])
+        assert fired["text"].startswith("FIRING: KV 95 % on engine=e1")
+        assert "resolved" in resolved["tags"] and resolved["text"].startswith("RESOLVED: ")
+        assert {h["authorization"] for _, _, h in grafana.requests} == {"Bearer glsa_k"}
+    finally:
+        grafana.close()
+    # A file receiver already named `grafana` is a clash, named as such.
+    path = tmp_path / "clash.yaml"
+    path.write_text(f"receivers:\n  - {{name: grafana, url: 'http://h/', secret: '{SECRET}'}}"
+                    "\nrules: defaults\n")
+    with pytest.raises(ValueError, match="--grafana-url adds a receiver named 'grafana'"):
+        Daemon(DaemonConfig(telemetry_root=tmp_path / "t", alerting_file=path,
+                            state_dir=tmp_path / "state", grafana_url="http://g:3000"))
+
+
 def test_no_data_changes_nothing(tmp_path):
     gauges = _Gauges()
     daemon = _daemon(tmp_path, _write(tmp_path, RULES, receivers=False), gauges)

@@ -22,6 +22,7 @@ import yaml
 from ac_observe import metrics as m
 from ac_observe.dashboards import generate, grafana, promql
 from ac_observe.daemon.alerts import default_rules, parse_rules
+from support.grafana import Grafana
 from support.servers import AC_OBSERVE, DaemonProcess, EngineServer, run_cli, wait_for
 from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of
 from test_webhooks import SECRET, _Receiver
@@ -94,6 +95,29 @@ def test_the_drift_board_has_a_panel_per_shipped_rule_with_its_baseline():
         assert len(exprs) == 2, rule.name
         if rule.comparison not in ("above", "below"):
             assert "offset" in exprs[1], (rule.name, exprs[1])  # the baseline, back in time
+
+
+def test_every_board_shows_the_alert_annotations_the_daemon_writes():
+    """Each board queries Grafana's annotation store for the tag every annotation of the
+    daemon's grafana receiver carries (and keeps Grafana's built-in one)."""
+    from ac_observe.daemon.webhooks import ANNOTATION_TAG, Alert, grafana_annotation
+    written = grafana_annotation([Alert({"alertname": "X"}, {}, "firing", 1.0)])
+    for uid, model in _models().items():
+        queries = {q["name"]: q for q in model["annotations"]["list"]}
+        assert queries["Annotations & Alerts"]["builtIn"] == 1, uid
+        ours = queries["ac-observe alerts"]
+        assert ours["enable"] and ours["datasource"] == grafana.GRAFANA_BUILTIN, uid
+        assert ours["target"]["type"] == "tags" and not ours["target"]["matchAny"]
+        assert set(ours["target"]["tags"]) <= set(written["tags"]), uid
+        assert ANNOTATION_TAG in ours["target"]["tags"]
+
+
+def test_the_daemon_refuses_a_bad_grafana_url_or_token_file(tmp_path):
+    out = run_cli("daemon", "--grafana-url", "ftp://grafana:3000")
+    assert out.returncode == 2 and "--grafana-url: ftp scheme: use http or https" in out.stderr
+    out = run_cli("daemon", "--grafana-url", "http://grafana:3000", "--grafana-token-file",
+                  str(tmp_path / "missing"))
+    assert out.returncode == 2 and f"cannot read the token file {tmp_path}/missing" in out.stderr
 
 
 # ----- promtool -------------------------------------------------------------------------------
@@ -346,67 +370,8 @@ def test_every_panel_query_returns_data(stack):
 
 # ----- dashboards push ---------------------------------------------------------------------
 
-class _Grafana:
-    """Grafana's HTTP API as far as `dashboards push` uses it (folders, dashboards/db):
-    Grafana itself cannot be had on these machines. Records what it is sent."""
-
-    def __init__(self, token: str):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        owner, self.token = self, token
-        self.folders: dict[str, str] = {}
-        self.dashboards: list[dict] = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _authorized(self):
-                if self.headers.get("authorization") != f"Bearer {owner.token}":
-                    self._answer(401, {"message": "Unauthorized"})
-                    return False
-                return True
-
-            def do_GET(self):
-                if not self._authorized():
-                    return
-                uid = self.path.rsplit("/", 1)[-1]
-                if self.path.startswith("/api/folders/") and uid in owner.folders:
-                    return self._answer(200, {"uid": uid, "title": owner.folders[uid]})
-                self._answer(404, {"message": "folder not found"})
-
-            def do_POST(self):
-                if not self._authorized():
-                    return
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                if self.path == "/api/folders":
-                    owner.folders[body["uid"]] = body["title"]
-                    return self._answer(200, {"uid": body["uid"], "title": body["title"]})
-                if self.path == "/api/dashboards/db":
-                    owner.dashboards.append(body)
-                    uid = body["dashboard"]["uid"]
-                    return self._answer(200, {"status": "success", "uid": uid,
-                                              "url": f"/d/{uid}/x"})
-                self._answer(404, {"message": "not found"})
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_dashboards_push_uploads_every_board_into_its_folder_pointed_at_a_datasource():
-    grafana_api = _Grafana("glsa_test")
+    grafana_api = Grafana("glsa_test")
     try:
         env = {**os.environ, "GRAFANA_TOKEN": "glsa_test"}
         out = run_cli("dashboards", "push", "--grafana-url", grafana_api.url,

@@ -20,6 +20,7 @@ from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Store
 from ac_observe.daemon.webhooks import (AlertConfigError, Backoff, Receiver, WebhookSender,
                                         fingerprint, load_alerting, retry_after)
 
+from support.grafana import Grafana
 from support.servers import parse_metrics
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -202,6 +203,83 @@ def test_a_delivery_older_than_max_age_fails_for_good(store, receiver):
     assert sender.outcomes["ops", "failed"] == 1
 
 
+def test_a_claim_takes_one_delivery_and_leaves_the_others_due(store):
+    """Three due at once: each claim takes exactly one (on PostgreSQL an `UPDATE ... IN
+    (SELECT ... LIMIT 1 FOR UPDATE SKIP LOCKED)` claimed several and attempted one)."""
+    now = time.time()
+    ids = {store.add("ops", "firing", {"n": i}, now) for i in range(3)}
+    claimed = [store.claim_one(now, ["ops"], 60.0) for _ in range(4)]
+    assert claimed[3] is None
+    assert {d.id for d in claimed[:3]} == ids
+    assert all(store.delivery(i)["next_attempt_at"] == now + 60.0 for i in ids)
+
+
+def _grafana_sender(store, grafana, clock):
+    return WebhookSender(store, {"grafana": Receiver("grafana", grafana.url + "/", "grafana",
+                                                     token="glsa_t", timeout_seconds=2)},
+                         clock=clock, seed=1)
+
+
+def _transition(status: str, starts_at: float, ends_at: float | None = None):
+    from ac_observe.daemon.webhooks import Alert
+    return Alert(labels={"alertname": "TtftDrift", "severity": "warning", "engine": "e1"},
+                 annotations={"summary": "TTFT p99 0.9 s", "description": "baseline 0.3 s"},
+                 status=status, starts_at=starts_at, ends_at=ends_at)
+
+
+def test_alert_transitions_become_grafana_annotations(store):
+    """Firing is a point at the alert's start, resolving a region from start to end, both
+    tagged so the dashboards' `ac-observe` annotation query finds them, posted with the
+    token to Grafana's annotations API."""
+    grafana, clock = Grafana("glsa_t"), _Clock()
+    try:
+        sender = _grafana_sender(store, grafana, clock)
+        start = 1_764_000_000.25
+        sender.enqueue([_transition("firing", start)], "firing")
+        sender.enqueue([_transition("resolved", start, start + 90.5)], "resolved")
+        assert sender.run_once() == 2
+        point, region = grafana.annotations
+        tags = {"ac-observe", "alertname:TtftDrift", "severity:warning", "engine:e1",
+                "fingerprint:" + fingerprint({"alertname": "TtftDrift", "severity": "warning",
+                                              "engine": "e1"})}
+        assert (point["time"], point["timeEnd"]) == (1_764_000_000_250, 1_764_000_000_250)
+        assert set(point["tags"]) == tags | {"firing"}
+        assert point["text"] == "FIRING: TTFT p99 0.9 s\nbaseline 0.3 s"
+        assert (region["time"], region["timeEnd"]) == (1_764_000_000_250, 1_764_000_090_750)
+        assert set(region["tags"]) == tags | {"resolved"}
+        assert [(m, p) for m, p, _ in grafana.requests] == [("POST", "/api/annotations")] * 2
+        assert all(h["authorization"] == "Bearer glsa_t" for _, _, h in grafana.requests)
+        # What a board's "ac-observe alerts" query (tags: [ac-observe]) shows in the hour.
+        assert grafana.find({"tags": ["ac-observe"], "from": ["1763999000000"],
+                             "to": ["1764003000000"]}) == [point, region]
+        assert sender.outcomes["grafana", "delivered"] == 2
+    finally:
+        grafana.close()
+
+
+@pytest.mark.parametrize("first", ["lost", "500"])
+def test_a_retried_annotation_is_never_posted_twice(store, first):
+    """An attempt whose answer never came may have landed: the retry finds it and stops;
+    one that Grafana refused is posted again. Either way Grafana holds exactly one."""
+    grafana, clock = Grafana("glsa_t"), _Clock()
+    try:
+        sender = _grafana_sender(store, grafana, clock)
+        (delivery_id,) = sender.enqueue([_transition("firing", clock.now)], "firing")
+        grafana.mode = first
+        sender.run_once()
+        assert store.delivery(delivery_id)["state"] == PENDING
+        assert len(grafana.annotations) == (1 if first == "lost" else 0)
+        grafana.mode = "ok"
+        clock.now = store.delivery(delivery_id)["next_attempt_at"]
+        assert sender.run_once() == 1
+        assert store.delivery(delivery_id)["state"] == DELIVERED
+        assert len(grafana.annotations) == 1
+        methods = [m for m, _, _ in grafana.requests]
+        assert methods == (["POST", "GET"] if first == "lost" else ["POST", "GET", "POST"])
+    finally:
+        grafana.close()
+
+
 def test_retry_after_forms():
     assert retry_after("30", 1000.0) == 30.0
     assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 1445412480.0 - 10) == \
@@ -260,6 +338,14 @@ def test_killed_mid_post_the_delivery_still_arrives_once_under_its_id(store, rec
      "receivers[0] (a).secret_env: $AC_TEST_UNSET_VAR is unset"),
     ("receivers:\n  - {name: a, url: 'http://h/', format: teams}\n",
      "receivers[0] (a).format: 'teams' is not one of"),
+    (f"receivers:\n  - {{name: g, url: 'http://h/', format: grafana, secret: '{SECRET}'}}\n",
+     "receivers[0] (g).secret: format grafana takes no secret"),
+    ("receivers:\n  - {name: a, url: 'http://h/', token: glsa_x}\n",
+     "receivers[0] (a).token: format alertmanager takes no token"),
+    ("receivers:\n  - {name: g, url: 'http://h/', format: grafana, token: 'a b'}\n",
+     "receivers[0] (g).token: a token is one line without spaces"),
+    ("receivers:\n  - {name: g, url: 'http://h/', format: grafana, token_file: /nonexistent/t}\n",
+     "receivers[0] (g).token_file: No such file or directory: /nonexistent/t"),
     ("receivers:\n  - {name: a, url: 'http://h/', retries: 3}\n",
      "receivers[0]: unknown field 'retries'"),
     ("receivers: {name: a}\n", "receivers: must be a list"),
