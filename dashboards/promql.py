@@ -30,6 +30,11 @@ import math
 from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec
 
 SAME_HOUR_SPAN_SECONDS = 3600.0
+# The daemon resolves an alert at the second evaluation in a row without its condition (one
+# odd sample never resolves it); Prometheus at the first, unless told to keep firing. At the
+# shipped 5 s evaluation interval (the daemon's --alert-interval), one interval of
+# keep_firing_for (Prometheus >= 2.42) is the daemon's rule.
+KEEP_FIRING_SECONDS = 5.0
 # Prometheus' target label: an alert rule keeps it, so each node's daemon is its own series
 # (as each daemon evaluates its own), where the dashboards sum over nodes.
 INSTANCE = "instance"
@@ -243,6 +248,7 @@ def alert_rule(rule) -> dict:
     entry = {"alert": rule.name, "expr": rule_expr(rule)}
     if rule.for_seconds:
         entry["for"] = duration(rule.for_seconds)
+    entry["keep_firing_for"] = duration(KEEP_FIRING_SECONDS)
     entry["labels"] = {**rule.labels, "severity": rule.severity}
     measure = ("a share of the baseline" if rule.comparison.startswith("relative")
                else f"in {unit(rule)}" if unit(rule) else "")
