@@ -15,6 +15,7 @@ without bound.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import stat
 import time
@@ -388,9 +389,28 @@ def _check_key(key: str, expected: dict[str, str]) -> _Entry | str:
     return _Entry(family, sample, ordered, le, sample_labels, dict(ordered))
 
 
+# Every bound of each histogram family, +Inf last: a series exposes all of them (the
+# writer stores only the buckets that were hit; Prometheus' histogram_quantile answers NaN
+# for a series without its +Inf bucket).
+_BOUNDS = {spec.family: sorted({float(b) for b in spec.buckets} | {math.inf})
+           for spec in ENGINE_METRICS if spec.type == HISTOGRAM}
+_BUCKET_LABELS: dict[tuple, list[dict]] = {}  # (family, labels) -> a label dict per bound
+
+
+def _bucket_labels(family: str, labels: tuple, count_labels: dict) -> list[dict]:
+    key = (family, labels)
+    cached = _BUCKET_LABELS.get(key)
+    if cached is None:
+        if len(_BUCKET_LABELS) > 200_000:  # label churn: start over rather than grow
+            _BUCKET_LABELS.clear()
+        cached = _BUCKET_LABELS[key] = [{**count_labels, "le": floatToGoString(bound)}
+                                        for bound in _BOUNDS[family]]
+    return cached
+
+
 def _merge(families: dict[str, Metric], samples: list) -> None:
     """Add one engine's checked samples to the exposition's families."""
-    buckets: dict[tuple, list] = {}
+    buckets: dict[tuple, dict] = {}
     for entry, value in samples:
         metric = families.get(entry.family)
         if metric is None:
@@ -399,17 +419,16 @@ def _merge(families: dict[str, Metric], samples: list) -> None:
         if entry.le is None:
             metric.add_sample(entry.sample, entry.sample_labels, value)
         else:
-            buckets.setdefault((entry.family, entry.labels), []).append((entry.le, value,
-                                                                         entry))
-    for (family, _), counts in buckets.items():
+            per_bound = buckets.get((entry.family, entry.labels))
+            if per_bound is None:
+                per_bound = buckets[(entry.family, entry.labels)] = {None: entry}
+            per_bound[entry.le] = per_bound.get(entry.le, 0.0) + value
+    for (family, labels), per_bound in buckets.items():
         metric = families[family]
-        counts.sort(key=_by_bound)
+        entry = per_bound[None]
         total = 0.0
-        for _, value, entry in counts:
-            total += value  # stored per bucket; exposed cumulative
-            metric.add_sample(entry.sample, entry.sample_labels, total)
-        metric.add_sample(f"{family}_count", counts[0][2].count_labels, total)
-
-
-def _by_bound(item: tuple) -> float:
-    return item[0]
+        for bound, sample_labels in zip(_BOUNDS[family],
+                                        _bucket_labels(family, labels, entry.count_labels)):
+            total += per_bound.get(bound, 0.0)  # stored per bucket; exposed cumulative
+            metric.add_sample(f"{family}_bucket", sample_labels, total)
+        metric.add_sample(f"{family}_count", entry.count_labels, total)

@@ -156,14 +156,20 @@ class TelemetryWriter:
             self._values[key] = value
             self._files[GAUGE].write(key, value, time.time())
 
+    def _histogram_keys(self, spec: MetricSpec, labels: dict) -> tuple:
+        """A histogram series' keys; its first touch writes every bucket (and the sum) at 0,
+        as prometheus_client does, so any reader sees all bounds, +Inf included."""
+        sum_key, bucket_keys = self._sample_keys(spec, labels)
+        if sum_key not in self._values:
+            for key in (sum_key, *bucket_keys):
+                self._add(HISTOGRAM, key, 0.0)
+        return sum_key, bucket_keys
+
     def observe(self, spec: MetricSpec, value: float | None, **labels) -> None:
         """Add one observation (None only declares the series)."""
         with self._lock:
-            sum_key, bucket_keys = self._sample_keys(spec, labels)
+            sum_key, bucket_keys = self._histogram_keys(spec, labels)
             if value is None:
-                self._add(HISTOGRAM, sum_key, 0.0)
-                for key in bucket_keys:
-                    self._add(HISTOGRAM, key, 0.0)
                 return
             index = bisect.bisect_left(spec.buckets, value)
             self._add(HISTOGRAM, bucket_keys[index], 1.0)
@@ -180,7 +186,7 @@ class TelemetryWriter:
         if not counts:
             return
         with self._lock:
-            sum_key, bucket_keys = self._sample_keys(spec, labels)
+            sum_key, bucket_keys = self._histogram_keys(spec, labels)
             for index, count in counts.items():
                 self._add(HISTOGRAM, bucket_keys[index], float(count))
             self._add(HISTOGRAM, sum_key, total)

@@ -116,3 +116,40 @@ def test_daemon_reader_equals_multiprocess_collector_across_restarts_and_dead_pi
     assert ours[("ac_requests_total", labels)] == 6
     running = (("engine", "e1"), ("model", "m1"), ("stream", "throughput"))
     assert ours[("ac_requests_running", running)] == 30
+
+
+def _buckets(samples: dict, family: str, label: tuple) -> list[tuple[float, float]]:
+    """(le, cumulative count) of the one series with that (name, value) label."""
+    return sorted((dict(key)["le"], value) for (name, key), value in samples.items()
+                  if name == f"{family}_bucket" and label in key)
+
+
+def test_every_histogram_series_has_every_bucket_up_to_inf(tmp_path):
+    """A series first touched by one observation (a sampled step's kernel class) still
+    shows every bound, +Inf included and equal to its count, to the daemon and to
+    MultiProcessCollector alike: without +Inf, Prometheus' histogram_quantile is NaN."""
+    from ac_observe import metrics as m
+    from ac_observe.engine.telemetry import TelemetryWriter
+    from ac_observe.metrics import HISTOGRAM
+    directory = tmp_path / "telemetry" / "e1"
+    writer = TelemetryWriter(directory, {"started_at": 0.0}, engine="e1", model="m1",
+                             heartbeat_seconds=60)
+    labels = dict(stream="throughput", phase="decode")
+    writer.observe(m.KERNEL_SECONDS, 0.0003, **labels, **{"class": "gemm"})
+    # An engine of an older release wrote only the buckets that were hit: the daemon
+    # still exposes them all.
+    _, keys = writer._sample_keys(m.KERNEL_SECONDS, {**labels, "class": "rope"})
+    writer._add(HISTOGRAM, keys[2], 3.0)
+    bounds = sorted(float(b) for b in m.KERNEL_SECONDS.buckets) + [float("inf")]
+    ours = _ours(directory.parent)
+    for klass, count, first in (("gemm", 1.0, 0.0003), ("rope", 3.0, bounds[2])):
+        got = _buckets(ours, "ac_kernel_seconds", ("class", klass))
+        assert [le for le, _ in got] == bounds, klass
+        assert got == [(le, count if le >= first else 0.0) for le in bounds], klass
+        assert ours[("ac_kernel_seconds_count", tuple(sorted(
+            {"engine": "e1", "model": "m1", **labels, "class": klass}.items())))] == count
+    theirs = _multiprocess_collector(sorted(COMPAT_WHEELS.glob("prometheus_client-*.whl"))[-1],
+                                     directory)
+    assert _buckets(theirs, "ac_kernel_seconds", ("class", "gemm")) == \
+        _buckets(ours, "ac_kernel_seconds", ("class", "gemm"))
+    writer.close()
