@@ -43,6 +43,11 @@ class Board:
     rows: list[tuple[str, list[Panel]]] = field(default_factory=list)
 
 
+# Families observed now and then (a sampled step, an eviction) are read over a longer
+# window, so a quiet minute draws a line, not a gap of 0 / 0.
+SPARSE = "5m"
+
+
 def stat(name: str, statistic: str, by: tuple[str, ...] | None = None, window: str = RANGE,
          **kw) -> str:
     return promql.statistic_expr(FRIENDLY[name], statistic, window, by=by, regex=ENGINE, **kw)
@@ -154,11 +159,14 @@ def kv_and_prompts() -> Board:
                 (rate_by(m.PREEMPTIONS, ("engine",)), "preempted requests {{engine}}"),
             ], "short"),
             Panel("Unused age of evicted blocks (p50 / p95)", [
-                (stat("kv_cache_eviction_age_s", "p50", ("engine",)), "p50 {{engine}}"),
-                (stat("kv_cache_eviction_age_s", "p95", ("engine",)), "p95 {{engine}}"),
+                (stat("kv_cache_eviction_age_s", "p50", ("engine",), SPARSE), "p50 {{engine}}"),
+                (stat("kv_cache_eviction_age_s", "p95", ("engine",), SPARSE), "p95 {{engine}}"),
             ], "s", description=m.KV_EVICTION_AGE.help),
+            # The ten skeletons with the most block lookups, not the ten best hit rates.
             Panel("Hit rate of the busiest skeletons", [
-                (f"topk(10, {stat('kv_cache_hit_rate', 'mean', ('engine', 'skeleton'))})",
+                (f"{stat('kv_cache_hit_rate', 'mean', ('engine', 'skeleton'))} and on "
+                 f"(engine, skeleton) topk(10, "
+                 f"{rate_by(m.KV_QUERY_BLOCKS, ('engine', 'skeleton'))})",
                  "{{engine}} {{skeleton}}")], "percent"),
         ]),
         ("Prompts", [
@@ -207,7 +215,7 @@ def gpu_and_cuda() -> Board:
                 (gauge_by(m.STREAM_UTILIZATION, LANE, "max") + " * 100",
                  "{{engine}} {{stream}}")], "percent"),
             Panel("Kernel time by class (p95 of a sampled step)", [
-                (stat("kernel_time_ms", "p95", ("engine", "phase", "class")),
+                (stat("kernel_time_ms", "p95", ("engine", "phase", "class"), SPARSE),
                  "{{engine}} {{phase}} {{class}}")], "ms",
                   description=m.KERNEL_SECONDS.help),
             Panel("Prefill and decode step device time (p95)", [

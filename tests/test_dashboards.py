@@ -24,7 +24,7 @@ from ac_observe.dashboards import generate, grafana, promql
 from ac_observe.daemon.alerts import default_rules, parse_rules
 from support.grafana import Grafana
 from support.servers import AC_OBSERVE, DaemonProcess, EngineServer, run_cli, wait_for
-from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of
+from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of, finite
 from test_webhooks import SECRET, _Receiver
 
 BOARDS = sorted((SHIPPED / "grafana" / "dashboards").glob("*.json"))
@@ -285,20 +285,27 @@ def stack(tmp_path_factory):
     (base / "alerting.yaml").write_text(
         f"receivers:\n  - {{name: ops, url: '{daemon_hook.url}', secret: '{SECRET}'}}\n"
         "rules: defaults\n")
-    engine = EngineServer(base / "telemetry" / "e1", "--engine-name", "e1").wait_ready()
-    # nvml is down here (no GPU): CollectorDown is the alert both evaluators fire.
-    token = secrets.token_hex(16)  # the daemon asks for it, as in the stack
-    daemon = DaemonProcess(base / "telemetry", "--collectors", "engine,nvml", "--alerting",
-                           str(base / "alerting.yaml"), "--state-dir", str(base / "state"),
-                           "--alert-interval", "1s", "--token", token).wait_ready()
-    daemon.headers = {"authorization": f"Bearer {token}"}
-    stop, errors = threading.Event(), []
-    senders = [threading.Thread(target=_load, args=(engine.url, stop, errors, i), daemon=True)
-               for i in range(2)]
-    for sender in senders:
-        sender.start()
-    parts = []
+    stop, errors, senders, parts = threading.Event(), [], [], []
     try:
+        # A small KV pool, so the load evicts (the eviction-age panel), and a kernel sample
+        # every 10th step, with 5 % of wall time for them (a profiled step on CPU outlasts
+        # the default 0.5 %'s refill), for the kernel-time panel.
+        parts.append(EngineServer(base / "telemetry" / "e1", "--engine-name", "e1",
+                                  "--kv-blocks", "96", "--kernel-sample-steps", "10",
+                                  "--kernel-sample-budget", "0.05"))
+        engine = parts[-1].wait_ready()
+        # nvml is down here (no GPU): CollectorDown is the alert both evaluators fire.
+        token = secrets.token_hex(16)  # the daemon asks for it, as in the stack
+        parts.append(DaemonProcess(base / "telemetry", "--collectors", "engine,nvml",
+                                   "--alerting", str(base / "alerting.yaml"), "--state-dir",
+                                   str(base / "state"), "--alert-interval", "1s", "--token",
+                                   token))
+        daemon = parts[-1].wait_ready()
+        daemon.headers = {"authorization": f"Bearer {token}"}
+        senders = [threading.Thread(target=_load, args=(engine.url, stop, errors, i),
+                                    daemon=True) for i in range(2)]
+        for sender in senders:
+            sender.start()
         wait_for(lambda: (m.INFERENCE_LATENCY.name + "_bucket") in
                  httpx.get(daemon.url + "/metrics", headers=daemon.headers, timeout=10).text,
                  60, "engine series")
@@ -311,14 +318,12 @@ def stack(tmp_path_factory):
         wait_for(prometheus.targets_up, 30, "Prometheus to scrape the daemon")
         yield {"prometheus": prometheus, "daemon_hook": daemon_hook, "am_hook": am_hook,
                "errors": errors, "daemon": daemon}
-    finally:
+    finally:  # whatever started is stopped, newest first, even when a later part failed
         stop.set()
         for sender in senders:
             sender.join(timeout=60)
-        for part in parts:
+        for part in reversed(parts):
             part.stop()
-        daemon.stop()
-        engine.stop()
         daemon_hook.down()
         am_hook.down()
 
@@ -359,7 +364,7 @@ def test_every_panel_query_returns_data(stack):
                 hardware.append((uid, title, need))
                 continue
             query = expr.replace("$__rate_interval", "1m").replace("$engine", ".*")
-            if not prometheus.query(query):
+            if not finite(prometheus.query(query)):  # no series, or only NaN (0 / 0)
                 empty.append((uid, title, query))
     assert not empty, "panels without data:\n" + "\n".join(map(str, empty))
     assert not stack["errors"], stack["errors"][:3]
@@ -396,3 +401,4 @@ def test_dashboards_push_uploads_every_board_into_its_folder_pointed_at_a_dataso
         grafana_api.close()
     out = run_cli("dashboards", "push", "--grafana-url", grafana_api.url, env=env)
     assert out.returncode == 1 and "cannot reach Grafana" in out.stderr
+
