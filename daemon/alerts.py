@@ -449,11 +449,15 @@ class Evaluator:
     def due(self, now: float) -> bool:
         return now - self._last >= self.interval_seconds
 
-    def evaluate(self, now: float) -> None:
+    def evaluate(self, now: float, stop: threading.Event | None = None) -> None:
+        """Every rule once at `now`; a set `stop` (the daemon closing) ends it between rules,
+        so nothing is written after the store is closed."""
         self._last = now
         if self._orphans:
             self._retire_orphans(now)
         for rule in self.rules.values():
+            if stop is not None and stop.is_set():
+                return
             try:
                 values, baselines, source = self._inputs(rule, now)  # reads: no lock held
                 with self._lock:  # the HTTP threads read the instances

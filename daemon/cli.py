@@ -81,7 +81,8 @@ def daemon(
     interval: str = typer.Option("1s", help="Collection interval."),
     window: str = typer.Option("1h", help="In-memory window (every cycle) for queries; "
                                           "longer ones come from per-minute history."),
-    collectors: str = typer.Option("engine,nvml,ebpf",
+    collectors: str = typer.Option("engine,nvml,ebpf", envvar="AC_OBSERVE_COLLECTORS",
+                                   show_envvar=True,
                                    help="Enabled collectors, comma-separated."),
     ebpf_probes: str = typer.Option("", help="eBPF probe groups (default all): launch, graph, "
                                              "sync, memcpy, launch_latency."),

@@ -320,7 +320,7 @@ class Daemon:
             if self._stop.is_set():
                 break
             try:
-                self.alerts.evaluate(self._alert_now)
+                self.alerts.evaluate(self._alert_now, stop=self._stop)
             except Exception:  # the thread itself must never die
                 log.exception("alert evaluation failed")
 
@@ -345,7 +345,10 @@ class Daemon:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._alert_thread is not None:
-            self._alert_thread.join(timeout=10)
+            # It stops between rules; one rule's read can take a while (days of history).
+            self._alert_thread.join(timeout=60)
+            if self._alert_thread.is_alive():
+                log.warning("an alert rule is still being evaluated; closing the store anyway")
         if self.webhooks is not None:
             self.webhooks.stop()
         if self.history_writer is not None:

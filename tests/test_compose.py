@@ -108,8 +108,9 @@ def _context(tmp: Path) -> Path:
     wheels = [w for d in links.split() for w in glob.glob(f"{d}/torch-2.13.0*cpu*.whl")]
     for wheel in wheels[:1]:
         shutil.copy(wheel, context / "docker" / "wheels")
-    (context / "secrets").mkdir()
+    (context / "secrets").mkdir(mode=0o700)  # as the README says
     (context / "secrets" / "ac-observe.token").write_text(secrets.token_hex(32) + "\n")
+    (context / "secrets" / "ac-observe.token").chmod(0o644)
     return context
 
 
@@ -132,6 +133,8 @@ def stack(dockerd, tmp_path_factory):
     env = {**os.environ, "AC_BASE_IMAGE": BASE, "AC_OBSERVE_IMAGE": IMAGE,
            "AC_TORCH_SPEC": "torch==2.13.0+cpu", "AC_TORCH_INDEX_URL": "https://pypi.org/simple",
            "AC_PIP_CERT": "docker/ca.pem", "AC_WITH_BCC": "0",
+           # The forced alert: NVML collected on a machine without a GPU is down.
+           "AC_COLLECTORS": "engine,nvml",
            "AC_ALERT_WEBHOOK_URL": f"http://host.docker.internal:{hook.port}/hook",
            **{f"AC_{name}_PORT": str(port) for name, port in ports.items()}}
     # The test's override: Prometheus and Alertmanager from the offline base (Debian's

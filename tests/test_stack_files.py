@@ -58,6 +58,11 @@ def test_compose_wiring():
     assert (REPO / "dashboards" / "grafana" / "dashboards" / Path(home).name).is_file()
     # The GPU override reserves the GPUs for the engine and the daemon.
     gpu = yaml.safe_load((REPO / "docker-compose.gpu.yml").read_text())["services"]
+    # ... and collects NVML and eBPF there, where the CPU stack collects the engine alone
+    # (no CollectorDown for what cannot exist without a GPU).
+    assert daemon["environment"]["AC_OBSERVE_COLLECTORS"] == "${AC_COLLECTORS:-engine}"
+    assert gpu["daemon"]["environment"]["AC_OBSERVE_COLLECTORS"] == \
+        "${AC_COLLECTORS:-engine,nvml,ebpf}"
     for name in ("engine", "daemon"):
         (device,) = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
