@@ -6,6 +6,7 @@ Prometheus Operator's kinds by promtool and by their selectors)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,35 @@ def test_kubernetes_manifests_validate_for_their_version(tmp_path):
     assert monitor["endpoints"][0]["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
     daemonset = kinds["DaemonSet"]["spec"]["template"]["spec"]
     assert daemonset["hostPID"] is True
+
+
+@pytest.mark.parametrize("url, refused", [
+    ("https://hooks.example.com/x?a=1&b=%2F#frag", None),
+    ("http://[::1]:9/alert", None),
+    ('https://hooks.example.com/"\n  - name: injected', "only a URL's characters"),
+    ("https://hooks.example.com/a b", "only a URL's characters"),
+    ("https://h/$(id)", "only a URL's characters"),
+    ("ftp://h/x", "an http:// or https:// URL is needed"),
+    ("", "an http:// or https:// URL is needed"),
+])
+def test_the_alertmanager_entrypoint_writes_a_checked_url_into_its_config(tmp_path, url,
+                                                                           refused):
+    """The compose service's entrypoint, run by sh here (paths moved into tmp): a URL lands
+    in the config verbatim; anything that could break out of the YAML string is refused."""
+    command = yaml.safe_load((REPO / "docker-compose.yml").read_text()
+                             )["services"]["alertmanager"]["command"][0]
+    script = (command.replace("$$", "$")
+              .replace("/etc/alertmanager/alertmanager.yml",
+                       str(REPO / "dashboards" / "alertmanager" / "alertmanager.yml"))
+              .replace("/tmp/alertmanager.yml", str(tmp_path / "out.yml")))
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "AC_ALERT_WEBHOOK_URL": url,
+                              "ALERTMANAGER_BINARY": "true"})
+    if refused:
+        assert out.returncode == 2 and refused in out.stderr, out.stderr
+        assert not (tmp_path / "out.yml").exists()
+        return
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load((tmp_path / "out.yml").read_text())
+    (hook,) = config["receivers"][0]["webhook_configs"]
+    assert hook["url"] == url
