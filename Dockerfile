@@ -12,7 +12,8 @@ FROM ${BASE_IMAGE}
 
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# A CA bundle for pip behind a TLS-intercepting proxy (a path inside the build context).
+# A CA bundle for pip behind a TLS-intercepting proxy: a file under docker/ in the build
+# context (docker/ca.pem, docker/certs/proxy.pem), named by its path from the context.
 ARG PIP_CERT=
 ARG EXTRAS=engine,postgres
 # 1: python3-bpfcc from apt for the eBPF collector (0: leave it out; the collector is then
@@ -29,9 +30,17 @@ RUN if ! python3 -c "import venv, ensurepip" 2>/dev/null; then \
         ca-certificates && rm -rf /var/lib/apt/lists/*; \
     fi
 
+# (Wheels in docker/wheels stay in this layer's history: the folder holds only what a
+# machine without an index needs, and is empty otherwise.)
 COPY docker/ /tmp/build/
-RUN python3 -m venv /opt/ac-observe \
- && export PIP_CERT="${PIP_CERT:+/tmp/build/$(basename "$PIP_CERT")}" \
+RUN case "$PIP_CERT" in ""|docker/?*) ;; *) \
+      echo "PIP_CERT=$PIP_CERT: name a file under docker/ (e.g. docker/ca.pem)" >&2; \
+      exit 2;; esac \
+ && export PIP_CERT="${PIP_CERT:+/tmp/build/${PIP_CERT#docker/}}" \
+ && if [ -n "$PIP_CERT" ] && [ ! -f "$PIP_CERT" ]; then \
+      echo "PIP_CERT: no such file in the build context's docker/ folder" >&2; exit 2; \
+    fi \
+ && python3 -m venv /opt/ac-observe \
  && pip install --find-links /tmp/build/wheels --extra-index-url "$TORCH_INDEX_URL" \
       "$TORCH_SPEC"
 
@@ -41,7 +50,7 @@ COPY engine /src/engine
 COPY daemon /src/daemon
 COPY collectors /src/collectors
 COPY dashboards /src/dashboards
-RUN export PIP_CERT="${PIP_CERT:+/tmp/build/$(basename "$PIP_CERT")}" \
+RUN export PIP_CERT="${PIP_CERT:+/tmp/build/${PIP_CERT#docker/}}" \
  && pip install "/src[${EXTRAS}]" && rm -rf /tmp/build \
  && ac-observe --version
 

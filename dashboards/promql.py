@@ -46,14 +46,16 @@ def number(value: float) -> str:
 
 
 def duration(seconds: float) -> str:
-    """A PromQL duration: whole seconds, in the largest unit that divides them."""
-    whole = int(round(seconds))
-    if whole <= 0 or abs(whole - seconds) > 1e-9:
-        raise ValueError(f"{seconds} s is not a whole number of seconds, as PromQL needs")
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if whole % size == 0:
-            return f"{whole // size}{unit}"
-    return f"{whole}s"
+    """A PromQL duration in the largest unit that divides it: whole milliseconds at least
+    (Prometheus' finest unit)."""
+    ms = int(round(seconds * 1000))
+    if ms <= 0 or abs(ms - seconds * 1000) > 1e-6:
+        raise ValueError(f"{seconds} s is not a whole number of milliseconds, as PromQL "
+                         "needs")
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
 
 
 def go_float(value: float) -> str:

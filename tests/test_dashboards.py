@@ -97,6 +97,14 @@ def test_the_drift_board_has_a_panel_per_shipped_rule_with_its_baseline():
             assert "offset" in exprs[1], (rule.name, exprs[1])  # the baseline, back in time
 
 
+def test_durations_are_promql_ones_down_to_the_millisecond():
+    assert [promql.duration(s) for s in (86400, 7200, 120, 90, 1.5, 0.25, 84750)] == \
+        ["1d", "2h", "2m", "90s", "1500ms", "250ms", "84750s"]
+    for bad in (0, -1, 0.0004):
+        with pytest.raises(ValueError, match="not a whole number of milliseconds"):
+            promql.duration(bad)
+
+
 def test_every_board_shows_the_alert_annotations_the_daemon_writes():
     """Each board queries Grafana's annotation store for the tag every annotation of the
     daemon's grafana receiver carries (and keeps Grafana's built-in one)."""
