@@ -337,8 +337,12 @@ def build(board: Board) -> dict:
             if x + panel.width > 24:
                 x, y, row_height = 0, y + row_height, 0
             built = (kinds[panel.kind]().id(next_id).title(panel.title).datasource(source)
-                     .unit(panel.unit).grid_pos(GridPos(h=panel.height, w=panel.width,
-                                                        x=x, y=y)))
+                     .grid_pos(GridPos(h=panel.height, w=panel.width, x=x, y=y)))
+            if panel.kind == "heatmap":  # the buckets' unit is the y axis'; cells count
+                built = (built.calculate(False).unit("short")
+                         .y_axis(sdk_heatmap.YAxisConfig().unit(panel.unit)))
+            else:
+                built = built.unit(panel.unit)
             if panel.description:
                 built = built.description(panel.description)
             for i, (expr, legend) in enumerate(panel.targets):

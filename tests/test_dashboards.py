@@ -97,6 +97,17 @@ def test_the_drift_board_has_a_panel_per_shipped_rule_with_its_baseline():
             assert "offset" in exprs[1], (rule.name, exprs[1])  # the baseline, back in time
 
 
+def test_heatmaps_read_prometheus_buckets_with_their_unit_on_the_y_axis():
+    units = {"Skeleton complexity": "short", "Synchronisation waits": "s"}
+    heatmaps = {p["title"]: p for model in _models().values() for p in model["panels"]
+                if p.get("type") == "heatmap"}
+    assert set(heatmaps) == set(units)
+    for title, panel in heatmaps.items():
+        assert panel["options"]["calculate"] is False  # buckets as Prometheus gives them
+        assert panel["options"]["yAxis"]["unit"] == units[title], title
+        assert all(t["format"] == "heatmap" for t in panel["targets"]), title
+
+
 def test_durations_are_promql_ones_down_to_the_millisecond():
     assert [promql.duration(s) for s in (86400, 7200, 120, 90, 1.5, 0.25, 84750)] == \
         ["1d", "2h", "2m", "90s", "1500ms", "250ms", "84750s"]
