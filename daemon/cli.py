@@ -361,6 +361,10 @@ def engine(
     fault_injection: bool = typer.Option(False, "--fault-injection",
                                          help="Serve /admin/faults (loopback only): an added "
                                               "per-step delay, forced prefix-cache misses."),
+    instrumentation: bool = typer.Option(True, "--instrumentation/--no-instrumentation",
+                                         help="Off: no telemetry, statistics, step timers, "
+                                              "kernel samples or skeleton parsing (what "
+                                              "observing costs is measured against it)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Serve the bundled engine: Anthropic Messages and OpenAI Chat Completions APIs."""
@@ -378,7 +382,12 @@ def engine(
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the demo client's per-request lines
     name = engine_name or f"engine-{port}"
-    telemetry = telemetry_dir or str(default_telemetry_root() / name)
+    telemetry = (telemetry_dir or str(default_telemetry_root() / name)) if instrumentation \
+        else None
+    if telemetry_dir and not instrumentation:
+        typer.echo("error: --telemetry-dir and --no-instrumentation: an engine without "
+                   "instrumentation writes no telemetry", err=True)
+        raise typer.Exit(2)
     try:
         config = EngineConfig(
             model=model, model_name=model_name, engine_name=name, device=device, dtype=dtype,
@@ -390,8 +399,9 @@ def engine(
             fault_injection=fault_injection,
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
             lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
-                   LaneConfig(THROUGHPUT, throughput_seqs)))
-        os.close(open_engine_dir(telemetry, wait_seconds=2))  # refuse unsafe or taken dirs
+                   LaneConfig(THROUGHPUT, throughput_seqs)), instrumentation=instrumentation)
+        if telemetry is not None:
+            os.close(open_engine_dir(telemetry, wait_seconds=2))  # refuse unsafe or taken dirs
     except (ValueError, OSError) as exc:  # UnsafeDirectory is an OSError
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

@@ -146,6 +146,10 @@ class EngineConfig:
     fault_injection: bool = False
     telemetry_dir: str | None = None  # None: no telemetry files
     api_address: str = ""
+    # False: no instrumentation at all (no telemetry, statistics, device step timers, kernel
+    # samples or skeleton parsing): the baseline that bench/instrumentation_overhead.py
+    # compares with, and the option for a user who measures the engine without us.
+    instrumentation: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -168,4 +172,7 @@ class EngineConfig:
                              "kernel_sample_budget in (0, 1]")
         if self.throughput_share < 1:
             raise ValueError("throughput_share must be >= 1")
+        if not self.instrumentation and self.telemetry_dir:
+            raise ValueError("an engine without instrumentation writes no telemetry: "
+                             "drop telemetry_dir")
 

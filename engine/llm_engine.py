@@ -25,7 +25,7 @@ from ac_observe.engine.scheduler import (NeverFitsError, QueueFullError, Schedul
                                          Scheduler)
 from ac_observe.engine.sequence import FinishReason, SamplingParams, Sequence
 from ac_observe.engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
-from ac_observe.engine.stats import EngineStats
+from ac_observe.engine.stats import EngineStats, NullStats
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
 from ac_observe.metrics import DEFAULT_LANE, MISS_REASONS, PHASE_DECODE, PHASE_PREFILL
 from ac_observe.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -193,10 +193,14 @@ class Engine:
                                  for lane, stream in self.runner.streams.items()},
             }, engine=config.engine_name, model=self.model_name)
         self.step_delay_seconds = 0.0  # fault injection (EngineConfig.fault_injection)
-        self.kernel_sampler = KernelSampler(config.kernel_sample_steps,
-                                            config.kernel_sample_budget, self.runner.device)
+        self.instrumented = config.instrumentation
+        self.kernel_sampler = KernelSampler(
+            config.kernel_sample_steps if self.instrumented else 0,
+            config.kernel_sample_budget, self.runner.device)
+        self.runner.timed = self.instrumented
         self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k,
-                                                          config.skeleton_min_count))
+                                                          config.skeleton_min_count)) \
+            if self.instrumented else NullStats()
         self.stats.on_state(self.scheduler, self.block_manager)
 
     # ----- public API -------------------------------------------------------------------
@@ -408,9 +412,10 @@ class Engine:
             flat = [{"role": m["role"], "content": _flatten(m.get("content", ""))}
                     for m in messages]
             ids = self.tokenizer.apply_chat_template(flat, _flatten(system) if system else None)
-            return ids, skeleton_of_request(system, messages)
+            return ids, (skeleton_of_request(system, messages) if self.instrumented else None)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt), skeleton_of_text(prompt)
+            return self.tokenizer.encode(prompt), (skeleton_of_text(prompt)
+                                                   if self.instrumented else None)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             vocab = self.runner.model.config.vocab_size
             if any(not 0 <= t < vocab for t in prompt):

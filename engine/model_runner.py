@@ -100,6 +100,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.streams = ({lane.name: torch.cuda.Stream(self.device) for lane in config.lanes}
                         if self.device.type == "cuda" else {})
+        self.timed = config.instrumentation  # device step timers (CUDA events)
         # CPU decode keeps each lane's batch KV contiguous (see engine/workspace.py) by
         # default; on a GPU the gather is cheap next to its memory bandwidth, and memory
         # is precious.
@@ -210,10 +211,12 @@ class ModelRunner:
                     else self.prepare_decode(batch.lane, batch.seqs))
                 # The timed window holds device work only: inputs are already queued.
                 step = PendingStep(batch, meta.workspace, time.perf_counter_ns())
-                if stream is not None:
+                if stream is not None and self.timed:
                     step.start_event, step.end_event = (torch.cuda.Event(enable_timing=True),
                                                         torch.cuda.Event(enable_timing=True))
                     step.start_event.record(stream)
+                elif stream is not None:  # not timed: an end event to wait on, no timer
+                    step.end_event = torch.cuda.Event()
                 with step_scope(batch.lane, PHASE_PREFILL if batch.is_prefill else PHASE_DECODE):
                     hidden = self.model(input_ids, positions, num_positions, meta)
                     if last_rows is not None:
@@ -239,7 +242,8 @@ class ModelRunner:
         try:
             if step.end_event is not None:
                 step.end_event.synchronize()
-                seconds = step.start_event.elapsed_time(step.end_event) / 1e3
+                seconds = (step.start_event.elapsed_time(step.end_event) / 1e3
+                           if step.start_event is not None else 0.0)
             else:
                 seconds = (step.host_end_ns - step.host_start_ns) / 1e9
             next_tokens = step.token_ids.tolist()

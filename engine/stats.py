@@ -151,3 +151,21 @@ class EngineStats:
             self.writer.set(m.REQUESTS_RUNNING, len(lane.running), stream=lane.name)
             self.writer.set(m.REQUESTS_WAITING, len(lane.waiting), stream=lane.name)
 
+
+
+class NullStats(EngineStats):
+    """An engine without instrumentation: every event is dropped unlooked-at."""
+
+    def __init__(self):
+        super().__init__(None, SkeletonLabeler(0, 1))
+
+    def on_rejected(self, lane): pass
+    def on_accepted(self, seq): pass
+    def on_step(self, lane, phase, device_seconds, start_ns, end_ns): pass
+    def on_kernel_sample(self, found): pass
+    def on_first_scheduled(self, seq, block_size): pass
+    def on_token(self, seq, previous_token_ns): pass
+    def on_first_text(self, seq): pass
+    def on_finished(self, seq): pass
+    def on_state(self, scheduler, block_manager): pass
+    def on_gauges(self, scheduler, block_manager): pass

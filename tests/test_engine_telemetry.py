@@ -100,3 +100,36 @@ def test_restarted_engine_counters_stay_monotonic(tmp_path):
     families = _read_in_other_process(tmp_path)
     assert _value(families, "ac_requests", "ac_requests_total", status="ok") == 2
     assert _value(families, "ac_generation_tokens", "ac_generation_tokens_total") == 4
+
+
+def test_without_instrumentation_the_engine_answers_the_same_and_records_nothing(
+        tmp_path, monkeypatch):
+    """The baseline of the overhead benchmark: the same tokens, and nothing observed (no
+    telemetry files, statistics, kernel samples or skeletons)."""
+    import pytest
+
+    from ac_observe.engine import llm_engine
+    from ac_observe.engine.stats import NullStats
+    parsed, real = [], llm_engine.skeleton_of_request
+    monkeypatch.setattr(llm_engine, "skeleton_of_request",
+                        lambda *a: parsed.append(a) or real(*a))
+    outputs = {}
+    for on in (True, False):
+        directory = tmp_path / f"on-{on}"
+        config = EngineConfig(telemetry_dir=str(directory) if on else None,
+                              instrumentation=on, kernel_sample_steps=1,
+                              kernel_sample_budget=1.0)
+        with Engine(config) as engine:
+            outputs[on] = [o.new_token_ids for o in _workload(engine, n=8)]
+            stats, lanes, sampler = engine.stats, dict(engine.stats.lanes), engine.kernel_sampler
+            seqs_parsed = len(parsed)
+            parsed.clear()
+        if on:
+            assert lanes and seqs_parsed == 8 and directory.is_dir()
+        else:
+            assert isinstance(stats, NullStats) and lanes == {} and seqs_parsed == 0
+            assert sampler.every_steps == 0
+            assert not directory.exists()
+    assert outputs[True] == outputs[False] and all(outputs[True])
+    with pytest.raises(ValueError, match="writes no telemetry"):
+        EngineConfig(telemetry_dir=str(tmp_path), instrumentation=False)
