@@ -3,11 +3,15 @@
 Two sizes: one engine's worth of series (what the demo produces) and about 10,000 series
 (26 engines). Engines are stood in for by their telemetry files, written with the engine's
 own TelemetryWriter and filled with observations, so the daemon reads the real format.
-Usage: python bench/daemon_cost.py [--cycles 60] [--scrapes 300]
+/metrics is scraped by 1 client and by 50 at once (each scraper in its own thread, the
+daemon cycling underneath), p50/p99 over every scrape.
+Usage: python bench/daemon_cost.py [--cycles 60] [--scrapes 300] [--json]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import threading
 import random
 import resource
 import statistics
@@ -46,7 +50,8 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(num_engines: int, cycles: int, scrapes: int) -> dict:
+def measure(num_engines: int, cycles: int, scrapes: int,
+            concurrency: tuple[int, ...] = (1, 50)) -> dict:
     rng = random.Random(num_engines)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -64,23 +69,45 @@ def measure(num_engines: int, cycles: int, scrapes: int) -> dict:
         server = make_server(daemon, "127.0.0.1", 0, None)
         stop_server = server.start_in_thread()
         daemon.start()  # scrapes race real cycles, so rendering is not always cached
-        latencies = []
-        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}") as client:
-            for _ in range(scrapes):
-                start = time.perf_counter()
-                body = client.get("/metrics").content
-                latencies.append(time.perf_counter() - start)
-                time.sleep(0.005)
+        scraping = {c: _scrape(server.port, c, scrapes) for c in concurrency}
         daemon.close()
         stop_server()
         for writer in writers:
             writer.close()
-    latencies.sort()
-    return {"engines": num_engines, "series": series, "cpu_ms_per_cycle": per_cycle * 1e3,
-            "core_percent_at_1s": per_cycle * 100,
-            "scrape_p50_ms": statistics.median(latencies) * 1e3,
-            "scrape_p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
-            "body_kib": len(body) / 1024}
+    result = {"engines": num_engines, "series": series, "cpu_ms_per_cycle": per_cycle * 1e3,
+              "core_percent_at_1s": per_cycle * 100}
+    for c, (latencies, body) in scraping.items():
+        latencies.sort()
+        result[f"scrape_p50_ms_{c}"] = statistics.median(latencies) * 1e3
+        result[f"scrape_p99_ms_{c}"] = latencies[int(0.99 * (len(latencies) - 1))] * 1e3
+        result["body_kib"] = body / 1024
+    return result
+
+
+def _scrape(port: int, clients: int, scrapes: int) -> tuple[list[float], int]:
+    """`scrapes` GETs of /metrics spread over `clients` threads scraping at once."""
+    latencies: list[float] = []
+    size = [0]
+    lock = threading.Lock()
+
+    def one_client(n: int) -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            for _ in range(n):
+                start = time.perf_counter()
+                response = client.get("/metrics")
+                took = time.perf_counter() - start
+                assert response.status_code == 200, response.status_code
+                with lock:
+                    latencies.append(took)
+                    size[0] = len(response.content)
+                time.sleep(0.005)
+    each = max(scrapes // clients, 5)
+    threads = [threading.Thread(target=one_client, args=(each,)) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return latencies, size[0]
 
 
 def main() -> None:
@@ -88,14 +115,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cycles", type=int, default=60)
     parser.add_argument("--scrapes", type=int, default=300)
+    parser.add_argument("--json", action="store_true", help="End with one JSON line.")
     args = parser.parse_args()
     print(f"{'engines':>7} {'series':>7} {'cpu ms/cycle':>13} {'% core @1s':>11} "
-          f"{'scrape p50 ms':>14} {'scrape p99 ms':>14} {'body KiB':>9}")
+          f"{'p50/p99 ms, 1 scraper':>22} {'p50/p99 ms, 50':>15} {'body KiB':>9}")
+    results = []
     for engines in (1, 26):
         r = measure(engines, args.cycles, args.scrapes)
+        results.append(r)
         print(f"{r['engines']:>7} {r['series']:>7} {r['cpu_ms_per_cycle']:>13.2f} "
-              f"{r['core_percent_at_1s']:>11.2f} {r['scrape_p50_ms']:>14.2f} "
-              f"{r['scrape_p99_ms']:>14.2f} {r['body_kib']:>9.0f}", flush=True)
+              f"{r['core_percent_at_1s']:>11.2f} "
+              f"{r['scrape_p50_ms_1']:>10.2f} / {r['scrape_p99_ms_1']:<9.2f} "
+              f"{r['scrape_p50_ms_50']:>6.2f} / {r['scrape_p99_ms_50']:<6.2f} "
+              f"{r['body_kib']:>9.0f}", flush=True)
+    if args.json:
+        print(json.dumps(results))
 
 
 if __name__ == "__main__":

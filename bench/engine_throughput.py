@@ -6,7 +6,9 @@ in a fresh worker process (alternating, --rounds pairs), so neither side inherit
 other's thread pools. Prints the best of each side and their ratio, then the ratio of each
 pair of neighbouring runs (sorted, median in brackets): on a noisy machine the pairs show
 the spread; compare figures only within one run of this script.
-Usage: python bench/engine_throughput.py [--device cpu] [--rounds 2]
+Ours runs with its instrumentation on (telemetry files written, as in service) unless
+--no-telemetry.
+Usage: python bench/engine_throughput.py [--device cpu] [--rounds 2] [--json]
 """
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 def bench_engine(folder: Path, device: str, batch: int, prompt_len: int, new_tokens: int,
-                 repeats: int) -> float:
-    with Engine(EngineConfig(model=str(folder), device=device, dtype="float32")) as engine:
+                 repeats: int, telemetry: bool = True) -> float:
+    with tempfile.TemporaryDirectory() as tmp, Engine(EngineConfig(
+            model=str(folder), device=device, dtype="float32",
+            telemetry_dir=f"{tmp}/e" if telemetry else None)) as engine:
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
         engine.generate_batch(_prompts(batch, prompt_len, 256), params)  # warm-up
         best = float("inf")
@@ -72,6 +76,8 @@ def _worker(kind: str, folder: str, args) -> float:
     cmd = [sys.executable, __file__, "--worker", kind, "--folder", folder, "--device",
            args.device, "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
            "--prompt-len", str(args.prompt_len), "--repeats", str(args.repeats)]
+    if not args.telemetry:
+        cmd.append("--no-telemetry")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_second"]
 
@@ -84,14 +90,20 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-telemetry", dest="telemetry", action="store_false",
+                        help="Ours without telemetry files (as before this row existed).")
+    parser.add_argument("--json", action="store_true", help="End with one JSON line.")
     parser.add_argument("--worker", choices=["ours", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        fn = bench_engine if args.worker == "ours" else bench_transformers
-        rate = fn(Path(args.folder), args.device, args.batch, args.prompt_len,
-                  args.new_tokens, args.repeats)
+        if args.worker == "ours":
+            rate = bench_engine(Path(args.folder), args.device, args.batch, args.prompt_len,
+                                args.new_tokens, args.repeats, args.telemetry)
+        else:
+            rate = bench_transformers(Path(args.folder), args.device, args.batch,
+                                      args.prompt_len, args.new_tokens, args.repeats)
         print(json.dumps({"tokens_per_second": rate}))
         return
     tiny = ModelConfig.tiny()
@@ -104,9 +116,10 @@ def main() -> None:
             max_position_embeddings=tiny.max_position_embeddings)
         print(f"device={args.device} threads={torch.get_num_threads()} "
               f"new_tokens={args.new_tokens} prompt_len={args.prompt_len} model=tiny-shape "
-              f"rounds={args.rounds}")
+              f"rounds={args.rounds} telemetry={'on' if args.telemetry else 'off'}")
         print(f"{'batch':>5} {'ac-observe tok/s':>17} {'transformers tok/s':>19} {'ratio':>6} "
               f"{'paired ratios (median)':>24}")
+        summary = {}
         for batch in (int(b) for b in args.batches.split(",")):
             args.batch = batch
             pairs = [(_worker("ours", str(folder), args), _worker("transformers", str(folder), args))
@@ -116,6 +129,12 @@ def main() -> None:
             spread = ", ".join(f"{r:.2f}" for r in ratios)
             print(f"{batch:>5} {ours:>17.1f} {ref:>19.1f} {ours / ref:>6.2f}   "
                   f"{spread} ({statistics.median(ratios):.2f})", flush=True)
+            summary[str(batch)] = {"ours_tokens_per_s": ours, "transformers_tokens_per_s": ref,
+                                   "ratio": ours / ref,
+                                   "ratio_median_pairs": statistics.median(ratios),
+                                   "ratio_min": ratios[0], "ratio_max": ratios[-1]}
+        if args.json:
+            print(json.dumps(summary))
 
 
 if __name__ == "__main__":

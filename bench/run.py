@@ -1,0 +1,158 @@
+"""Every benchmark row in one run, one table: what observing costs, how the engine compares.
+
+Each row is its own script under bench/ (run on its own for more rounds or options), run
+here in a fresh process with --json; each is a ratio or a cost measured within that one
+run (alternating A/B where there are two sides), never against a figure from another run.
+
+  1  instrumentation overhead   bench/instrumentation_overhead.py   aim <= 1 %
+  2  daemon cost                bench/daemon_cost.py                aim < 1 % core @1 s, p99 < 20 ms
+  3  probe cost                 bench/ebpf_overhead.py (root)       aim < 2 us per call
+  4  engine vs transformers     bench/engine_throughput.py          aim >= 2x at batch 16
+  5  prefix caching pays        bench/prefix_cache.py               aim >= 3x faster warm
+  6  latency isolation          (not written yet)
+
+Usage: python bench/run.py [--quick] [--only 1,5] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# row -> (title, script, full arguments, --quick arguments)
+ROWS = {
+    1: ("instrumentation overhead", "instrumentation_overhead.py",
+        ["--pairs", "10", "--new-tokens", "64"], ["--pairs", "2", "--new-tokens", "16"]),
+    2: ("daemon cost", "daemon_cost.py", ["--cycles", "60", "--scrapes", "300"],
+        ["--cycles", "5", "--scrapes", "60"]),
+    3: ("probe cost", "ebpf_overhead.py", ["--calls", "200000", "--rounds", "5"],
+        ["--calls", "20000", "--rounds", "1"]),
+    4: ("engine vs transformers", "engine_throughput.py", ["--rounds", "3"],
+        ["--rounds", "1", "--repeats", "1", "--new-tokens", "16"]),
+    5: ("prefix caching pays", "prefix_cache.py", ["--rounds", "15"], ["--rounds", "3"]),
+}
+NOT_WRITTEN = {6: "latency isolation under load"}
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.2f} %"
+
+
+def lines_for(row: int, r: dict) -> list[tuple[str, str, str, str]]:
+    """(row, figure, aim, status) lines of one row's result."""
+    out = []
+    if row == 1:
+        for batch, b in r["batches"].items():
+            ok = b["overhead"] <= 0.01
+            out.append((f"1 instrumentation, batch {batch}",
+                        f"{_pct(b['overhead'])} (pairs {_pct(b['overhead_min'])} .. "
+                        f"{_pct(b['overhead_max'])}; {b['on_tokens_per_s']:.0f} vs "
+                        f"{b['off_tokens_per_s']:.0f} tok/s)", "<= 1 %",
+                        "met" if ok else f"missed by {_pct(b['overhead'] - 0.01)}"))
+        share = sum(r["profile_share"].values())
+        out.append(("1 profile: instrumentation", f"{_pct(share)} of the engine's time "
+                    "(cProfile self time)", "", ""))
+    elif row == 2:
+        for d in r:
+            cpu_ok = d["core_percent_at_1s"] < 1.0
+            out.append((f"2 daemon, {d['series']} series",
+                        f"{d['cpu_ms_per_cycle']:.1f} ms CPU/cycle = "
+                        f"{d['core_percent_at_1s']:.2f} % of a core @1 s",
+                        "< 1 % core", "met" if cpu_ok else
+                        f"missed {d['core_percent_at_1s'] / 1.0:.1f}x over"))
+            for clients in (1, 50):
+                p99 = d[f"scrape_p99_ms_{clients}"]
+                out.append((f"2 /metrics, {d['series']} series, {clients} scraper"
+                            f"{'s' if clients > 1 else ''}",
+                            f"p50 {d[f'scrape_p50_ms_{clients}']:.1f} ms, p99 {p99:.1f} ms",
+                            "p99 < 20 ms", "met" if p99 < 20 else
+                            f"missed by {p99 - 20:.1f} ms"))
+    elif row == 3:
+        for mode in ("counting", "with latency"):
+            m = r[mode]
+            added = m["added_ns"]
+            out.append((f"3 probe, {mode}", f"+{added:.0f} ns/call; {m['core_percent_10k']:.2f}"
+                        f" % core @10k/s, {m['core_percent_100k']:.2f} % @100k/s",
+                        "< 2000 ns", "met" if added < 2000 else
+                        f"missed by {added - 2000:.0f} ns"))
+    elif row == 4:
+        for batch, b in r.items():
+            aim = batch == "16"
+            out.append((f"4 engine/transformers, batch {batch}",
+                        f"{b['ratio']:.2f}x ({b['ours_tokens_per_s']:.0f} vs "
+                        f"{b['transformers_tokens_per_s']:.0f} tok/s; pairs "
+                        f"{b['ratio_min']:.2f}..{b['ratio_max']:.2f})",
+                        ">= 2x" if aim else "", ("met" if b["ratio"] >= 2 else
+                                                 f"missed: {b['ratio']:.2f}x of 2x")
+                        if aim else ""))
+    elif row == 5:
+        out.append(("5 prefix cache, warm vs cold TTFT",
+                    f"{r['speedup']:.2f}x ({r['cold_ttft_ms']:.1f} -> "
+                    f"{r['warm_ttft_ms']:.1f} ms; pairs {r['speedup_min']:.2f}.."
+                    f"{r['speedup_max']:.2f}x)", ">= 3x",
+                    "met" if r["speedup"] >= 3 else f"missed: {r['speedup']:.2f}x"))
+    return out
+
+
+def run_row(row: int, quick: bool) -> tuple[dict | list | None, str, float]:
+    title, script, full, fast = ROWS[row]
+    if row == 3 and os.geteuid() != 0:
+        return None, "skipped: real uprobes need root", 0.0
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(HERE / script), *(fast if quick else full),
+                          "--json"], capture_output=True, text=True)
+    seconds = time.monotonic() - started
+    if out.returncode != 0:
+        return None, f"failed (exit {out.returncode}): {out.stderr.strip()[-300:]}", seconds
+    return json.loads(out.stdout.strip().splitlines()[-1]), "", seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="Few rounds: the table's shape, not figures to quote.")
+    parser.add_argument("--only", default="", help="Rows to run, e.g. 1,5.")
+    parser.add_argument("--json", type=Path, help="Also write every row's result here.")
+    args = parser.parse_args()
+    rows = [int(r) for r in args.only.split(",") if r] or [*ROWS, *NOT_WRITTEN]
+    import torch
+    print(f"# ac-observe benchmarks, {datetime.date.today()}, {platform.node()}: "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads), Python "
+          f"{platform.python_version()}{', --quick' if args.quick else ''}")
+    table, results = [], {}
+    for row in rows:
+        if row in NOT_WRITTEN:
+            table.append((f"{row} {NOT_WRITTEN[row]}", "not measured: its benchmark is not "
+                          "written yet", "", ""))
+            continue
+        result, problem, seconds = run_row(row, args.quick)
+        print(f"  row {row} ({ROWS[row][0]}): {problem or 'done'} in {seconds:.0f} s",
+              file=sys.stderr, flush=True)
+        if result is None:
+            table.append((f"{row} {ROWS[row][0]}", problem, "", ""))
+            continue
+        results[row] = result
+        table.extend(lines_for(row, result))
+    widths = [max(len(line[i]) for line in table + [("row", "figure", "aim", "status")])
+              for i in range(4)]
+    header = ("row", "figure", "aim", "status")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in table:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The benchmarks do not rot: `bench/run.py --quick` runs rows 1 (instrumentation
+overhead, alternating engine processes, the profile) and 5 (prefix caching) end to end and
+prints the table with each aim's status. (Their figures are for docs/benchmarks.md, from a
+full run; a test never times anything.)"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from support.stack import REPO
+
+
+def test_bench_run_prints_the_table_of_the_rows_it_ran():
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "run.py"), "--quick",
+                          "--only", "1,5,6"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
+            for line in table[1:]}
+    for name in ("1 instrumentation, batch 1", "1 instrumentation, batch 16",
+                 "5 prefix cache, warm vs cold TTFT"):
+        figure, aim, status = rows[name]
+        assert aim and (status == "met" or status.startswith("missed")), (name, status)
+    assert "% of the engine's time" in rows["1 profile: instrumentation"][0]
+    assert rows["6 latency isolation under load"][0].startswith("not measured")
