@@ -3,14 +3,16 @@
 Two sizes: one engine's worth of series (what the demo produces) and about 10,000 series
 (26 engines). Engines are stood in for by their telemetry files, written with the engine's
 own TelemetryWriter and filled with observations, so the daemon reads the real format.
-/metrics is scraped by 1 client and by 50 at once (each scraper in its own thread, the
-daemon cycling underneath), p50/p99 over every scrape.
+/metrics is scraped by 1 client and by 50 at once (threads of a separate process, each
+with its own connection; the daemon cycling underneath), p50/p99 over every scrape.
 Usage: python bench/daemon_cost.py [--cycles 60] [--scrapes 300] [--json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import threading
 import random
 import resource
@@ -85,7 +87,17 @@ def measure(num_engines: int, cycles: int, scrapes: int,
 
 
 def _scrape(port: int, clients: int, scrapes: int) -> tuple[list[float], int]:
-    """`scrapes` GETs of /metrics spread over `clients` threads scraping at once."""
+    """`scrapes` GETs of /metrics spread over `clients` scrapers at once, run in another
+    process (the scrapers' own Python work must not share the daemon's GIL)."""
+    out = subprocess.run([sys.executable, __file__, "--scrape-worker", str(port),
+                          str(clients), str(scrapes)], check=True, capture_output=True,
+                         text=True, timeout=900)
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+    return answer["latencies"], answer["size"]
+
+
+def scrape_worker(port: int, clients: int, scrapes: int) -> tuple[list[float], int]:
+    """The scrapers: `clients` threads, each with its own connection."""
     latencies: list[float] = []
     size = [0]
     lock = threading.Lock()
@@ -116,7 +128,12 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=60)
     parser.add_argument("--scrapes", type=int, default=300)
     parser.add_argument("--json", action="store_true", help="End with one JSON line.")
+    parser.add_argument("--scrape-worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.scrape_worker:
+        latencies, size = scrape_worker(*args.scrape_worker)
+        print(json.dumps({"latencies": latencies, "size": size}))
+        return
     print(f"{'engines':>7} {'series':>7} {'cpu ms/cycle':>13} {'% core @1s':>11} "
           f"{'p50/p99 ms, 1 scraper':>22} {'p50/p99 ms, 50':>15} {'body KiB':>9}")
     results = []

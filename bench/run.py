@@ -58,19 +58,20 @@ def lines_for(row: int, r: dict) -> list[tuple[str, str, str, str]]:
                         f"{b['off_tokens_per_s']:.0f} tok/s)", "<= 1 %",
                         "met" if ok else f"missed by {_pct(b['overhead'] - 0.01)}"))
         share = sum(r["profile_share"].values())
-        out.append(("1 profile: instrumentation", f"{_pct(share)} of the engine's time "
-                    "(cProfile self time)", "", ""))
+        out.append(("1 profile: instrumentation", f"{_pct(share)} of the step loop's working "
+                    f"time (cProfile self time); skeleton parsing "
+                    f"{r['skeleton_parse_us_per_request']:.0f} us a request", "", ""))
     elif row == 2:
         for d in r:
             cpu_ok = d["core_percent_at_1s"] < 1.0
-            out.append((f"2 daemon, {d['series']} series",
+            out.append((f"2 daemon, {d['series']} series ({d['engines']} engines)",
                         f"{d['cpu_ms_per_cycle']:.1f} ms CPU/cycle = "
                         f"{d['core_percent_at_1s']:.2f} % of a core @1 s",
                         "< 1 % core", "met" if cpu_ok else
                         f"missed {d['core_percent_at_1s'] / 1.0:.1f}x over"))
             for clients in (1, 50):
                 p99 = d[f"scrape_p99_ms_{clients}"]
-                out.append((f"2 /metrics, {d['series']} series, {clients} scraper"
+                out.append((f"2 /metrics, {d['engines']} engines, {clients} scraper"
                             f"{'s' if clients > 1 else ''}",
                             f"p50 {d[f'scrape_p50_ms_{clients}']:.1f} ms, p99 {p99:.1f} ms",
                             "p99 < 20 ms", "met" if p99 < 20 else

@@ -87,6 +87,10 @@ class Daemon:
                 raise ValueError(f"--grafana-url adds a receiver named {grafana.name!r}, and "
                                  f"{config.alerting_file} has one: rename it")
             receivers = {**receivers, grafana.name: grafana}
+            if grafana.token is None:
+                log.warning("--grafana-url without a token (--grafana-token-file or "
+                            "$GRAFANA_TOKEN): only a Grafana that lets anonymous users "
+                            "write annotations will take them")
             if not rules:
                 log.warning("--grafana-url is set but no alert rules are: nothing will be "
                             "annotated (an alerting file with `rules: defaults` adds the "

@@ -26,6 +26,7 @@ its `name`, and its URL only in the status it came from (the alerting file).
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import json
 import logging
 import os
@@ -289,6 +290,17 @@ def slack_body(alerts: list[Alert]) -> dict:
     return {"text": "\n".join(lines)}
 
 
+def _tag(name: str, value: str) -> str:
+    """`name:value` as Grafana keeps a tag (key and value up to 100 characters each,
+    trimmed): a longer value is cut and marked with a hash of the whole, so it still tells
+    series apart (the fingerprint tag names the alert exactly)."""
+    name, value = name.strip()[:100], value.strip()
+    if len(value) > 100:
+        digest = hashlib.sha256(value.encode()).hexdigest()[:8]
+        value = f"{value[:90].rstrip()}~{digest}"
+    return f"{name}:{value}"
+
+
 def grafana_annotation(alerts: list[Alert]) -> dict:
     """A Grafana annotation (`POST /api/annotations`) of one alert's transition: a point at
     its start when it fires, a region from start to end when it resolves."""
@@ -302,7 +314,7 @@ def grafana_annotation(alerts: list[Alert]) -> dict:
     body = {"time": int(round(alert.starts_at * 1000)),
             "tags": [ANNOTATION_TAG, alert.status,
                      f"fingerprint:{fingerprint(alert.labels)}"]
-            + [f"{k}:{v}" for k, v in sorted(alert.labels.items())],
+            + [_tag(k, v) for k, v in sorted(alert.labels.items())],
             "text": text}
     if alert.status == "resolved" and alert.ends_at is not None:
         body["timeEnd"] = int(round(alert.ends_at * 1000))
@@ -370,14 +382,17 @@ class Backoff:
 OUTCOMES = ("delivered", "retried", "failed", "disabled")
 
 
-def _holds(found: httpx.Response, annotation: dict) -> bool:
-    """Whether Grafana's find-annotations answer holds `annotation` already."""
+def _holds(found: httpx.Response, annotation: dict) -> bool | None:
+    """Whether Grafana's find-annotations answer holds `annotation` already (None: not an
+    answer to read)."""
     try:
         items = found.json()
     except ValueError:
-        return False
+        return None
+    if not isinstance(items, list):
+        return None
     want_end = annotation.get("timeEnd", annotation["time"])
-    return isinstance(items, list) and any(
+    return any(
         isinstance(item, dict) and item.get("time") == annotation["time"]
         and item.get("timeEnd", item.get("time")) == want_end
         and item.get("text") == annotation["text"]
@@ -406,6 +421,7 @@ class WebhookSender:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._warned: set[str] = set()  # receivers whose refusals were logged once
         # A receiver whose URL changed since a 410 disabled it is tried again.
         for name, url in store.disabled().items():
             if name in receivers and receivers[name].url != url:
@@ -477,6 +493,19 @@ class WebhookSender:
             log.warning("webhook receiver %s answered 410 Gone: disabled", receiver.name)
             return
         error = error or f"HTTP {status}"
+        if receiver.format == "grafana" and status in (400, 404, 413, 422):
+            # The annotation or the URL is wrong: retrying the same request cannot help.
+            self.store.record_attempt(delivery, now, seconds, status, error, FAILED)
+            self._count(receiver.name, "failed")
+            log.error("Grafana receiver %s refused an annotation (%s): check its url (the "
+                      "Grafana base URL) and version; given up", receiver.name, error)
+            return
+        if receiver.format == "grafana" and status in (401, 403) and \
+                receiver.name not in self._warned:
+            self._warned.add(receiver.name)
+            log.warning("Grafana receiver %s answers %s: its token is missing, wrong or "
+                        "lacks annotation rights (a service account with Editor); retrying",
+                        receiver.name, status)
         if now - delivery.created_at >= self.backoff.max_age:
             self.store.record_attempt(delivery, now, seconds, status, error, FAILED)
             self._count(receiver.name, "failed")
@@ -502,16 +531,22 @@ class WebhookSender:
         headers = {"content-type": "application/json", "user-agent": "ac-observe"}
         if receiver.token:
             headers["authorization"] = f"Bearer {receiver.token}"
-        if delivery.attempts:  # an unanswered earlier attempt may have landed
-            annotation = json.loads(delivery.body)
-            found = self._client.get(api, headers=headers, timeout=receiver.timeout_seconds,
-                                     params={"from": annotation["time"],
-                                             "to": annotation.get("timeEnd",
-                                                                  annotation["time"]),
-                                             "tags": annotation["tags"], "type": "annotation",
-                                             "limit": 100})
-            if found.status_code == 200 and _holds(found, annotation):
-                return found
+        # Grafana has no idempotency key, and an earlier attempt may have landed unanswered
+        # (a timeout, a daemon killed mid-post: no attempt recorded): look first. A lookup
+        # that fails is the attempt's answer (retried later), never a blind post.
+        annotation = json.loads(delivery.body)
+        found = self._client.get(api, headers=headers, timeout=receiver.timeout_seconds,
+                                 params={"from": annotation["time"],
+                                         "to": annotation.get("timeEnd", annotation["time"]),
+                                         "tags": annotation["tags"], "type": "annotation",
+                                         "limit": 100})
+        if found.status_code != 200:
+            return found
+        holds = _holds(found, annotation)
+        if holds is None:  # a 200 that is not Grafana's list: try again later
+            return httpx.Response(502, request=found.request)
+        if holds:
+            return found
         return self._client.post(api, content=delivery.body.encode(), headers=headers,
                                  timeout=receiver.timeout_seconds)
 

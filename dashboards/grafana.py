@@ -166,7 +166,7 @@ def kv_and_prompts() -> Board:
             Panel("Hit rate of the busiest skeletons", [
                 (f"{stat('kv_cache_hit_rate', 'mean', ('engine', 'skeleton'))} and on "
                  f"(engine, skeleton) topk(10, "
-                 f"{rate_by(m.KV_QUERY_BLOCKS, ('engine', 'skeleton'))})",
+                 f"{rate_by(m.KV_QUERY_BLOCKS, ('engine', 'skeleton'))} > 0)",
                  "{{engine}} {{skeleton}}")], "percent"),
         ]),
         ("Prompts", [

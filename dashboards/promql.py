@@ -31,10 +31,12 @@ from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec
 
 SAME_HOUR_SPAN_SECONDS = 3600.0
 # The daemon resolves an alert at the second evaluation in a row without its condition (one
-# odd sample never resolves it); Prometheus at the first, unless told to keep firing. At the
-# shipped 5 s evaluation interval (the daemon's --alert-interval), one interval of
-# keep_firing_for (Prometheus >= 2.42) is the daemon's rule.
-KEEP_FIRING_SECONDS = 5.0
+# odd sample never resolves it); Prometheus at the first, unless told to keep firing.
+# Prometheus starts that clock at the first miss and resolves once it has run at least
+# keep_firing_for: 1 s resolves at the second miss at any evaluation interval of 1 s or
+# more, the daemon's rule. (Prometheus >= 2.42; prometheus-operator's PrometheusRule must
+# know the field.)
+KEEP_FIRING_SECONDS = 1.0
 # Prometheus' target label: an alert rule keeps it, so each node's daemon is its own series
 # (as each daemon evaluates its own), where the dashboards sum over nodes.
 INSTANCE = "instance"

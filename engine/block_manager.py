@@ -87,8 +87,10 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         self.evicted = EvictedHashes(evicted_memory)
         self.clock = clock
-        # Seconds each evicted block had been unused; the stats drain it after every step.
+        # Seconds each evicted block had been unused; the stats drain it after every step
+        # (an engine without instrumentation turns it off: nobody would drain it).
         self.eviction_ages: list[float] = []
+        self.track_eviction_ages = True
         # Fault injection (EngineConfig.fault_injection): this share of prompt lookups is
         # refused the cache, as if nothing were cached (drift demos and tests).
         self.forced_miss_ratio = 0.0
@@ -192,7 +194,8 @@ class BlockManager:
                 del self.hash_to_block[block.block_hash]
                 self.stats.evictions += 1
                 self.evicted.add(block.block_hash)
-                self.eviction_ages.append((self.clock() - block.released_ns) * 1e-9)
+                if self.track_eviction_ages:
+                    self.eviction_ages.append((self.clock() - block.released_ns) * 1e-9)
             block.block_hash = None
             block.token_ids = ()
             block.parent = None

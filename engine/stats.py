@@ -167,5 +167,6 @@ class NullStats(EngineStats):
     def on_token(self, seq, previous_token_ns): pass
     def on_first_text(self, seq): pass
     def on_finished(self, seq): pass
-    def on_state(self, scheduler, block_manager): pass
+    def on_state(self, scheduler, block_manager):
+        block_manager.eviction_ages.clear()  # (not kept without instrumentation; belt)
     def on_gauges(self, scheduler, block_manager): pass

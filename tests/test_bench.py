@@ -21,5 +21,5 @@ def test_bench_run_prints_the_table_of_the_rows_it_ran():
                  "5 prefix cache, warm vs cold TTFT"):
         figure, aim, status = rows[name]
         assert aim and (status == "met" or status.startswith("missed")), (name, status)
-    assert "% of the engine's time" in rows["1 profile: instrumentation"][0]
+    assert "of the step loop's working time" in rows["1 profile: instrumentation"][0]
     assert rows["6 latency isolation under load"][0].startswith("not measured")

@@ -109,7 +109,7 @@ def test_without_instrumentation_the_engine_answers_the_same_and_records_nothing
     import pytest
 
     from ac_observe.engine import llm_engine
-    from ac_observe.engine.stats import NullStats
+    from ac_observe.engine.stats import EngineStats, NullStats
     parsed, real = [], llm_engine.skeleton_of_request
     monkeypatch.setattr(llm_engine, "skeleton_of_request",
                         lambda *a: parsed.append(a) or real(*a))
@@ -131,5 +131,14 @@ def test_without_instrumentation_the_engine_answers_the_same_and_records_nothing
             assert sampler.every_steps == 0
             assert not directory.exists()
     assert outputs[True] == outputs[False] and all(outputs[True])
+    # Every event hook is dropped, including any added to EngineStats later.
+    hooks = {name for name in vars(EngineStats) if name.startswith("on_")}
+    assert hooks and all(getattr(NullStats, name) is not getattr(EngineStats, name)
+                         for name in hooks)
+    # Nothing accumulates: a small pool evicts, and no eviction age is kept for anyone.
+    with Engine(EngineConfig(instrumentation=False, num_kv_blocks=64)) as engine:
+        _workload(engine, n=24)
+        assert engine.block_manager.stats.evictions > 0
+        assert engine.block_manager.eviction_ages == []
     with pytest.raises(ValueError, match="writes no telemetry"):
         EngineConfig(telemetry_dir=str(tmp_path), instrumentation=False)

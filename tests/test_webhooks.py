@@ -247,7 +247,10 @@ def test_alert_transitions_become_grafana_annotations(store):
         assert point["text"] == "FIRING: TTFT p99 0.9 s\nbaseline 0.3 s"
         assert (region["time"], region["timeEnd"]) == (1_764_000_000_250, 1_764_000_090_750)
         assert set(region["tags"]) == tags | {"resolved"}
-        assert [(m, p) for m, p, _ in grafana.requests] == [("POST", "/api/annotations")] * 2
+        # Each is looked for first (an unanswered earlier attempt may have landed), then
+        # posted.
+        assert [(m, p.split("?")[0]) for m, p, _ in grafana.requests] == \
+            [("GET", "/api/annotations"), ("POST", "/api/annotations")] * 2
         assert all(h["authorization"] == "Bearer glsa_t" for _, _, h in grafana.requests)
         # What a board's "ac-observe alerts" query (tags: [ac-observe]) shows in the hour.
         assert grafana.find({"tags": ["ac-observe"], "from": ["1763999000000"],
@@ -275,9 +278,58 @@ def test_a_retried_annotation_is_never_posted_twice(store, first):
         assert store.delivery(delivery_id)["state"] == DELIVERED
         assert len(grafana.annotations) == 1
         methods = [m for m, _, _ in grafana.requests]
-        assert methods == (["POST", "GET"] if first == "lost" else ["POST", "GET", "POST"])
+        assert methods == (["GET", "POST", "GET"] if first == "lost"
+                           else ["GET", "POST", "GET", "POST"])
     finally:
         grafana.close()
+
+
+def test_an_annotation_from_a_daemon_killed_mid_post_is_found_not_posted_again(store):
+    """A daemon killed after its POST landed records no attempt: the delivery is due again
+    after the lease with no attempt counted, and still is not posted twice."""
+    grafana, clock = Grafana("glsa_t"), _Clock()
+    try:
+        (delivery_id,) = _grafana_sender(store, grafana, clock).enqueue(
+            [_transition("firing", clock.now)], "firing")
+        claimed = store.claim_one(clock.now, ["grafana"], 60.0)  # the dead sender's claim
+        httpx_post = __import__("httpx").post
+        httpx_post(grafana.url + "/api/annotations", content=claimed.body,
+                   headers={"authorization": "Bearer glsa_t",
+                            "content-type": "application/json"})  # ... and its POST
+        clock.now += 61
+        assert _grafana_sender(store, grafana, clock).run_once() == 1
+        assert store.delivery(delivery_id)["state"] == DELIVERED
+        assert len(grafana.annotations) == 1
+    finally:
+        grafana.close()
+
+
+@pytest.mark.parametrize("status, state", [(404, FAILED), (400, FAILED), (401, PENDING),
+                                           (500, PENDING)])
+def test_a_grafana_that_refuses_the_request_itself_is_not_retried(store, status, state):
+    """A wrong base URL (404) or a body Grafana will never take (400) fails at once; a bad
+    token (401) or a Grafana in trouble (500) is retried."""
+    grafana, clock = Grafana("glsa_t"), _Clock()
+    try:
+        grafana.mode = str(status)
+        sender = _grafana_sender(store, grafana, clock)
+        (delivery_id,) = sender.enqueue([_transition("firing", clock.now)], "firing")
+        sender.run_once()
+        assert store.delivery(delivery_id)["state"] == state
+    finally:
+        grafana.close()
+
+
+def test_long_label_values_become_tags_grafana_keeps():
+    from ac_observe.daemon.webhooks import Alert, grafana_annotation
+    long = "/models/" + "x" * 300
+    tags = grafana_annotation([Alert({"alertname": "A", "model": long}, {}, "firing",
+                                     1.0)])["tags"]
+    (model,) = [t for t in tags if t.startswith("model:")]
+    assert len(model.split(":", 1)[1]) <= 100 and model.startswith("model:/models/xxx")
+    other = grafana_annotation([Alert({"alertname": "A", "model": long + "y"}, {}, "firing",
+                                      1.0)])["tags"]
+    assert model not in other  # cut values still tell series apart
 
 
 def test_retry_after_forms():

@@ -19,7 +19,8 @@ class Grafana:
         self.annotations: list[dict] = []
         self.requests: list[tuple[str, str, dict]] = []  # (method, path, headers)
         # "ok"; "lost": store the annotation, then drop the connection without an answer
-        # (an attempt whose answer the sender never hears); "500": store nothing, answer 500.
+        # (an attempt whose answer the sender never hears); a status ("500", "404", ...):
+        # store nothing and answer it.
         self.mode = "ok"
         self._lock = threading.Lock()
 
@@ -65,8 +66,8 @@ class Grafana:
                     return self._answer(200, {"status": "success", "uid": uid,
                                               "url": f"/d/{uid}/x"})
                 if self.path == "/api/annotations":
-                    if owner.mode == "500":
-                        return self._answer(500, {"message": "database is locked"})
+                    if owner.mode.isdigit():
+                        return self._answer(int(owner.mode), {"message": "refused"})
                     if not isinstance(body.get("time"), int) or not body.get("text"):
                         return self._answer(400, {"message": "bad annotation"})
                     with owner._lock:
