@@ -9,7 +9,7 @@ run (alternating A/B where there are two sides), never against a figure from ano
   3  probe cost                 bench/ebpf_overhead.py (root)       aim < 2 us per call
   4  engine vs transformers     bench/engine_throughput.py          aim >= 2x at batch 16
   5  prefix caching pays        bench/prefix_cache.py               aim >= 3x faster warm
-  6  latency isolation          (not written yet)
+  6  latency isolation          bench/latency_isolation.py          aim lanes p99 <= 2x unloaded
 
 Usage: python bench/run.py [--quick] [--only 1,5] [--json FILE]
 """
@@ -38,8 +38,11 @@ ROWS = {
     4: ("engine vs transformers", "engine_throughput.py", ["--rounds", "3"],
         ["--rounds", "1", "--repeats", "1", "--new-tokens", "16"]),
     5: ("prefix caching pays", "prefix_cache.py", ["--rounds", "15"], ["--rounds", "3"]),
+    6: ("latency isolation under load", "latency_isolation.py",
+        ["--clients", "8,32,64", "--requests", "4"],
+        ["--clients", "8", "--requests", "2", "--flood", "8", "--flood-tokens", "32"]),
 }
-NOT_WRITTEN = {6: "latency isolation under load"}
+NOT_WRITTEN: dict[int, str] = {}
 
 
 def _pct(x: float) -> str:
@@ -100,6 +103,15 @@ def lines_for(row: int, r: dict) -> list[tuple[str, str, str, str]]:
                     f"{r['warm_ttft_ms']:.1f} ms; pairs {r['speedup_min']:.2f}.."
                     f"{r['speedup_max']:.2f}x)", ">= 3x",
                     "met" if r["speedup"] >= 3 else f"missed: {r['speedup']:.2f}x"))
+    elif row == 6:
+        for clients, c in r.items():
+            ratio = c["lanes_p99_ratio"]
+            out.append((f"6 low_latency TTFT p99, {clients} clients, throughput flooded",
+                        f"lanes {c['lanes']['p99_ms']:.0f} ms = {ratio:.2f}x unloaded "
+                        f"({c['unloaded']['p99_ms']:.0f} ms); one lane "
+                        f"{c['one_lane']['p99_ms']:.0f} ms = {c['one_lane_p99_ratio']:.2f}x",
+                        "lanes <= 2x", "met" if ratio <= 2 else
+                        f"missed: {ratio:.2f}x"))
     return out
 
 
