@@ -200,7 +200,16 @@ class Store:
     def write_minutes(self, batch: list[tuple[int, dict]]) -> None:
         """Minutes of aggregates ((minute, {series key: [n, total, min, max, last]}), ...)
         in one transaction, each merged into what the store holds for its minute (sums
-        add, extremes widen, last wins)."""
+        add, extremes widen, last wins). A series id cached here that another daemon's
+        prune removed in the meantime fails the foreign key: the ids are looked up afresh
+        and the batch written once more."""
+        try:
+            self._write_minutes(batch)
+        except sa.exc.IntegrityError:
+            self._history_ids.clear()
+            self._write_minutes(batch)
+
+    def _write_minutes(self, batch: list[tuple[int, dict]]) -> None:
         with self.engine.begin() as connection:
             ids = self._series_ids(connection, list({key for _, rows in batch for key in rows}))
             insert = self._insert(history_minutes)
@@ -236,11 +245,21 @@ class Store:
         return out
 
     def prune(self, before: float) -> dict[str, int]:
-        """Drops history, alert transitions and finished deliveries (with their attempts)
-        older than `before`; a pending delivery is never dropped here."""
+        """Drops history (minutes, then the series left without any), alert transitions and
+        finished deliveries (with their attempts) older than `before`; a pending delivery
+        is never dropped here."""
         with self.engine.begin() as connection:
             minutes = connection.execute(history_minutes.delete().where(
                 history_minutes.c.minute < int(before // 60))).rowcount
+            # Series with no minute left (an engine, a skeleton, a label value long gone):
+            # their rows, and the ids cached for them.
+            empty = (sa.select(history_series.c.id)
+                     .where(~sa.exists().where(history_minutes.c.series_id ==
+                                               history_series.c.id)))
+            gone = {row.id for row in connection.execute(empty)}
+            for chunk in _chunks(sorted(gone), 500):
+                connection.execute(history_series.delete().where(
+                    history_series.c.id.in_(chunk)))
             transitions = connection.execute(alert_transitions.delete().where(
                 alert_transitions.c.at < before)).rowcount
             old = sa.select(deliveries.c.id).where(deliveries.c.state != PENDING,
@@ -248,7 +267,10 @@ class Store:
             connection.execute(attempts.delete().where(attempts.c.delivery_id.in_(old)))
             finished = connection.execute(deliveries.delete().where(
                 deliveries.c.state != PENDING, deliveries.c.finished_at < before)).rowcount
-        return {"minutes": minutes, "transitions": transitions, "deliveries": finished}
+        if gone:
+            self._history_ids = {k: v for k, v in self._history_ids.items() if v not in gone}
+        return {"minutes": minutes, "series": len(gone), "transitions": transitions,
+                "deliveries": finished}
 
     # ----- the outbox ---------------------------------------------------------------------
 

@@ -142,3 +142,11 @@ def test_without_instrumentation_the_engine_answers_the_same_and_records_nothing
         assert engine.block_manager.eviction_ages == []
     with pytest.raises(ValueError, match="writes no telemetry"):
         EngineConfig(telemetry_dir=str(tmp_path), instrumentation=False)
+
+
+def test_the_engine_command_refuses_telemetry_without_instrumentation(tmp_path):
+    from support.servers import run_cli
+    out = run_cli("engine", "--no-instrumentation", "--telemetry-dir", str(tmp_path / "t"))
+    assert out.returncode == 2
+    assert "an engine without instrumentation writes no telemetry" in out.stderr
+    assert not (tmp_path / "t").exists()

@@ -14,6 +14,7 @@ import subprocess
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, new_family
@@ -21,7 +22,8 @@ from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.history import HistoryWriter, MinuteAggregator
 from ac_observe.daemon.query import bucket_quantile
 from ac_observe.daemon.service import Daemon
-from ac_observe.daemon.store import Store, alert_transitions, deliveries
+from ac_observe.daemon.store import (Store, alert_transitions, deliveries, history_minutes,
+                                     history_series)
 
 from support.servers import AC_OBSERVE
 
@@ -364,6 +366,10 @@ def test_minutes_the_store_cannot_take_are_kept_and_still_answered(tmp_path):
 def test_retention_prunes_history_transitions_and_finished_deliveries_only(store):
     minutes = {("ac_requests_total", REQ_LABELS): [1, 5.0, None, None, None]}
     store.write_minutes([(int(NOW // 60) - 9 * 1440, minutes), (int(NOW // 60), minutes)])
+    # A series whose last minute is past retention (its engine gone for good) goes too.
+    gone_labels = tuple((k, "gone" if k == "engine" else v) for k, v in REQ_LABELS)
+    gone = {("ac_requests_total", gone_labels): [1, 2.0, None, None, None]}
+    store.write_minutes([(int(NOW // 60) - 9 * 1440, gone)])
     with store.engine.begin() as connection:
         for at in (NOW - 9 * 86400, NOW):
             connection.execute(alert_transitions.insert().values(
@@ -375,7 +381,23 @@ def test_retention_prunes_history_transitions_and_finished_deliveries_only(store
         connection.execute(deliveries.update().where(deliveries.c.id == old_done)
                            .values(state="delivered", finished_at=NOW - 9 * 86400))
     removed = store.prune(NOW - 8 * 86400)
-    assert removed == {"minutes": 1, "transitions": 1, "deliveries": 1}
+    assert removed == {"minutes": 2, "series": 1, "transitions": 1, "deliveries": 1}
     left = store.read_minutes({"ac_requests_total"}, 0, 10 ** 9)
     assert [r[0] for r in left["ac_requests_total", REQ_LABELS]] == [int(NOW // 60)]
+    assert ("ac_requests_total", gone_labels) not in left
+    with store.engine.connect() as connection:
+        assert connection.execute(sa.select(sa.func.count()).select_from(
+            history_series)).scalar() == 1
+    # The gone series comes back (its engine returns): written under a new id.
+    store.write_minutes([(int(NOW // 60), gone)])
+    assert store.read_minutes({"ac_requests_total"}, 0, 10 ** 9)[
+        "ac_requests_total", gone_labels] == [(int(NOW // 60), 1, 2.0, None, None, None)]
+    # Another daemon on the same store pruned a series this one has cached: the stale id
+    # fails the foreign key, and the write looks the ids up again.
+    with store.engine.begin() as connection:
+        connection.execute(history_minutes.delete())
+        connection.execute(history_series.delete())
+    store.write_minutes([(int(NOW // 60), minutes)])
+    assert store.read_minutes({"ac_requests_total"}, 0, 10 ** 9)[
+        "ac_requests_total", REQ_LABELS] == [(int(NOW // 60), 1, 5.0, None, None, None)]
     assert store.delivery(old_done) is None and store.delivery(old_pending) is not None
