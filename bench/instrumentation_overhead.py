@@ -7,7 +7,9 @@ Chat requests (a system prompt and a markdown/JSON user turn, so skeletons are p
 decode --new-tokens each. Every measurement runs in a fresh process; the two sides
 alternate in --pairs pairs (on/off, then off/on), each process timing both batch sizes
 (median of --repeats after a warm-up). The overhead of a pair is off/on - 1 on tokens/s;
-the row is the median over pairs with the spread (lowest, highest). One extra process
+the row is the median over pairs with the spread (lowest, highest). A second estimate
+runs both engines in one process, taking turns a batch at a time (--blocks turns each),
+so the between-process noise of a shared machine hits both sides alike. One extra process
 runs the instrumented side with its step loop under cProfile and reports the share of the
 loop's working time spent in the instrumentation's own modules (engine/stats.py,
 telemetry.py, kernel_sampler.py and the telemetry file format), and what skeleton parsing
@@ -61,6 +63,35 @@ def worker(on: bool, batches: list[int], new_tokens: int, repeats: int) -> dict:
                     _run(engine, batch, new_tokens, 10_000 * batch + 100 * (r + 1))
                     for r in range(repeats))
     return rates
+
+
+def blocks(batches: list[int], new_tokens: int, count: int) -> dict:
+    """Both engines in one process, one instrumented and one not, taking turns a batch at
+    a time (--blocks turns each, the order alternating): the between-process noise of
+    this machine (thread placement, page cache, neighbours) hits both alike. The overhead
+    is the ratio of the summed times (not a mean of ratios); the spread, that of each
+    turn's pair."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp, \
+            Engine(EngineConfig(instrumentation=True, telemetry_dir=f"{tmp}/e",
+                                seed=0)) as on, \
+            Engine(EngineConfig(instrumentation=False, seed=0)) as off:
+        for batch in batches:
+            for engine in (on, off):
+                _run(engine, batch, new_tokens, 20_000 * batch)  # warm-up
+            seconds = {"on": [], "off": []}
+            for b in range(count):
+                order = (("on", on), ("off", off)) if b % 2 == 0 else (("off", off),
+                                                                      ("on", on))
+                for name, engine in order:
+                    rate = _run(engine, batch, new_tokens, 20_000 * batch + 100 * (b + 1))
+                    seconds[name].append(batch * new_tokens / rate)
+            pairs = sorted(a / b - 1 for a, b in zip(seconds["on"], seconds["off"]))
+            out[str(batch)] = {"overhead": sum(seconds["on"]) / sum(seconds["off"]) - 1,
+                               "overhead_p10": pairs[len(pairs) // 10],
+                               "overhead_p90": pairs[(len(pairs) * 9) // 10],
+                               "blocks": count}
+    return out
 
 
 WAITS = ("acquire", "wait", "sleep")  # a thread blocked, not working
@@ -119,12 +150,18 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--blocks", type=int, default=20,
+                        help="Turns of each engine in the one-process comparison.")
     parser.add_argument("--json", action="store_true", help="End with one JSON line.")
-    parser.add_argument("--worker", choices=["on", "off", "profile"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["on", "off", "profile", "blocks"],
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.worker == "profile":
         print(json.dumps(profile_share(batches, args.new_tokens)))
+        return
+    if args.worker == "blocks":
+        print(json.dumps(blocks(batches, args.new_tokens, args.blocks)))
         return
     if args.worker:
         rates = worker(args.worker == "on", batches, args.new_tokens, args.repeats)
@@ -135,6 +172,7 @@ def main() -> None:
         for side in (("on", "off") if pair % 2 == 0 else ("off", "on")):
             runs[side].append(_spawn(args, "--worker", side))
     profile = _spawn(args, "--worker", "profile")
+    in_process = _spawn(args, "--worker", "blocks", "--blocks", str(args.blocks))
     result = {"pairs": args.pairs, "new_tokens": args.new_tokens, "batches": {}}
     print(f"instrumentation overhead: {args.pairs} alternating pairs, {args.new_tokens} new "
           f"tokens, chat requests (skeletons parsed), CPU threads as torch sets them")
@@ -152,6 +190,11 @@ def main() -> None:
         print(f"{batch:>5} {row['on_tokens_per_s']:>10.1f} {row['off_tokens_per_s']:>10.1f} "
               f"{row['overhead'] * 100:>8.2f}% {overheads[0] * 100:>8.2f}% .. "
               f"{overheads[-1] * 100:.2f}%")
+    result["in_process"] = in_process
+    for batch, b in in_process.items():
+        print(f"one process, {b['blocks']} alternating turns each, batch {batch}: overhead "
+              f"{b['overhead'] * 100:.2f}% (turns p10..p90 {b['overhead_p10'] * 100:.2f}% .. "
+              f"{b['overhead_p90'] * 100:.2f}%)")
     share = {m: v for m, v in profile["share"].items() if v}
     result["profile_share"] = share
     result["skeleton_parse_us_per_request"] = profile["skeleton_parse_us_per_request"]

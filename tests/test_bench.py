@@ -18,6 +18,7 @@ def test_bench_run_prints_the_table_of_the_rows_it_ran():
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
             for line in table[1:]}
     for name in ("1 instrumentation, batch 1", "1 instrumentation, batch 16",
+                 "1 instrumentation, one process, batch 16",
                  "5 prefix cache, warm vs cold TTFT"):
         figure, aim, status = rows[name]
         assert aim and (status == "met" or status.startswith("missed")), (name, status)
