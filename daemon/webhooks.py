@@ -134,9 +134,14 @@ def _token(entry: dict, where: str) -> str | None:
     if given is None:
         return None
     key, token = given
-    if any(c.isspace() or not c.isprintable() for c in token):
+    if not _one_line(token):
         raise AlertConfigError(f"{where}.{key}: a token is one line without spaces")
     return token
+
+
+def _one_line(token: str) -> bool:
+    """A token as an Authorization header can carry it: printable, no white space."""
+    return bool(token) and not any(c.isspace() or not c.isprintable() for c in token)
 
 
 def parse_receivers(raw, source: str) -> dict[str, Receiver]:
@@ -185,7 +190,7 @@ def grafana_receiver(url: str, token: str | None, name: str = "grafana") -> Rece
     url = _check_url(url, "--grafana-url")
     if token is not None:
         token = token.strip()
-        if not token or any(c.isspace() or not c.isprintable() for c in token):
+        if not _one_line(token):
             raise AlertConfigError("the Grafana token is empty or not one line without "
                                    "spaces")
     return Receiver(name, url, "grafana", token=token)
