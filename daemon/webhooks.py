@@ -16,9 +16,10 @@ A receiver of format `grafana` is a Grafana (its base URL): each transition beco
 annotation (`POST /api/annotations`, a service-account token as bearer), a point when the
 alert fires and a region from start to end when it resolves, tagged `ac-observe`, the
 status and every label as `name:value`, so the generated dashboards' "ac-observe alerts"
-annotation query shows them on every board. Grafana has no idempotency key: before a retry
-the sender looks for the annotation an unanswered earlier attempt may have left (same
-tags, time and text) and counts it delivered instead of posting a second.
+annotation query shows them on every board. Grafana has no idempotency key: before every
+post the sender looks for the annotation an unanswered earlier attempt may have left
+(same tags, time and text; a daemon killed mid-post records no attempt) and counts it
+delivered instead of posting a second.
 
 NOTE: the sender never logs a body, a signature, a token or a secret; a receiver is named by
 its `name`, and its URL only in the status it came from (the alerting file).
@@ -500,10 +501,9 @@ class WebhookSender:
         error = error or f"HTTP {status}"
         if receiver.format == "grafana" and status in (400, 404, 413, 422):
             # The annotation or the URL is wrong: retrying the same request cannot help.
-            self.store.record_attempt(delivery, now, seconds, status, error, FAILED)
-            self._count(receiver.name, "failed")
-            log.error("Grafana receiver %s refused an annotation (%s): check its url (the "
-                      "Grafana base URL) and version; given up", receiver.name, error)
+            self._give_up(delivery, now, seconds, status, error,
+                          "Grafana refused it: check the receiver's url (Grafana's base URL) "
+                          "and version")
             return
         if receiver.format == "grafana" and status in (401, 403) and \
                 receiver.name not in self._warned:
@@ -512,10 +512,7 @@ class WebhookSender:
                         "lacks annotation rights (a service account with Editor); retrying",
                         receiver.name, status)
         if now - delivery.created_at >= self.backoff.max_age:
-            self.store.record_attempt(delivery, now, seconds, status, error, FAILED)
-            self._count(receiver.name, "failed")
-            log.error("webhook delivery %s to %s failed for good after %d attempts: %s",
-                      delivery.id, receiver.name, delivery.attempts + 1, error)
+            self._give_up(delivery, now, seconds, status, error, "too old to retry")
             return
         delay = self.backoff.delay(delivery.attempts + 1, self._rng)
         if wait is not None:  # at least the first backoff step: Retry-After: 0 never spins
@@ -525,6 +522,13 @@ class WebhookSender:
         self._count(receiver.name, "retried")
         log.info("webhook delivery %s to %s: %s; next try in %.1f s", delivery.id,
                  receiver.name, error, delay)
+
+    def _give_up(self, delivery: Delivery, now: float, seconds: float, status: int | None,
+                 error: str, why: str) -> None:
+        self.store.record_attempt(delivery, now, seconds, status, error, FAILED)
+        self._count(delivery.receiver, "failed")
+        log.error("webhook delivery %s to %s failed for good after %d attempts (%s): %s",
+                  delivery.id, delivery.receiver, delivery.attempts + 1, why, error)
 
     def _send(self, receiver: Receiver, delivery: Delivery, now: float) -> httpx.Response:
         if receiver.format != "grafana":

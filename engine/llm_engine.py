@@ -197,7 +197,6 @@ class Engine:
         self.kernel_sampler = KernelSampler(
             config.kernel_sample_steps if self.instrumented else 0,
             config.kernel_sample_budget, self.runner.device)
-        self.runner.timed = self.instrumented
         self.block_manager.track_eviction_ages = self.instrumented
         self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k,
                                                           config.skeleton_min_count)) \
