@@ -12,6 +12,7 @@ from ac_observe.engine.api_format import new_request_id
 GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions"})
 TRACE_DEFAULTS = ((b"x-ac-model-latency-ns", b"0"), (b"x-ac-queue-time-ns", b"0"),
                   (b"x-ac-trace-detail", b"{}"))
+ARRIVAL_KEY = "arrival_ns"  # in the ASGI scope's state: time.monotonic_ns() at arrival
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
@@ -28,14 +29,16 @@ class BodyLimitAndIdsMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        arrival_ns = time.monotonic_ns()  # latencies count from here: before body and parsing
+        state = scope.setdefault("state", {})
+        # Latencies count from the request's first byte (ArrivalStampingProtocol), or from
+        # here under another server: before the body is read and parsed either way.
+        arrival_ns = state.get(ARRIVAL_KEY) or time.monotonic_ns()
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         request_id = new_request_id()
         match = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1").strip())
         trace_id = match.group(1) if match else uuid.uuid4().hex
-        state = scope.setdefault("state", {})
         state["request_id"], state["trace_id"] = request_id, trace_id
-        state["arrival_ns"] = arrival_ns
+        state[ARRIVAL_KEY] = arrival_ns
         ids = [(b"request-id", request_id.encode()), (b"x-ac-trace-id", trace_id.encode())]
         generation = scope["path"] in GENERATION_PATHS
 
@@ -84,3 +87,19 @@ class BodyLimitAndIdsMiddleware:
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def arrival_stamping_protocol():
+    """uvicorn's httptools protocol, stamping each request's arrival when the parser meets
+    its first byte (`on_message_begin`, inside `data_received`), rather than when the ASGI
+    app is first called: ~0.1 ms of parsing and dispatch later on a 2-core VM, which the
+    client waits through and time to first token would otherwise leave out."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class ArrivalStampingProtocol(HttpToolsProtocol):
+        def on_message_begin(self) -> None:
+            arrival_ns = time.monotonic_ns()
+            super().on_message_begin()
+            self.scope["state"][ARRIVAL_KEY] = arrival_ns
+
+    return ArrivalStampingProtocol
