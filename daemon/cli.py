@@ -26,6 +26,8 @@ def root(ctx: typer.Context,
          labels: str = typer.Option("", "--labels", "-l", help="Filter: k=v[,k=v]."),
          as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
          watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
+         at: str = typer.Option(None, "--at", help="Answer as of this time (unix seconds or "
+                                "ISO 8601): the window ends there."),
          list_metrics: bool = typer.Option(False, "--list", help="List the friendly names."),
          daemon_url: str = typer.Option(None, "--daemon", envvar="AC_OBSERVE_URL",
                                         help=f"Daemon URL (default {DEFAULT_DAEMON_URL})."),
@@ -49,7 +51,11 @@ def root(ctx: typer.Context,
     if list_metrics:
         raise typer.Exit(cli_query.list_metrics(ctx.obj, as_json))
     if metric:
-        raise typer.Exit(cli_query.show_metric(ctx.obj, metric, window, labels, as_json, watch))
+        if at is not None and watch:
+            typer.echo("error: --at names one instant; --watch follows the present", err=True)
+            raise typer.Exit(2)
+        raise typer.Exit(cli_query.show_metric(ctx.obj, metric, window, labels, as_json, watch,
+                                               at))
     typer.echo(ctx.get_help())
 
 

@@ -63,12 +63,12 @@ def _fail(console: Console, message: str) -> int:
 
 
 def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
-                watch: bool) -> int:
+                watch: bool, at: str | None = None) -> int:
     console = Console()
     try:
         def fetch():
             return get_json(obj, "/api/v1/query", "series", metric=metric, window=window,
-                            labels=labels)
+                            labels=labels, **({"at": at} if at else {}))
 
         if as_json:  # one JSON document per line, every 2 s with --watch
             while True:

@@ -19,6 +19,7 @@ _TIME_IN_NS = {"ns": 1.0, "ms": 1e6, "s": 1e9}
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _DECIMAL = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 _SHORT_UNITS = {"levels": "lvl", "requests": "req"}  # cells stay narrow
+_COUNTS = {"requests"}  # a whole count shows as one (3 req); a mean keeps 3 digits
 
 
 def _three(value: float) -> str:
@@ -55,6 +56,8 @@ def human(value, unit: str) -> str:
             if abs(value) >= size:
                 return f"{_three(value / size)} {prefix}Hz"
         return f"{_three(value)} Hz"
+    if unit in _COUNTS and float(value).is_integer() and abs(value) < 1000:
+        return f"{int(value)} {_SHORT_UNITS.get(unit, unit)}"  # 3 req, not 3.00 req
     unit = _SHORT_UNITS.get(unit, unit)
     for size, prefix in _DECIMAL:
         if abs(value) >= size:

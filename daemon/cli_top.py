@@ -35,11 +35,22 @@ FIGURES = (
 )
 
 
+LANE_COLUMNS = ("lane", "TTFT p50", "TTFT p95", "ITL p95", "stream", "run", "wait")
+
+
 def snapshot(obj: dict, window: str) -> dict:
-    """{figure: {(engine, lane) | engine | gpu: formatted value}}, plus collectors."""
+    """{figure: {(engine, lane) | engine | gpu: formatted value}}, plus collectors.
+
+    Every figure is asked as of the same cycle (the newest when the snapshot starts), so a
+    screen never mixes two cycles, and `--metric … --at <as_of>` answers exactly what it
+    shows."""
+    status = get_json(obj, "/api/v1/status", "collectors")
+    as_of = status.get("as_of")
+    pinned = {"at": repr(as_of)} if as_of else {}
     figures = {}
     for key, metric, stat in FIGURES:
-        answer = get_json(obj, "/api/v1/query", "series", metric=metric, window=window)
+        answer = get_json(obj, "/api/v1/query", "series", metric=metric, window=window,
+                          **pinned)
         by = {}
         for series in answer["series"]:
             labels = series["labels"]
@@ -48,44 +59,53 @@ def snapshot(obj: dict, window: str) -> dict:
                 where = labels.get("engine")
             by[where] = human(series[stat], answer["unit"])
         figures[key] = by
-    status = get_json(obj, "/api/v1/status", "collectors")
     return {"figures": figures, "collectors": status["collectors"],
-            "engines": status["engines"], "window": window}
+            "engines": status["engines"], "window": window, "as_of": as_of}
 
 
 def render(snap: dict, url: str) -> Group:
     figures = snap["figures"]
-    title = Text(f"ac-observe top {time.strftime('%H:%M:%S')}  window {snap['window']}  "
+    as_of = (time.strftime("%H:%M:%S", time.localtime(snap["as_of"])) if snap["as_of"]
+             else "no cycle yet")
+    title = Text(f"ac-observe top  as of {as_of}  window {snap['window']}  "
                  f"[w] window [q] quit\n{url}", style="bold")
-    lanes = Table(title="lanes", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("engine", "lane", "TTFT p50", "TTFT p95", "ITL p95", "stream", "run",
-                   "wait"):
-        lanes.add_column(column, justify="left" if column in ("engine", "lane") else "right",
-                         no_wrap=column != "engine", overflow="fold")
     keys = sorted(k for k in set().union(*(figures[f] for f in ("ttft_p50", "util",
                                                                  "running")))
                   if isinstance(k, tuple))
-    for engine, lane in keys:
-        cell = lambda f: figures[f].get((engine, lane), "-")  # noqa: E731
-        lanes.add_row(engine, lane, cell("ttft_p50"), cell("ttft_p95"), cell("itl_p95"),
-                      cell("util"), cell("running"), cell("waiting"))
+    # One lanes table per engine, its name in the title: seven columns fit 80 even with
+    # wide figures (1.50k req, 12.3 s), and a long engine name wraps as a title, uncut.
+    lane_tables = []
+    for engine in sorted({engine for engine, _ in keys}):
+        table = Table(title=Text(f"lanes of {engine}"), title_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in LANE_COLUMNS:
+            table.add_column(column, justify="left" if column == "lane" else "right",
+                             no_wrap=True)
+        for _, lane in (k for k in keys if k[0] == engine):
+            cell = lambda f: figures[f].get((engine, lane), "-")  # noqa: E731
+            table.add_row(Text(lane), cell("ttft_p50"), cell("ttft_p95"), cell("itl_p95"),
+                          cell("util"), cell("running"), cell("waiting"))
+        lane_tables.append(table)
+    if not lane_tables:
+        lane_tables.append(Text("lanes: no engine has reported a figure in this window"))
     engines = Table(title="engines", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("engine", "KV hit", "KV used", "skeleton p50", "state"):
         engines.add_column(column, justify="left" if column in ("engine", "state")
-                           else "right", overflow="fold")
+                           else "right", overflow="fold", min_width=len(column))
     for e in snap["engines"]:
         name = str(e.get("engine"))
         state = "bad: " + e["error"] if e.get("error") else ("alive" if e["alive"] else "gone")
-        engines.add_row(name, figures["hit"].get(name, "-"), figures["usage"].get(name, "-"),
-                        figures["skeleton"].get(name, "-"), state)
-    parts = [title, lanes, engines]
+        engines.add_row(Text(name), figures["hit"].get(name, "-"),  # names as text, not markup
+                        figures["usage"].get(name, "-"), figures["skeleton"].get(name, "-"),
+                        Text(state))
+    parts = [title, *lane_tables, engines]
     gpus = sorted(set(figures["gpu_util"]) | set(figures["sm"]))
     if gpus:
         table = Table(title="GPUs", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
         for column in ("gpu", "utilisation", "SM occupancy"):
             table.add_column(column, justify="right")
         for gpu in gpus:
-            table.add_row(str(gpu), figures["gpu_util"].get(gpu, "-"),
+            table.add_row(Text(str(gpu)), figures["gpu_util"].get(gpu, "-"),
                           figures["sm"].get(gpu, "-"))
         parts.append(table)
     collectors = "  ".join(f"{c['name']} {'up' if c['up'] else 'down'}"

@@ -1,7 +1,8 @@
 """The daemon's HTTP routes (served by `daemon/http_server.py`).
 
 GET /metrics            Prometheus text of the latest snapshot
-GET /api/v1/query       ?metric=NAME&window=60s&labels=k=v,k=v  -> stats per series
+GET /api/v1/query       ?metric=NAME&window=60s&labels=k=v,k=v[&at=UNIX]  -> stats per
+                        series, as of the newest cycle at or before `at` (default: now)
 GET /api/v1/metrics     the friendly names
 GET /api/v1/status      collectors (up/down, reason) and engines
 GET /api/v1/alerts      pending and firing alerts (?history=1: the latest transitions)
@@ -18,7 +19,8 @@ from typing import Callable
 from urllib.parse import parse_qs
 
 from ac_observe.daemon.http_server import HttpServer, Request, Response
-from ac_observe.daemon.query import describe_friendly, parse_duration, parse_labels
+from ac_observe.daemon.query import (describe_friendly, parse_duration, parse_instant,
+                                     parse_labels)
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
 from ac_observe.metrics import FRIENDLY
 
@@ -67,10 +69,11 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
         try:
             window = parse_duration((params.get("window") or ["60s"])[0])
             labels = parse_labels((params.get("labels") or [""])[0])
+            at = parse_instant((params.get("at") or [""])[0])
         except ValueError as exc:
             return json_response(400, {"error": str(exc)})
         try:
-            return json_response(200, daemon.query(metric, window, labels))
+            return json_response(200, daemon.query(metric, window, labels, now=at))
         except WindowTooLong as exc:
             return json_response(400, {"error": str(exc)})
         except HistoryUnavailable as exc:

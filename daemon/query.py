@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import re
+import time
+from datetime import datetime
 
 from ac_observe.metrics import FRIENDLY, Friendly
 from ac_observe.daemon.windows import WindowView, Windows
@@ -26,6 +28,26 @@ def parse_duration(text: str) -> float:
     if not 0 < seconds <= MAX_DURATION_SECONDS:
         raise ValueError(f"bad duration {text[:40]!r}: it must be positive and at most 366d")
     return seconds
+
+
+def parse_instant(text: str | None, now: float | None = None) -> float | None:
+    """An instant: unix seconds or an ISO 8601 time (local time when it names no zone);
+    None for none. Never in the future: a window that ends later than now is a mistake."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    try:
+        instant = float(text)
+    except ValueError:
+        try:
+            instant = datetime.fromisoformat(text).timestamp()
+        except ValueError:
+            raise ValueError(f"bad time {text[:40]!r}: use unix seconds or ISO 8601, "
+                             f"e.g. 2026-12-01T14:03:00") from None
+    now = time.time() if now is None else now
+    if not 0 < instant <= now + 1.0:
+        raise ValueError(f"bad time {text[:40]!r}: it must be in the past")
+    return instant
 
 
 def parse_labels(text: str | None) -> dict[str, str]:
@@ -143,9 +165,13 @@ class QueryEngine:
                     stats["rate"] = stats["mean"]
                 series.append(stats)
         series.sort(key=lambda s: sorted(s["labels"].items()))
+        # as_of: the newest cycle the answer reads. An answer asked at a time reads the
+        # cycles up to it only, so the same question at the same time has the same answer
+        # whatever cycles came since: `top` asks every figure of a screen at one as_of.
+        as_of = min(view.times[-1], since + window_seconds) if len(view.times) else None
         answer = {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
                   "source": friendly.source.name, "window_seconds": window_seconds,
-                  "series": series}
+                  "as_of": as_of, "series": series}
         coverage = getattr(view, "coverage", None)
         if coverage is not None:  # answered from the store's per-minute history
             answer.update(history=True, resolution_seconds=60, coverage=round(coverage, 4))

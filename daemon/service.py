@@ -293,7 +293,10 @@ class Daemon:
         engines = []
         for collector in self.collectors:
             engines.extend(getattr(collector, "status", lambda: [])())
+        with self._lock:
+            as_of = self.windows.latest_time
         return {"version": __version__, "interval_seconds": self.config.interval_seconds,
+                "as_of": as_of,  # the newest cycle: pin queries to it with at=
                 "window_seconds": self.config.window_seconds,
                 "telemetry_root": str(self.config.telemetry_root),
                 "history": self.history is not None,

@@ -56,6 +56,11 @@ class Windows:
         """Timestamp of the oldest cycle still held (NaN before the first)."""
         return self.times[self.cycle % self.capacity if self.cycle > self.capacity else 0]
 
+    @property
+    def latest_time(self) -> float | None:
+        """Timestamp of the newest cycle (None before the first)."""
+        return self.times[(self.cycle - 1) % self.capacity] if self.cycle else None
+
     def view(self, sample_names, since: float, until: float | None = None) -> "WindowView":
         """Copies of the series of `sample_names` over the cycles at or after `since` (and
         at or before `until`, when given: a window that ended in the past)."""

@@ -15,6 +15,7 @@ import pytest
 
 from ac_observe import metrics as m
 from ac_observe.daemon.cli_render import human
+from ac_observe.daemon.cli_top import LANE_COLUMNS
 from ac_observe.engine.telemetry import TelemetryWriter
 from support.servers import AC_OBSERVE, EngineServer, run_cli, wait_for
 
@@ -177,6 +178,117 @@ def test_top_shows_the_figures_of_the_json_answers_and_exits_cleanly(live, tmp_p
             (stty.parent / "stty.before").read_text()  # the terminal is as it was
     finally:
         tmux.close()
+
+
+def _cells(line: str) -> list[str]:
+    return [c for c in re.split(r"\s{2,}", line.strip()) if c]
+
+
+def _answers_at(url: str, at: str) -> dict:
+    """`--metric NAME --window 5m --json --at AT` for every figure `top` shows."""
+    answers = {}
+    for metric in ("inference_latency_ns", "inter_token_latency_ms", "cuda_stream_utilization",
+                   "requests_running", "requests_waiting", "kv_cache_hit_rate",
+                   "kv_cache_usage", "skeleton_complexity"):
+        done = run_cli("--daemon", url, "--metric", metric, "--window", "5m", "--json",
+                       "--at", at)
+        assert done.returncode == 0, done.stderr
+        answers[metric] = json.loads(done.stdout)
+        assert answers[metric]["as_of"] == float(at)
+    return answers
+
+
+def _expected_rows(answers: dict) -> tuple[dict, dict]:
+    """top's rows as the JSON answers say they must read: {(engine, lane): cells} for the
+    engine's lanes table and {engine: cells} for the engines table."""
+    def by(metric, stat, key):
+        answer = answers[metric]
+        return {key(s["labels"]): human(s[stat], answer["unit"]) for s in answer["series"]}
+    lane = lambda labels: (labels["engine"], labels["stream"])  # noqa: E731
+    engine = lambda labels: labels["engine"]  # noqa: E731
+    columns = [by("inference_latency_ns", "p50", lane), by("inference_latency_ns", "p95", lane),
+               by("inter_token_latency_ms", "p95", lane),
+               by("cuda_stream_utilization", "mean", lane),
+               by("requests_running", "last", lane), by("requests_waiting", "last", lane)]
+    lanes = {k: [k[1]] + [c.get(k, "-") for c in columns] for k in columns[0]}
+    columns = [by("kv_cache_hit_rate", "mean", engine), by("kv_cache_usage", "last", engine),
+               by("skeleton_complexity", "p50", engine)]
+    engines = {k: [k] + [c.get(k, "-") for c in columns] + ["alive"] for k in columns[0]}
+    return lanes, engines
+
+
+def test_top_under_demo_load_shows_exactly_the_json_answers_of_its_cycle(start_daemon,
+                                                                         tmp_path):
+    """While an engine serves demo traffic (every figure moves from cycle to cycle), each
+    screen of `top` says which cycle it shows ("as of HH:MM:SS") and equals, cell for cell,
+    the `--json` answers pinned to that cycle with `--at`."""
+    root = tmp_path / "telemetry"
+    daemon = start_daemon(root, "--collectors", "engine")
+    engine = EngineServer(root / "e1", "--engine-name", "e1", "--demo-load").wait_ready()
+    tmux = Tmux(f"{AC_OBSERVE} --daemon {daemon.url} top --window 5m", 80, 40)
+    try:
+        wait_for(lambda: (s := tmux.screen()) and "lanes of e1" in s and " ms " in s and
+                 all(f" {lane} " in s for lane in m.LANES), 90, "top's rows for both lanes")
+        shown = []
+        deadline = time.monotonic() + 120
+        while len(shown) < 3 and time.monotonic() < deadline:
+            screen = tmux.screen()
+            if tmux.screen() != screen:  # caught mid-redraw
+                continue
+            clock = re.search(r"as of (\d\d):(\d\d):(\d\d)", screen)
+            assert clock, screen
+            day = time.localtime()
+            second = time.mktime((day.tm_year, day.tm_mon, day.tm_mday,
+                                  *map(int, clock.groups()), 0, 0, -1))
+            # The cycle it shows: the newest at or before the end of that second, unless
+            # two cycles fell in that second (then which one is ambiguous: look again).
+            def as_of(at):
+                return httpx.get(daemon.url + "/api/v1/query", params={
+                    "metric": "kv_cache_usage", "window": "5m", "at": repr(at)}).json()["as_of"]
+            cycle = as_of(second + 0.999999)
+            if int(cycle) != int(second) or as_of(cycle - 1e-6) >= second:
+                time.sleep(0.3)
+                continue
+            lanes, engines = _expected_rows(_answers_at(daemon.url, repr(cycle)))
+            rows = [_cells(line) for line in screen.splitlines()]
+            assert list(LANE_COLUMNS) in rows, screen  # whole headers at 80 columns
+            for (engine_name, _), cells in lanes.items():  # in the table of its engine
+                assert rows.index(cells) > rows.index([f"lanes of {engine_name}"]), screen
+            for key, cells in engines.items():
+                assert cells in rows, (cells, screen)
+            shown.append((cycle, sorted(map(tuple, lanes.values()))))
+            time.sleep(1.5)
+        assert len(shown) == 3, "no three screens whose cycle could be told"
+        assert len({cycle for cycle, _ in shown}) == 3  # the screen moved on between looks
+        assert len({str(rows) for _, rows in shown}) > 1, shown  # and the figures with it
+    finally:
+        tmux.close()
+        engine.stop()
+
+
+def test_top_at_80_columns_keeps_headers_numbers_and_names_whole():
+    """Wide figures in every column and a long engine name at 80 columns: every header,
+    number and name stays whole."""
+    from rich.console import Console
+    from ac_observe.daemon.cli_top import render
+    name = "prod-engine-with-a-long-name-7"
+    key = (name, "low_latency")
+    wide = {"ttft_p50": "1.05 s", "ttft_p95": "12.3 s", "itl_p95": "999 ms", "util": "99.9%",
+            "running": "1.50k req", "waiting": "12.3k req"}
+    snap = {"figures": {**{f: {key: v} for f, v in wide.items()},
+                        "hit": {name: "88.8%"}, "usage": {name: "99.9%"},
+                        "skeleton": {name: "12.5 lvl"}, "gpu_util": {}, "sm": {}},
+            "collectors": [{"name": "engine", "up": True}], "window": "5m",
+            "engines": [{"engine": name, "alive": True}], "as_of": time.time()}
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render(snap, "http://127.0.0.1:9464"))
+    text = console.export_text()
+    rows = [_cells(line) for line in text.splitlines()]
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert [f"lanes of {name}"] in rows and list(LANE_COLUMNS) in rows, text
+    assert ["engine", "KV hit", "KV used", "skeleton p50", "state"] in rows, text
+    assert ["low_latency", *wide.values()] in rows, text
+    assert [name, "88.8%", "99.9%", "12.5 lvl", "alive"] in rows, text
 
 
 def test_top_says_in_one_line_when_the_daemon_goes_away(start_daemon, tmp_path):

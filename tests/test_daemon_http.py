@@ -62,6 +62,16 @@ def test_methods_heads_and_absurd_queries_get_clear_answers(start_daemon):
                            params={"metric": "kv_cache_hit_rate", "window": window})
         assert answer.status_code == 400, window
         assert "duration" in answer.json()["error"]
+    for at in ("yesterday", "nan", "inf", "-1", "0", str(time.time() + 3600),
+               "2999-01-01T00:00:00"):
+        answer = httpx.get(daemon.url + "/api/v1/query",
+                           params={"metric": "kv_cache_hit_rate", "window": "60s", "at": at})
+        assert answer.status_code == 400, at
+        assert "bad time" in answer.json()["error"], at
+    for at in (repr(time.time() - 1), time.strftime("%Y-%m-%dT%H:%M:%S")):
+        answer = httpx.get(daemon.url + "/api/v1/query",
+                           params={"metric": "kv_cache_hit_rate", "window": "60s", "at": at})
+        assert answer.status_code == 200, (at, answer.text)
     assert httpx.get(daemon.url + "/nowhere").status_code == 404
     big = httpx.get(daemon.url + "/metrics", headers={"x-junk": "a" * 20000})
     assert big.status_code == 431

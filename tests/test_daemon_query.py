@@ -43,6 +43,26 @@ def test_histogram_answer_uses_only_observations_inside_the_window():
     assert series["last"] == pytest.approx(0.03e9)          # the last interval: 10 obs, 0.3 s
 
 
+def test_an_answer_pinned_at_a_cycle_is_that_cycles_answer_whatever_came_since():
+    """as_of names the newest cycle read; an answer asked at a time reads only the cycles up
+    to it, so asked again at that time after more cycles it is the same answer."""
+    windows = Windows(capacity=100)
+    engine = QueryEngine(windows, interval_seconds=1.0)
+    gauge = "ac_kv_cache_usage_ratio"
+    for t, value in ((10.0, 0.1), (11.0, 0.2), (12.0, 0.6)):
+        windows.append(t, {(gauge, (("engine", "e"), ("model", "m"))): value})
+    assert engine.query("kv_cache_usage", 5.0, {}, now=12.4)["as_of"] == 12.0
+    first = engine.query("kv_cache_usage", 5.0, {}, now=12.0)
+    assert first["as_of"] == 12.0
+    assert first["series"][0]["last"] == pytest.approx(60.0)
+    for t, value in ((13.0, 0.9), (14.0, 0.05)):
+        windows.append(t, {(gauge, (("engine", "e"), ("model", "m"))): value})
+    assert engine.query("kv_cache_usage", 5.0, {}, now=12.0) == first
+    later = engine.query("kv_cache_usage", 5.0, {}, now=14.2)
+    assert later["as_of"] == 14.0 and later["series"][0]["last"] == pytest.approx(5.0)
+    assert engine.query("kv_cache_usage", 5.0, {}, now=9.0)["as_of"] is None  # before any
+
+
 def test_bucket_quantile_matches_prometheus_interpolation():
     buckets = [(0.1, 2.0), (0.2, 6.0), (0.4, 10.0), (math.inf, 10.0)]
     assert bucket_quantile(0.5, buckets) == pytest.approx(0.1 + 0.1 * (5 - 2) / 4)
