@@ -22,6 +22,7 @@ from rich.text import Text
 
 from ac_observe.daemon.cli_query import DaemonError, get_json
 from ac_observe.daemon.cli_render import human
+from ac_observe.metrics import FRIENDLY
 
 WINDOWS = ("30s", "60s", "5m", "15m", "1h")
 # (key in a snapshot, friendly name, statistic)
@@ -59,8 +60,10 @@ def snapshot(obj: dict, window: str) -> dict:
                 where = labels.get("engine")
             by[where] = human(series[stat], answer["unit"])
         figures[key] = by
+    alerts = get_json(obj, "/api/v1/alerts", "alerts")
     return {"figures": figures, "collectors": status["collectors"],
-            "engines": status["engines"], "window": window, "as_of": as_of}
+            "engines": status["engines"], "window": window, "as_of": as_of,
+            "alerts": alerts}
 
 
 def render(snap: dict, url: str) -> Group:
@@ -108,6 +111,7 @@ def render(snap: dict, url: str) -> Group:
             table.add_row(Text(str(gpu)), figures["gpu_util"].get(gpu, "-"),
                           figures["sm"].get(gpu, "-"))
         parts.append(table)
+    parts.append(_alerts(snap.get("alerts") or {"alerts": [], "rules": 0}))
     collectors = "  ".join(f"{c['name']} {'up' if c['up'] else 'down'}"
                            for c in snap["collectors"])
     parts.append(Text(f"collectors: {collectors}"))
@@ -153,3 +157,27 @@ def _live(console: Console, obj: dict, window: str) -> int:
                         due = 0.0
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _alerts(body: dict):
+    """The drift alerts pending or firing, each value and baseline in its metric's unit."""
+    rules = body["rules"]
+    if not rules:
+        return Text("alerts: no rules (daemon --alerting FILE)")
+    if not body["alerts"]:
+        return Text(f"alerts: none pending or firing ({rules} rules)")
+    table = Table(title=f"alerts ({rules} rules)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    for column in ("rule", "state", "value", "baseline", "labels"):
+        table.add_column(column, justify="right" if column in ("value", "baseline")
+                         else "left", overflow="fold", min_width=len(column),
+                         no_wrap=column in ("state", "value", "baseline"))
+    for a in body["alerts"]:
+        friendly = FRIENDLY.get(a["metric"])
+        unit = friendly.unit if friendly else ""
+        state = a["state"] + (" (no data)" if a["no_data"] else "")
+        labels = " ".join(f"{k}={v}" for k, v in sorted(a["labels"].items()) if k != "model")
+        table.add_row(Text(a["rule"]), Text(state, style="red" if a["state"] == "firing"
+                                            else "yellow"),
+                      human(a["value"], unit), human(a["baseline"], unit), Text(labels))
+    return table

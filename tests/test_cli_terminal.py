@@ -226,12 +226,20 @@ def test_top_under_demo_load_shows_exactly_the_json_answers_of_its_cycle(start_d
     screen of `top` says which cycle it shows ("as of HH:MM:SS") and equals, cell for cell,
     the `--json` answers pinned to that cycle with `--at`."""
     root = tmp_path / "telemetry"
-    daemon = start_daemon(root, "--collectors", "engine")
+    rules = tmp_path / "alerts.yaml"
+    rules.write_text("rules:\n  - {name: TtftAboveZero, metric: inference_latency_ns, "
+                     "statistic: p50, window: 30s, comparison: above, threshold: 0, for: 1s, "
+                     "match: {stream: throughput}}\n")
+    daemon = start_daemon(root, "--collectors", "engine", "--alerting", str(rules))
     engine = EngineServer(root / "e1", "--engine-name", "e1", "--demo-load").wait_ready()
     tmux = Tmux(f"{AC_OBSERVE} --daemon {daemon.url} top --window 5m", 80, 40)
     try:
         wait_for(lambda: (s := tmux.screen()) and "lanes of e1" in s and " ms " in s and
                  all(f" {lane} " in s for lane in m.LANES), 90, "top's rows for both lanes")
+        alert = wait_for(lambda: [r for r in map(_cells, tmux.screen().splitlines())
+                                  if r[:2] == ["TtftAboveZero", "firing"]], 30, "the alert")
+        assert WITH_UNIT.match(alert[0][2]) and alert[0][2].endswith("s"), alert  # 9.87 ms
+        assert alert[0][3] == "0 ns", alert  # against its threshold
         shown = []
         deadline = time.monotonic() + 120
         while len(shown) < 3 and time.monotonic() < deadline:
@@ -292,6 +300,31 @@ def test_top_at_80_columns_keeps_headers_numbers_and_names_whole():
     assert ["engine", "KV hit", "KV used", "skeleton p50", "state"] in rows, text
     assert ["low_latency", *wide.values()] in rows, text
     assert [name, "88.8%", "99.9%", "12.5 lvl", "alive"] in rows, text
+
+
+def test_top_lists_the_alerts_pending_or_firing_in_their_metrics_units():
+    from rich.console import Console
+    from ac_observe.daemon.cli_top import _alerts
+    body = {"rules": 3, "alerts": [
+        {"rule": "TtftDrift", "state": "firing", "no_data": False, "value": 12_300_000.0,
+         "baseline": 8_000_000.0, "metric": "inference_latency_ns",
+         "labels": {"engine": "e1", "model": "tiny", "stream": "low_latency"}},
+        {"rule": "[bold]KvHit", "state": "pending", "no_data": True, "value": None,
+         "baseline": 91.5, "metric": "kv_cache_hit_rate", "labels": {"engine": "e2"}}]}
+    console = Console(width=80, record=True, color_system=None)
+    console.print(_alerts(body))
+    text = console.export_text()
+    rows = [_cells(line) for line in text.splitlines()]
+    (first,) = [i for i, r in enumerate(rows) if r[:4] == ["TtftDrift", "firing", "12.3 ms",
+                                                          "8.00 ms"]]
+    labels = " ".join(rows[first][4:] + rows[first + 1])  # a label set wraps, whole
+    assert labels == "engine=e1 stream=low_latency", text  # the model is the engine's
+    assert ["[bold]KvHit", "pending (no data)", "-", "91.5%", "engine=e2"] in rows, text
+    for body, line in (({"rules": 0, "alerts": []}, "no rules"),
+                       ({"rules": 2, "alerts": []}, "none pending or firing (2 rules)")):
+        console = Console(width=80, record=True, color_system=None)
+        console.print(_alerts(body))
+        assert line in console.export_text()
 
 
 def test_top_says_in_one_line_when_the_daemon_goes_away(start_daemon, tmp_path):
