@@ -408,7 +408,8 @@ def _holds(found: httpx.Response, annotation: dict) -> bool | None:
 
 class WebhookSender:
     """Delivers the outbox. `run_once` does one pass (tests drive it); `start` runs passes
-    on a thread, woken at once by `wake` after an enqueue."""
+    on one thread per receiver, woken at once by `wake` after an enqueue, so a receiver
+    that hangs until its timeout delays only its own deliveries."""
 
     def __init__(self, store: Store, receivers: dict[str, Receiver], external_url: str = "",
                  backoff: Backoff = Backoff(), clock=time.time, seed: int | None = None,
@@ -420,13 +421,14 @@ class WebhookSender:
         self.clock = clock
         self.poll_seconds = poll_seconds
         self._rng = random.Random(seed)
-        self._client = httpx.Client(follow_redirects=False, trust_env=False)
+        self._clients = {name: httpx.Client(follow_redirects=False, trust_env=False)
+                         for name in receivers}
         self.outcomes: dict[tuple[str, str], int] = {
             (name, outcome): 0 for name in receivers for outcome in OUTCOMES}
         self.queue: dict[str, tuple[int, float]] = {}  # receiver -> (pending, oldest age)
-        self._wake = threading.Event()
+        self._wakes = {name: threading.Event() for name in receivers}
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._warned: set[str] = set()  # receivers whose refusals were logged once
         # A receiver whose URL changed since a 410 disabled it is tried again.
         for name, url in store.disabled().items():
@@ -443,26 +445,27 @@ class WebhookSender:
                 ids.append(self.store.add(receiver.name, kind, body, now))
             else:
                 ids.append(self.store.enqueue(connection, receiver.name, kind, body, now))
-        self._wake.set()
+        self.wake()
         return ids
 
     def send_test(self, host: str) -> list[str]:
         return self.enqueue([test_alert(self.clock(), host)], "test")
 
-    def run_once(self, only: list[str] | None = None) -> int:
-        """One pass: every due delivery (among `only`, when given) attempted once, claimed
-        one at a time; the queue figures refreshed."""
+    def run_once(self, only: list[str] | None = None,
+                 receivers: list[str] | None = None) -> int:
+        """One pass: every due delivery (among `only`, and to `receivers`, when given)
+        attempted once, claimed one at a time; the queue figures refreshed."""
         try:
-            return self._deliver_due(only)
+            return self._deliver_due(only, receivers or list(self.receivers))
         finally:
             self.queue = self.store.pending_by_receiver(self.clock())
 
-    def _deliver_due(self, only: list[str] | None) -> int:
+    def _deliver_due(self, only: list[str] | None, receivers: list[str]) -> int:
         done = 0
         tried: set[str] = set()
         while True:
             disabled = self.store.disabled()  # a 410 earlier in this pass counts at once
-            active = [name for name in self.receivers if name not in disabled]
+            active = [name for name in receivers if name not in disabled]
             if not active:
                 return done
             # A post may take connect + write + read (+ pool) timeouts: the lease covers all.
@@ -531,11 +534,11 @@ class WebhookSender:
                   delivery.id, delivery.receiver, delivery.attempts + 1, why, error)
 
     def _send(self, receiver: Receiver, delivery: Delivery, now: float) -> httpx.Response:
+        client = self._clients[receiver.name]
         if receiver.format != "grafana":
-            return self._client.post(receiver.url, content=delivery.body.encode(),
-                                     headers=signed_headers(receiver, delivery.id,
-                                                            delivery.body, now),
-                                     timeout=receiver.timeout_seconds)
+            return client.post(receiver.url, content=delivery.body.encode(),
+                               headers=signed_headers(receiver, delivery.id, delivery.body, now),
+                               timeout=receiver.timeout_seconds)
         api = receiver.url.rstrip("/") + "/api/annotations"
         headers = {"content-type": "application/json", "user-agent": "ac-observe"}
         if receiver.token:
@@ -544,11 +547,11 @@ class WebhookSender:
         # (a timeout, a daemon killed mid-post: no attempt recorded): look first. A lookup
         # that fails is the attempt's answer (retried later), never a blind post.
         annotation = json.loads(delivery.body)
-        found = self._client.get(api, headers=headers, timeout=receiver.timeout_seconds,
-                                 params={"from": annotation["time"],
-                                         "to": annotation.get("timeEnd", annotation["time"]),
-                                         "tags": annotation["tags"], "type": "annotation",
-                                         "limit": 100})
+        found = client.get(api, headers=headers, timeout=receiver.timeout_seconds,
+                           params={"from": annotation["time"],
+                                   "to": annotation.get("timeEnd", annotation["time"]),
+                                   "tags": annotation["tags"], "type": "annotation",
+                                   "limit": 100})
         if found.status_code != 200:
             return found
         holds = _holds(found, annotation)
@@ -556,34 +559,41 @@ class WebhookSender:
             return httpx.Response(502, request=found.request)
         if holds:
             return found
-        return self._client.post(api, content=delivery.body.encode(), headers=headers,
-                                 timeout=receiver.timeout_seconds)
+        return client.post(api, content=delivery.body.encode(), headers=headers,
+                           timeout=receiver.timeout_seconds)
 
     def _count(self, receiver: str, outcome: str) -> None:
         key = (receiver, outcome)
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
     def wake(self) -> None:
-        self._wake.set()
+        for event in self._wakes.values():
+            event.set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="ac-webhooks", daemon=True)
-        self._thread.start()
+        for name in self.receivers:
+            thread = threading.Thread(target=self._loop, args=(name,), daemon=True,
+                                      name=f"ac-webhooks-{name}"[:40])
+            thread.start()
+            self._threads.append(thread)
 
-    def _loop(self) -> None:
+    def _loop(self, name: str) -> None:
+        wake = self._wakes[name]
         while not self._stop.is_set():
             try:
-                busy = self.run_once()
+                busy = self.run_once(receivers=[name])
             except Exception:  # a store outage: keep trying, never die
-                log.exception("webhook pass failed")
+                log.exception("webhook pass for %s failed", name)
                 busy = 0
             if not busy:
-                self._wake.wait(self.poll_seconds)
-                self._wake.clear()
+                wake.wait(self.poll_seconds)
+                wake.clear()
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._client.close()
+        self.wake()
+        deadline = time.monotonic() + 30
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for client in self._clients.values():
+            client.close()

@@ -21,7 +21,7 @@ from ac_observe.daemon.webhooks import (AlertConfigError, Backoff, Receiver, Web
                                         fingerprint, load_alerting, retry_after)
 
 from support.grafana import Grafana
-from support.servers import parse_metrics
+from support.servers import parse_metrics, wait_for
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
@@ -212,6 +212,33 @@ def test_a_claim_takes_one_delivery_and_leaves_the_others_due(store):
     assert claimed[3] is None
     assert {d.id for d in claimed[:3]} == ids
     assert all(store.delivery(i)["next_attempt_at"] == now + 60.0 for i in ids)
+
+
+def test_a_receiver_that_hangs_delays_only_its_own_deliveries(store):
+    """Two alerts to a receiver that answers after 3 s and to one that answers at once:
+    the quick one has both within a second, while the slow one is still on its first (one
+    pass over every receiver in turn had the quick one's second wait ~6 s)."""
+    slow, quick = _Receiver(), _Receiver()
+    slow.mode = "hang"
+    sender = WebhookSender(store, {
+        "slow": Receiver("slow", slow.url, secret=SECRET, timeout_seconds=10),
+        "quick": Receiver("quick", quick.url, secret=SECRET, timeout_seconds=10)}, seed=1)
+    sender.start()
+    try:
+        sent = time.monotonic()
+        for status in ("firing", "resolved"):
+            sender.enqueue([_transition(status, time.time() - 60,
+                                        time.time() if status == "resolved" else None)],
+                           status)
+        wait_for(lambda: len(quick.requests) == 2, 10, "both at the quick receiver")
+        assert time.monotonic() - sent < 2.0
+        assert len(slow.requests) == 1  # still answering the first
+        wait_for(lambda: sender.outcomes["slow", "delivered"] == 2, 15, "the slow receiver")
+        assert sender.outcomes["quick", "delivered"] == 2
+    finally:
+        sender.stop()
+        slow.down()
+        quick.down()
 
 
 def _grafana_sender(store, grafana, clock):
