@@ -129,6 +129,17 @@ def samples_read(friendly: Friendly) -> set[str]:
     return {spec.name for spec in friendly.families()}
 
 
+def _series_coverage(series: list[dict], key_coverage: dict) -> None:
+    """Each answered series' own coverage: the share of the span's minutes in which the
+    series it is made of (its buckets, the label sets it sums) held data; a series younger
+    than the span covers less of it than the answer as a whole."""
+    keys = [(frozenset(key[1]), share) for key, share in key_coverage.items()]
+    for stats in series:
+        labels = set(stats["labels"].items())
+        stats["coverage"] = round(max((share for key_labels, share in keys
+                                       if labels <= key_labels), default=0.0), 4)
+
+
 class QueryEngine:
     """NOTE: `answer` computes on a WindowView, a copy taken under the daemon's lock, so
     it runs without holding it; `query` takes the view itself (no lock: tests, tools)."""
@@ -158,7 +169,11 @@ class QueryEngine:
             if _matches(stats["labels"], label_filter):
                 stats["trend"] = trend(events, since, window_seconds, friendly.scale)
                 if friendly.kind == "histogram":
-                    stats["rate"] = stats["samples"] / window_seconds  # observations/s
+                    # Observations per second over the span the count's points cover (the
+                    # whole window once the daemon has watched it all; less for a daemon
+                    # or a series younger than the window, which /window would dilute).
+                    span = stats.pop("_span")
+                    stats["rate"] = stats["samples"] / span if span > 0 else None
                     for name, threshold in (shares or {}).items():
                         stats[name] = 100.0 * share_below(threshold / friendly.scale, buckets)
                 elif friendly.kind == "rate":
@@ -175,6 +190,7 @@ class QueryEngine:
         coverage = getattr(view, "coverage", None)
         if coverage is not None:  # answered from the store's per-minute history
             answer.update(history=True, resolution_seconds=60, coverage=round(coverage, 4))
+            _series_coverage(series, view.key_coverage)
         return answer
 
     def _points(self, view: WindowView, key, since: float):
@@ -288,7 +304,9 @@ class QueryEngine:
                     "p95": scale * bucket_quantile(0.95, buckets),
                     "p99": scale * bucket_quantile(0.99, buckets),
                     "last": scale * means[-1][1] / means[-1][2] if means else None,
-                    "samples": int(count), "_buckets": buckets}, means)
+                    "samples": int(count), "_buckets": buckets,
+                    "_span": (count_points[-1][0] - count_points[0][0]
+                              if len(count_points) > 1 else 0.0)}, means)
 
 
 TREND_SLOTS = 24

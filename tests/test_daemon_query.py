@@ -63,6 +63,23 @@ def test_an_answer_pinned_at_a_cycle_is_that_cycles_answer_whatever_came_since()
     assert engine.query("kv_cache_usage", 5.0, {}, now=9.0)["as_of"] is None  # before any
 
 
+def test_a_histograms_rate_is_over_the_span_watched_not_the_whole_window():
+    """A daemon 30 s old asked for a 300 s window: 10 observations/s over what it watched
+    (the count's increase over /window would say 1/s)."""
+    windows = Windows(capacity=1000)
+    engine = QueryEngine(windows, interval_seconds=1.0)
+    for t in range(31):
+        windows.append(100.0 + t, _hist_samples({0.01: 10 * t, math.inf: 0}, 0.005 * 10 * t))
+    (series,) = engine.query("inference_latency_ns", 300.0, {}, now=130.5)["series"]
+    assert series["samples"] == 300
+    assert series["rate"] == pytest.approx(10.0)
+    # Watched all along: the window's own span (299 s between its first and last cycles).
+    for t in range(31, 700):
+        windows.append(100.0 + t, _hist_samples({0.01: 10 * t, math.inf: 0}, 0.005 * 10 * t))
+    (series,) = engine.query("inference_latency_ns", 300.0, {}, now=799.5)["series"]
+    assert series["rate"] == pytest.approx(10.0)
+
+
 def test_bucket_quantile_matches_prometheus_interpolation():
     buckets = [(0.1, 2.0), (0.2, 6.0), (0.4, 10.0), (math.inf, 10.0)]
     assert bucket_quantile(0.5, buckets) == pytest.approx(0.1 + 0.1 * (5 - 2) / 4)
