@@ -16,6 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=False,
 
 
 DEFAULT_DAEMON_URL = f"http://127.0.0.1:{DEFAULT_DAEMON_PORT}"
+FAULT_TOKEN_ENV = "AC_OBSERVE_FAULT_TOKEN"
 
 
 @app.callback(invoke_without_command=True)
@@ -365,8 +366,12 @@ def engine(
     demo_load: bool = typer.Option(False, "--demo-load", envvar="AC_OBSERVE_DEMO_LOAD",
                                    help="Send demo traffic to itself."),
     fault_injection: bool = typer.Option(False, "--fault-injection",
-                                         help="Serve /admin/faults (loopback only): an added "
-                                              "per-step delay, forced prefix-cache misses."),
+                                         help="Serve /admin/faults (loopback only, with the "
+                                              "fault token): an added per-step delay, forced "
+                                              "prefix-cache misses."),
+    fault_token_file: Path = typer.Option(None, "--fault-token-file",
+                                          help="File holding /admin/faults' bearer token "
+                                               "(or $AC_OBSERVE_FAULT_TOKEN)."),
     instrumentation: bool = typer.Option(True, "--instrumentation/--no-instrumentation",
                                          help="Off: no telemetry, statistics, step timers, "
                                               "kernel samples or skeleton parsing (what "
@@ -396,6 +401,11 @@ def engine(
                    "instrumentation writes no telemetry", err=True)
         raise typer.Exit(2)
     try:
+        fault_token = _read_token(os.environ.get(FAULT_TOKEN_ENV) or None, fault_token_file)
+        if fault_injection and not fault_token:
+            raise ValueError(f"--fault-injection needs a token (${FAULT_TOKEN_ENV} or "
+                             f"--fault-token-file): a port forwarded over ssh or kubectl "
+                             f"reaches loopback routes too")
         config = EngineConfig(
             model=model, model_name=model_name, engine_name=name, device=device, dtype=dtype,
             block_size=block_size, num_kv_blocks=kv_blocks,
@@ -403,7 +413,7 @@ def engine(
             gpu_memory_utilization=gpu_memory_utilization,
             evicted_hash_memory=evicted_hash_memory,
             kernel_sample_steps=kernel_sample_steps, kernel_sample_budget=kernel_sample_budget,
-            fault_injection=fault_injection,
+            fault_injection=fault_injection, fault_token=fault_token,
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",
             lanes=(LaneConfig(LOW_LATENCY, low_latency_seqs),
                    LaneConfig(THROUGHPUT, throughput_seqs)), instrumentation=instrumentation)

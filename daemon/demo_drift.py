@@ -53,8 +53,9 @@ class DriftDriver:
     and reports the daemon's alert transitions as they happen."""
 
     def __init__(self, engine_url: str, daemon_url: str, calm_seconds: float,
-                 drift_seconds: float, poll_seconds: float = 1.0):
+                 drift_seconds: float, poll_seconds: float = 1.0, fault_token: str = ""):
         self.engine_url, self.daemon_url = engine_url, daemon_url
+        self.fault_token = fault_token
         self.calm_seconds, self.drift_seconds = calm_seconds, drift_seconds
         self.poll_seconds = poll_seconds
         self.stop = threading.Event()
@@ -87,8 +88,9 @@ class DriftDriver:
 
     def _faults(self, client: httpx.Client, delay_ms: int) -> bool:
         try:
-            client.post(f"{self.engine_url}/admin/faults",
-                        json={"step_delay_ms": delay_ms}).raise_for_status()
+            client.post(f"{self.engine_url}/admin/faults", json={"step_delay_ms": delay_ms},
+                        headers={"authorization": f"Bearer {self.fault_token}"}
+                        ).raise_for_status()
             return True
         except httpx.HTTPError as exc:
             _say(f"demo drift: cannot reach the engine's fault route ({type(exc).__name__}); "

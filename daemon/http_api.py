@@ -18,7 +18,7 @@ import math
 from typing import Callable
 from urllib.parse import parse_qs
 
-from ac_observe.daemon.http_server import HttpServer, Request, Response
+from ac_observe.daemon.http_server import HttpServer, Request, Response, bearer_token
 from ac_observe.daemon.query import (describe_friendly, parse_duration, parse_instant,
                                      parse_labels)
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
@@ -42,16 +42,6 @@ def _finite(value):
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
-
-
-def bearer_token(header: str | None) -> bytes | None:
-    """The token of an `Authorization: Bearer <token>` header, as the client's bytes."""
-    if not header:
-        return None
-    scheme, _, token = header.strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip().encode("latin-1")  # the header's bytes, as they came
 
 
 def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Response]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -92,11 +93,17 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
     driver = None
     if demo_drift:
         from ac_observe.daemon.demo_drift import DriftDriver, write_demo_alerting
+        from ac_observe.daemon.cli import FAULT_TOKEN_ENV
         engine_cmd.append("--fault-injection")
         daemon_cmd += ["--alerting", str(write_demo_alerting()), "--alert-interval", "2s"]
+        fault_token = os.environ.get(FAULT_TOKEN_ENV) or secrets.token_urlsafe(24)
+        engine_env = {**env, FAULT_TOKEN_ENV: fault_token}  # the engine's alone
         driver = DriftDriver(f"http://127.0.0.1:{engine_port}",
-                             f"http://127.0.0.1:{daemon_port}", *demo_drift)
-    children = [Child("daemon", daemon_cmd, env), Child("engine", engine_cmd, env)]
+                             f"http://127.0.0.1:{daemon_port}", *demo_drift,
+                             fault_token=fault_token)
+    else:
+        engine_env = env
+    children = [Child("daemon", daemon_cmd, env), Child("engine", engine_cmd, engine_env)]
     stopping = False
 
     def stop(*_):

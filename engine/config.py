@@ -141,9 +141,11 @@ class EngineConfig:
     kernel_sample_budget: float = 0.005
     skeleton_top_k: int = 20
     skeleton_min_count: int = 3       # sightings before a skeleton id earns its own label
-    # Loopback-only /admin/faults may add a per-step delay and force prefix-cache misses
-    # (drift demos and tests); off unless asked for.
+    # /admin/faults may add a per-step delay and force prefix-cache misses (drift demos and
+    # tests); off unless asked for, and then only from this host with this bearer token (a
+    # port forwarded over ssh or kubectl arrives from loopback too).
     fault_injection: bool = False
+    fault_token: str | None = None
     telemetry_dir: str | None = None  # None: no telemetry files
     api_address: str = ""
     # False: no instrumentation at all (no telemetry, statistics, device step timers, kernel

@@ -6,6 +6,7 @@ engine thread runs every step, and outputs come back through `call_soon_threadsa
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import json
 import logging
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ac_observe import __version__
+from ac_observe.daemon.http_server import bearer_token  # stdlib only: no daemon
 from ac_observe.engine import api_format as fmt
 from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 from ac_observe.engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest
@@ -205,13 +207,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 async def faults(request: Request):
     """Fault injection: GET the current faults, POST {"step_delay_ms": 0..10000,
-    "prefix_miss_ratio": 0..1} to change them. Only with --fault-injection, and only from
-    this host."""
+    "prefix_miss_ratio": 0..1} to change them. Only with --fault-injection, only from this
+    host, and only with the fault token (a port forwarded over ssh or kubectl arrives from
+    loopback too)."""
     service = _service(request)
     if not service.config.fault_injection:
         raise APIError(404, "fault injection is off (start the engine with --fault-injection)")
     if not _loopback(request.client.host if request.client else ""):
         raise APIError(403, "fault injection is accepted from this host only")
+    expected = (service.config.fault_token or "").encode()
+    given = bearer_token(request.headers.get("authorization"))
+    if not expected or given is None or not hmac.compare_digest(given, expected):
+        raise APIError(401, "fault injection needs the engine's fault token as "
+                            "`Authorization: Bearer <token>`",
+                       headers={"www-authenticate": 'Bearer realm="ac-observe faults"'})
     engine = service.ready()
     if request.method == "POST":
         # JSON only: a web page cannot send that cross-site without a preflight.

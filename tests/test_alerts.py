@@ -4,6 +4,8 @@ chain against a live engine whose steps are slowed through its fault-injection r
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 import time
 
@@ -19,10 +21,13 @@ from ac_observe.daemon.service import Daemon
 from ac_observe.daemon.store import deliveries
 from ac_observe.daemon.webhooks import AlertConfigError
 
-from support.servers import EngineServer, wait_for
+from support.servers import AC_OBSERVE, EngineServer, wait_for
 from test_webhooks import SECRET, _Receiver
 
 USAGE = m.KV_USAGE  # a gauge: kv_cache_usage, in % (scale 100)
+FAULT_TOKEN = "fault-token-for-tests"
+FAULT_ENV = {"AC_OBSERVE_FAULT_TOKEN": FAULT_TOKEN}
+FAULT_AUTH = {"authorization": f"Bearer {FAULT_TOKEN}"}
 
 
 class _Gauges(Collector):
@@ -287,7 +292,7 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
     receiver = _Receiver()
     (tmp_path / "telemetry").mkdir()
     engine = EngineServer(tmp_path / "telemetry" / "e1", "--fault-injection",
-                          "--engine-name", "e1").wait_ready()
+                          "--engine-name", "e1", env=FAULT_ENV).wait_ready()
     rules = """\
   - name: TtftDrift
     metric: inference_latency_ns
@@ -327,7 +332,8 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
         time.sleep(10)  # a baseline: 6 s before a 3 s window
         # (a loaded machine's own hiccup may make it pending for a moment: quiet first)
         wait_for(lambda: daemon.alerts.active() == [], 30, "no alert before the fault")
-        httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 300}).raise_for_status()
+        httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 300},
+                   headers=FAULT_AUTH).raise_for_status()
         injected = time.time()
         fired = None
         while fired is None and time.time() - injected < 30:
@@ -347,7 +353,8 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
         assert alert["labels"]["alertname"] == "TtftDrift"
         assert alert["labels"]["stream"] == "low_latency" and alert["labels"]["engine"] == "e1"
         assert alert["annotations"]["summary"].startswith("TTFT p95 ")
-        httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 0}).raise_for_status()
+        httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 0},
+                   headers=FAULT_AUTH).raise_for_status()
         seen = len(receiver.requests)
 
         def last_status():
@@ -417,19 +424,37 @@ def test_collector_down_rule_fires_on_the_daemons_own_health(tmp_path):
     daemon.close()
 
 
-def test_fault_injection_takes_json_from_this_host_only(tmp_path):
+def test_fault_injection_takes_json_from_this_host_only_with_its_token(tmp_path):
     (tmp_path / "t").mkdir()
-    engine = EngineServer(tmp_path / "t" / "e1", "--fault-injection").wait_ready()
+    refused = subprocess.run([AC_OBSERVE, "engine", "--fault-injection", "--telemetry-dir",
+                              str(tmp_path / "t" / "e0")], capture_output=True, text=True,
+                             timeout=60, env={k: v for k, v in os.environ.items()
+                                              if k != "AC_OBSERVE_FAULT_TOKEN"})
+    assert refused.returncode == 2 and "needs a token" in refused.stderr, refused.stderr
+    token_file = tmp_path / "fault-token"
+    token_file.write_text(FAULT_TOKEN + "\n")
+    engine = EngineServer(tmp_path / "t" / "e1", "--fault-injection", "--fault-token-file",
+                          str(token_file)).wait_ready()
     try:
         url = engine.url + "/admin/faults"
-        assert httpx.post(url, content=b'{"step_delay_ms": 5}',
-                          headers={"content-type": "text/plain"}).status_code == 415
-        assert httpx.post(url, json={"step_delay_ms": 20000}).status_code == 400
-        assert httpx.post(url, json={"prefix_miss_ratio": 2}).status_code == 400
-        assert httpx.post(url, json={"delay": 5}).status_code == 400
-        assert httpx.post(url, json={"step_delay_ms": 5, "prefix_miss_ratio": 0.5}).json() == \
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": FAULT_TOKEN},
+                        {"authorization": "Basic " + FAULT_TOKEN}):
+            answer = httpx.post(url, json={"step_delay_ms": 5}, headers=headers)
+            assert answer.status_code == 401 and "fault token" in answer.text, headers
+            assert httpx.get(url, headers=headers).status_code == 401
+        assert httpx.get(url, headers=FAULT_AUTH).json()["step_delay_ms"] == 0  # unchanged
+        assert httpx.post(url, content=b'{"step_delay_ms": 5}', headers={
+            **FAULT_AUTH, "content-type": "text/plain"}).status_code == 415
+        assert httpx.post(url, json={"step_delay_ms": 20000}, headers=FAULT_AUTH
+                          ).status_code == 400
+        assert httpx.post(url, json={"prefix_miss_ratio": 2}, headers=FAULT_AUTH
+                          ).status_code == 400
+        assert httpx.post(url, json={"delay": 5}, headers=FAULT_AUTH).status_code == 400
+        assert httpx.post(url, json={"step_delay_ms": 5, "prefix_miss_ratio": 0.5},
+                          headers=FAULT_AUTH).json() == \
             {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5}
-        assert httpx.get(url).json() == {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5}
+        assert httpx.get(url, headers=FAULT_AUTH).json() == \
+            {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5}
     finally:
         engine.stop()
     from ac_observe.engine.server import _loopback
