@@ -6,7 +6,7 @@ rate, share_below:<v> as the metric's kind allows) over `window` for each of its
 (label sets, narrowed by `match`) and compares it with a baseline: `trailing:<d>` (the
 same statistic over the `d` before the window), `static:<v>`, or `same_hour_yesterday`
 (the statistic over the hour around the window's middle a day back, from the store's
-per-minute history; until that hour is 75 % covered it falls back to
+per-minute history; until a series' own history covers 75 % of that hour it falls back to
 `trailing:<fallback>` (1h), and the alert's `baseline_source` annotation says which). Comparisons: relative_increase /
 relative_decrease (a share of the baseline: 0.15 is 15 %), absolute_increase /
 absolute_decrease (in the metric's unit), above / below (the value against the threshold;
@@ -384,7 +384,8 @@ class Evaluator:
         self._last = -math.inf
         self._lock = threading.Lock()
         self._orphans: list[dict] = []
-        # rule -> (the minute its same-hour-yesterday span ended in, values, coverage):
+        # rule -> (the minute its same-hour-yesterday span ended in, values, each series'
+        # coverage):
         # that baseline moves a minute at a time, so history is read once a minute.
         self._same_hour: dict[str, tuple[int, dict, float]] = {}
         # (rule, severity) -> firing instances, as the last evaluation left them: the
@@ -459,9 +460,9 @@ class Evaluator:
             if stop is not None and stop.is_set():
                 return
             try:
-                values, baselines, source = self._inputs(rule, now)  # reads: no lock held
+                values, baselines = self._inputs(rule, now)  # reads: no lock held
                 with self._lock:  # the HTTP threads read the instances
-                    self._evaluate_rule(rule, values, baselines, source, now)
+                    self._evaluate_rule(rule, values, baselines, now)
             except Exception:  # one bad rule (or a store outage) never stops the others
                 log.exception("rule %s failed to evaluate", rule.name)
         self._publish()
@@ -486,8 +487,14 @@ class Evaluator:
                 out[tuple(sorted(series["labels"].items()))] = float(value)
         return out, answer
 
-    def _baselines(self, rule: Rule, now: float) -> tuple[dict, str]:
-        """(label set -> baseline, where it came from)."""
+    def _baselines(self, rule: Rule, now: float, keys) -> dict:
+        """label set -> (baseline, where it came from), for the label sets in `keys`.
+
+        same_hour_yesterday is taken per series: one whose own history covers less than
+        SAME_HOUR_MIN_COVERAGE of that hour (an engine started today, beside one that ran
+        yesterday) falls back to the trailing baseline, and its annotation says so."""
+        trailing = f"trailing {_number(rule.baseline_seconds)} s before the window"
+        same: dict = {}
         if rule.baseline == "same_hour_yesterday":
             # The hour around this window's middle, a day back (or the window, if longer).
             span = max(rule.window_seconds, SAME_HOUR_SPAN_SECONDS)
@@ -498,34 +505,35 @@ class Evaluator:
             else:
                 try:
                     values, answer = self._statistic(rule, span, end)
-                    coverage = answer.get("coverage", 0.0)
+                    coverage = {tuple(sorted(s["labels"].items())):
+                                s.get("coverage", answer.get("coverage", 0.0))
+                                for s in answer["series"]}
                     self._same_hour[rule.name] = (int(end // 60), values, coverage)
                 except (RuntimeError, ValueError):  # the store cannot be read, or the hour
-                    values, coverage = {}, 0.0      # is past the retention: fall back below
-            if coverage >= SAME_HOUR_MIN_COVERAGE:
-                return values, (f"same hour yesterday ({_clock(end - span)}-{_clock(end)} "
-                                f"UTC)")
+                    values, coverage = {}, {}       # is past the retention: fall back below
+            text = f"same hour yesterday ({_clock(end - span)}-{_clock(end)} UTC)"
+            same = {key: (values[key], text) for key in keys
+                    if key in values and coverage.get(key, 0.0) >= SAME_HOUR_MIN_COVERAGE}
+            if len(same) == len(keys):
+                return same
+            trailing += " (no history for the same hour yesterday yet)"
         values, _ = self._statistic(rule, rule.baseline_seconds, now - rule.window_seconds)
-        trailing = f"trailing {_number(rule.baseline_seconds)} s before the window"
-        if rule.baseline == "trailing":
-            return values, trailing
-        return values, f"{trailing} (no history for the same hour yesterday yet)"
+        return {key: same.get(key) or (values.get(key), trailing) for key in keys}
 
-    def _inputs(self, rule: Rule, now: float) -> tuple[dict, dict, str]:
-        """(label set -> the window's statistic, label set -> baseline, its source)."""
+    def _inputs(self, rule: Rule, now: float) -> tuple[dict, dict]:
+        """(label set -> the window's statistic, label set -> (baseline, its source))."""
         values, _ = self._statistic(rule, rule.window_seconds, now)
         if rule.baseline == "static" or rule.comparison in ("above", "below"):
-            return values, {}, "static"
-        return values, *self._baselines(rule, now)
+            return values, {key: (rule.baseline_value, "static") for key in values}
+        return values, self._baselines(rule, now, list(values))
 
-    def _evaluate_rule(self, rule: Rule, values: dict, baselines: dict, source: str,
-                       now: float) -> None:
+    def _evaluate_rule(self, rule: Rule, values: dict, baselines: dict, now: float) -> None:
         seen = set()
         for key, value in values.items():
             labels = dict(key)
             fp = fingerprint(alert_labels(rule, labels))  # as the notification carries it
             seen.add(fp)
-            baseline = rule.baseline_value if source == "static" else baselines.get(key)
+            baseline, source = baselines[key]
             self._step(rule, fp, labels, value, baseline, source, now)
         for (name, fp), instance in list(self.instances.items()):
             if name == rule.name and fp not in seen:

@@ -73,8 +73,10 @@ class MinuteAggregator:
         self._previous: dict[SeriesKey, tuple[float, int]] = {}  # counter -> (value, minute)
         self._cycles = 0
 
-    def add(self, timestamp: float, samples: dict[SeriesKey, float]) -> tuple | None:
-        """Fold one cycle in; returns the (minute, rows) it finished, if any."""
+    def add(self, timestamp: float, samples: dict[SeriesKey, float],
+            preexisting=()) -> tuple | None:
+        """Fold one cycle in; returns the (minute, rows) it finished, if any. A counter
+        first seen in `preexisting` (its collector's first cycle up) is a base only."""
         minute = int(timestamp // MINUTE)
         finished = None
         if self.minute is not None and minute != self.minute:
@@ -90,8 +92,8 @@ class MinuteAggregator:
                 before = previous.get(key)
                 previous[key] = (value, minute)
                 if before is None:
-                    if self._cycles == 0:
-                        continue  # its history before the daemon came is unknown
+                    if self._cycles == 0 or key in preexisting:
+                        continue  # its history before the daemon (or collector) came is unknown
                     rise = value  # born while watched: it counted from zero
                 else:
                     rise = value - before[0] if value >= before[0] else value
@@ -229,12 +231,13 @@ class HistoryView(WindowView):
     running sums of their increases from 0 one minute before their first, gauges as each
     minute's mean; `gauges` keeps each gauge's exact (n, sum, min, max, last) over the
     span and its per-minute (end, sum, n) for the trend; `coverage` is the share of the
-    span's minutes that hold any data."""
-    __slots__ = ("gauges", "coverage")
+    span's minutes that hold any data, `key_coverage` that share for each series."""
+    __slots__ = ("gauges", "coverage", "key_coverage")
 
-    def __init__(self, times, series, gauges, coverage):
+    def __init__(self, times, series, gauges, coverage, key_coverage=None):
         super().__init__(times, series, {k: -math.inf for k in series}, -math.inf)
         self.gauges, self.coverage = gauges, coverage
+        self.key_coverage = key_coverage or {}
 
 
 def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
@@ -249,7 +252,7 @@ def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
     if in_progress is not None and first_minute <= in_progress[0] <= last_minute:
         index = in_progress[0] - first_minute + 1
         times[index] = max(times[index - 1] + 1e-3, min(times[index], in_progress[1]))
-    series, gauges, used = {}, {}, set()
+    series, gauges, used, key_coverage = {}, {}, set(), {}
     for key, rows in minutes.items():
         values = array("d", [NAN]) * (count + 1)
         rows = [r for r in rows if first_minute <= r[0] <= last_minute]
@@ -274,7 +277,9 @@ def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
             gauges[key] = (int(n_all), sum_all, low, high, rows[-1][5], trend)
         used.update(r[0] for r in rows)
         series[key] = values
-    return HistoryView(times, series, gauges, len(used) / count if count > 0 else 0.0)
+        key_coverage[key] = len(rows) / count
+    return HistoryView(times, series, gauges, len(used) / count if count > 0 else 0.0,
+                       key_coverage)
 
 
 def merge_minutes(into: dict[SeriesKey, list[tuple]], minute: int,

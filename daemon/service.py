@@ -55,6 +55,7 @@ class Daemon:
                                                                             config=config)
         self.runners = [CollectorRunner(c, config.collector_timeout_seconds)
                         for c in self.collectors]
+        self._reporting: dict[str, bool] = {}  # collector -> up in the last cycle
         self.windows = Windows(max(2, round(config.window_seconds / config.interval_seconds)))
         self.queries = QueryEngine(self.windows, config.interval_seconds)
         self._watched = m.watched_families()
@@ -128,19 +129,28 @@ class Daemon:
         for runner in self.runners:
             runner.start()
         families: list[Metric] = []
+        returning: list[Metric] = []
         for runner in self.runners:
-            families.extend(runner.finish())
+            got = runner.finish()
+            if runner.up and not self._reporting.get(runner.name):
+                returning.extend(got)  # up for the first time, or again after an outage
+            self._reporting[runner.name] = runner.up
+            families.extend(got)
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
         watched = self._watched_samples(families)
+        # A collector's first cycle up, and its first after an outage: the counters it
+        # reports then have a past the daemon did not see (an engine up for days, found
+        # now); a new one among them is a base, not an increase from zero.
+        preexisting = self._watched_samples(returning).keys() if returning else ()
         if self.alerts is None:
             with self._lock:  # queries see a window and a snapshot from one and the same cycle
-                self._remember(now, watched)
+                self._remember(now, watched, preexisting)
                 self._snapshot = families
                 self._generation += 1
         else:
             with self._lock:
-                self._remember(now, watched)
+                self._remember(now, watched, preexisting)
             if self.alerts.due(now):
                 if self._alert_thread is None:
                     self.alerts.evaluate(now)  # reads the windows just appended
@@ -154,11 +164,11 @@ class Daemon:
         if time.monotonic() - self._last_scrape < RENDER_AHEAD_SECONDS:
             self.render_metrics(scrape=False)  # a scrape then only copies bytes
 
-    def _remember(self, now: float, watched: dict) -> None:
+    def _remember(self, now: float, watched: dict, preexisting=()) -> None:
         """The cycle into the windows and the minute's history (under the lock)."""
-        self.windows.append(now, watched)
+        self.windows.append(now, watched, preexisting)
         if self.history is not None:
-            self.history_writer.submit(self.history.add(now, watched))
+            self.history_writer.submit(self.history.add(now, watched, preexisting))
 
     def _utilization(self, families: list[Metric], now: float) -> list[Metric]:
         """Busy fraction of each lane's stream over the last interval, from busy-time deltas."""

@@ -30,7 +30,11 @@ class Windows:
         self.first_seen: dict[SeriesKey, float] = {}
         self._last_seen: dict[SeriesKey, int] = {}
 
-    def append(self, timestamp: float, samples: dict[SeriesKey, float]) -> None:
+    def append(self, timestamp: float, samples: dict[SeriesKey, float],
+               preexisting=()) -> None:
+        """One cycle's samples. A new series in `preexisting` had a past before it was
+        watched: it is never taken as born inside a window (no zero before its first
+        point), so its first value is a base, not an increase."""
         index = self.cycle % self.capacity
         self.times[index] = timestamp
         series, last_seen, cycle = self.series, self._last_seen, self.cycle
@@ -41,7 +45,7 @@ class Windows:
             if ring is None:
                 ring = series[key] = array("d", [NAN]) * self.capacity
                 self.by_sample.setdefault(key[0], set()).add(key)
-                self.first_seen[key] = timestamp
+                self.first_seen[key] = -math.inf if key in preexisting else timestamp
             ring[index] = value
             last_seen[key] = cycle
         self.cycle += 1

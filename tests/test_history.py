@@ -89,8 +89,10 @@ class SynthCollector(Collector):
     """The same state as families, for the daemon's live cycles."""
     name = "synth"
 
-    def __init__(self, synth: Synth):
-        self.synth = synth
+    def __init__(self, synth: Synth, labels=LAT_LABELS):
+        self.synth, self.labels = synth, labels
+        if labels != LAT_LABELS:
+            self.name = "synth-" + dict(labels)["engine"]
 
     def collect(self):
         s = self.synth
@@ -99,7 +101,7 @@ class SynthCollector(Collector):
         for bound, count in zip(BOUNDS, s.counts):
             running += count
             buckets.append((_le(bound), float(running)))
-        latency.add_metric([v for _, v in LAT_LABELS], buckets, s.total)
+        latency.add_metric([v for _, v in self.labels], buckets, s.total)
         return [latency]
 
 
@@ -328,6 +330,52 @@ def test_same_hour_yesterday_compares_against_that_hour(tmp_path, with_history):
         daemon.close()
 
 
+def test_same_hour_yesterday_is_taken_per_series(tmp_path):
+    """e1 ran all of yesterday's hour; e2 only its last 15 minutes (25 % < 75 %): e1 is
+    compared with that hour, e2 with its trailing hour, each alert saying which (the
+    hour's coverage over all series, 100 %, gave e2 a quarter-hour baseline)."""
+    now = NOW + 32 * 60 + 30
+    yesterday = NOW - 86400
+    levels = {yesterday: 0.1, yesterday - 3600: 0.4, yesterday + 3600: 0.6,
+              NOW - 2 * 86400: 0.8, NOW - 3600: 0.2}
+    state = tmp_path / "state"
+    store = Store(None, state)
+    load_history(store, NOW - 2 * 86400 - 3600, NOW - 600, 60.0, _hourly(levels))
+    e2 = (("engine", "e2"),) + LAT_LABELS[1:]
+    first, last = int(yesterday // 60) + 45, int(yesterday // 60) + 59
+    names = {"ac_inference_latency_seconds" + s for s in ("_bucket", "_sum", "_count")}
+    copied: dict = {}
+    for (name, labels), rows in store.read_minutes(names, first, last).items():
+        relabelled = (("engine", "e2"),) + labels[1:]
+        for minute, *row in rows:
+            copied.setdefault(minute, {})[name, relabelled] = list(row)
+    store.write_minutes(sorted(copied.items()))
+    store.close()
+    (tmp_path / "alerts.yaml").write_text(RULE)
+    synth = Synth()
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=3600,
+                                 alerting_file=tmp_path / "alerts.yaml", state_dir=state,
+                                 alert_interval_seconds=1.0),
+                    collectors=[SynthCollector(synth), SynthCollector(synth, e2)])
+    try:
+        for t in range(int(now) - 3900, int(now), 5):
+            synth.step(t, latencies=[0.12] * 2)
+            daemon.run_cycle(now=float(t))
+        synth.step(now, latencies=[0.12] * 2 + [0.3] * 40)
+        daemon.run_cycle(now=now)
+        alerts = {a["labels"]["engine"]: a for a in daemon.alerts.active()}
+        assert alerts["e1"]["baseline_source"] == "same hour yesterday (08:00-09:00 UTC)"
+        assert alerts["e2"]["baseline_source"] == (
+            "trailing 3600 s before the window (no history for the same hour yesterday yet)")
+        assert alerts["e2"]["baseline"] != alerts["e1"]["baseline"]
+        answer = daemon.query("inference_latency_ns", 3600, {}, now=yesterday + 3600)
+        coverage = {s["labels"]["engine"]: s["coverage"] for s in answer["series"]}
+        assert coverage == {"e1": 1.0, "e2": 0.25} and answer["coverage"] == 1.0
+    finally:
+        daemon.close()
+
+
 def test_minutes_the_store_cannot_take_are_kept_and_still_answered(tmp_path):
     state = tmp_path / "state"
     synth = Synth()
@@ -361,6 +409,57 @@ def test_minutes_the_store_cannot_take_are_kept_and_still_answered(tmp_path):
     rows = reopened.read_minutes({"ac_inference_latency_seconds_count"}, 0, 10 ** 9)
     assert sum(r[2] for r in rows["ac_inference_latency_seconds_count", LAT_LABELS]) == 29
     reopened.close()
+
+
+class _LateRequests(Collector):
+    """An engine that has served a million requests when its collector first comes up (it
+    is down for the first 5 cycles, and again for 130 from cycle 201: longer than two 60 s
+    windows, so the windows drop the series), 10 more a cycle."""
+    name = "late"
+
+    def __init__(self):
+        self.cycle = 0
+
+    def collect(self):
+        from ac_observe.collectors.base import CollectorUnavailable
+        self.cycle += 1
+        if self.cycle <= 5 or 200 < self.cycle <= 330:
+            raise CollectorUnavailable("not yet")
+        family = new_family(m.REQUESTS)
+        family.add_metric(["e1", "m", "throughput", "ok"], 1e6 + 10.0 * self.cycle)
+        return [family]
+
+
+def test_a_collector_up_late_or_back_from_an_outage_books_no_lifetime_as_one_increase(
+        tmp_path):
+    """Its counters' first values are bases: the rate is 10/s in memory and in the history,
+    never a million requests in one interval (a windows-dropped series back after 90 s of
+    outage in a 60 s window too)."""
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=60,
+                                 state_dir=tmp_path / "state"), collectors=[_LateRequests()])
+    try:
+        for t in range(180):
+            daemon.run_cycle(now=NOW + t)
+        (series,) = daemon.query("requests_per_second", 60, {}, now=NOW + 179.5)["series"]
+        assert series["mean"] == pytest.approx(10.0) and series["max"] == pytest.approx(10.0)
+        for t in range(180, 460):
+            daemon.run_cycle(now=NOW + t)
+            if t == 345:  # back at t=330 after the windows dropped the series: a base again
+                (series,) = daemon.query("requests_per_second", 60, {},
+                                         now=NOW + 345.5)["series"]
+                assert series["max"] == pytest.approx(10.0), series
+        daemon.history_writer.write_pending()
+        (series,) = daemon.query("requests_per_second", 86400, {}, now=NOW + 460)["series"]
+        assert series["max"] < 20.0, series  # no minute holds the million
+    finally:
+        daemon.close()  # writes the minute in progress too
+    store = Store(None, tmp_path / "state")
+    (minutes,) = store.read_minutes({"ac_requests_total"}, 0, 10 ** 9).values()
+    store.close()
+    # Every request counted once from the first base (the outage's 1,300 included, booked
+    # when the collector is back), the million before it never.
+    assert sum(r[2] for r in minutes) == pytest.approx(10.0 * (460 - 6))
 
 
 def test_retention_prunes_history_transitions_and_finished_deliveries_only(store):
