@@ -145,8 +145,12 @@ async def messages(body: MessagesRequest, request: Request):
 
     async def events():
         try:
-            yield fmt.anthropic_stream_start(message_id, body.model, first)
-            async for out in _until_finished(first, queue):
+            # The first token's text goes out with the head, in one write on the handler's
+            # own task (EventStreamResponse).
+            yield fmt.anthropic_stream_start(message_id, body.model, first) + \
+                (fmt.anthropic_text_delta(first.new_text) if first.new_text else "")
+            out = first
+            async for out in _after(first, queue):
                 if out.new_text:
                     yield fmt.anthropic_text_delta(out.new_text)
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
@@ -183,8 +187,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     async def chunks():
         try:
             yield fmt.openai_chunk(completion_id, body.model, created,
-                                   {"role": "assistant", "content": ""})
-            async for out in _until_finished(first, queue):
+                                   {"role": "assistant", "content": ""}) + \
+                (fmt.openai_chunk(completion_id, body.model, created,
+                                  {"content": first.new_text}) if first.new_text else "")
+            out = first
+            async for out in _after(first, queue):
                 if out.new_text:
                     yield fmt.openai_chunk(completion_id, body.model, created,
                                            {"content": out.new_text})
@@ -341,10 +348,9 @@ async def _next_output(queue: asyncio.Queue, request: Request, engine: Engine,
             raise
 
 
-async def _until_finished(first: RequestOutput, queue: asyncio.Queue):
-    """A stream's outputs, from the first one to the finished one."""
+async def _after(first: RequestOutput, queue: asyncio.Queue):
+    """A stream's outputs after the first one, to the finished one."""
     out = first
-    yield out
     while not out.finished:
         out = await queue.get()
         yield out
@@ -386,33 +392,33 @@ class EventStreamResponse(StreamingResponse):
     Starlette's StreamingResponse (under ASGI spec < 2.4, which uvicorn speaks) first
     starts a task group, spawns the writer as a new task and only then sends the head:
     ~0.2 ms on a 2-core VM between the first token and its bytes that no latency figure
-    counts. Here the head and the first chunk are written at once; Starlette's own path
-    (writer and disconnect listener) then carries the rest, so a client that goes away
-    still cancels the body and frees the request's blocks."""
-
-    _head_sent = False
+    counts. Here the head and the first chunk (which carries the first token's text) are
+    written at once; Starlette's own path (writer and disconnect listener) then carries the
+    rest, so a client that goes away still cancels the body and frees the request's
+    blocks."""
 
     async def __call__(self, scope, receive, send) -> None:
         chunks = aiter(self.body_iterator)
-        first = await anext(chunks, None)
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        self._head_sent = True
-        if first is not None:
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": first if isinstance(first, bytes) else first.encode()})
-        self.body_iterator = chunks
-        await super().__call__(scope, receive, send)
-
-    async def stream_response(self, send) -> None:
-        if not self._head_sent:
+        try:
+            first = await anext(chunks, None)
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-        async for chunk in self.body_iterator:
-            if not isinstance(chunk, bytes):
-                chunk = chunk.encode(self.charset)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if first is not None:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": first if isinstance(first, (bytes, memoryview))
+                            else first.encode(self.charset)})
+            self.body_iterator = chunks
+
+            async def after_head(message) -> None:
+                if message["type"] != "http.response.start":  # sent above
+                    await send(message)
+
+            await super().__call__(scope, receive, after_head)
+        finally:
+            # Whatever ended it (a client gone before Starlette's writer ran, a send that
+            # raised), the body's `finally` (which aborts the request) runs now, not when a
+            # garbage collector gets to the generator.
+            await chunks.aclose()
 
 
 def _sse_response(body, first: RequestOutput) -> EventStreamResponse:
