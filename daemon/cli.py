@@ -55,6 +55,13 @@ def root(ctx: typer.Context,
         if at is not None and watch:
             typer.echo("error: --at names one instant; --watch follows the present", err=True)
             raise typer.Exit(2)
+        if at is not None:  # read here: a clock time is this terminal's, not the daemon's
+            from ac_observe.daemon.query import parse_instant
+            try:
+                at = repr(parse_instant(at))
+            except ValueError as exc:
+                typer.echo(f"error: --at: {exc}", err=True)
+                raise typer.Exit(2)
         raise typer.Exit(cli_query.show_metric(ctx.obj, metric, window, labels, as_json, watch,
                                                at))
     typer.echo(ctx.get_help())

@@ -39,6 +39,8 @@ def parse_instant(text: str | None, now: float | None = None) -> float | None:
     try:
         instant = float(text)
     except ValueError:
+        if text[-1:] in ("Z", "z"):  # UTC, which fromisoformat takes only from 3.11
+            text = text[:-1] + "+00:00"
         try:
             instant = datetime.fromisoformat(text).timestamp()
         except ValueError:
@@ -183,7 +185,9 @@ class QueryEngine:
         # as_of: the newest cycle the answer reads. An answer asked at a time reads the
         # cycles up to it only, so the same question at the same time has the same answer
         # whatever cycles came since: `top` asks every figure of a screen at one as_of.
-        as_of = min(view.times[-1], since + window_seconds) if len(view.times) else None
+        # From history, whole minutes are read: as_of is the end of the last one (or its
+        # latest cycle while it is in progress), which may lie after the time asked.
+        as_of = view.times[-1] if len(view.times) else None
         answer = {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
                   "source": friendly.source.name, "window_seconds": window_seconds,
                   "as_of": as_of, "series": series}

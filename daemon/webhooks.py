@@ -456,7 +456,8 @@ class WebhookSender:
         """One pass: every due delivery (among `only`, and to `receivers`, when given)
         attempted once, claimed one at a time; the queue figures refreshed."""
         try:
-            return self._deliver_due(only, receivers or list(self.receivers))
+            return self._deliver_due(only, list(self.receivers) if receivers is None
+                                     else receivers)
         finally:
             self.queue = self.store.pending_by_receiver(self.clock())
 

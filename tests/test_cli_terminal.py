@@ -251,13 +251,16 @@ def test_top_under_demo_load_shows_exactly_the_json_answers_of_its_cycle(start_d
             day = time.localtime()
             second = time.mktime((day.tm_year, day.tm_mon, day.tm_mday,
                                   *map(int, clock.groups()), 0, 0, -1))
+            if second > time.time() + 1:  # shown before midnight, read after it
+                second -= 86400
             # The cycle it shows: the newest at or before the end of that second, unless
             # two cycles fell in that second (then which one is ambiguous: look again).
             def as_of(at):
                 return httpx.get(daemon.url + "/api/v1/query", params={
                     "metric": "kv_cache_usage", "window": "5m", "at": repr(at)}).json()["as_of"]
             cycle = as_of(second + 0.999999)
-            if int(cycle) != int(second) or as_of(cycle - 1e-6) >= second:
+            if cycle is None or int(cycle) != int(second) or \
+                    (as_of(cycle - 1e-6) or 0) >= second:
                 time.sleep(0.3)
                 continue
             lanes, engines = _expected_rows(_answers_at(daemon.url, repr(cycle)))
@@ -302,15 +305,41 @@ def test_top_at_80_columns_keeps_headers_numbers_and_names_whole():
     assert [name, "88.8%", "99.9%", "12.5 lvl", "alive"] in rows, text
 
 
+def test_every_figure_of_a_top_screen_is_asked_at_the_same_cycle(monkeypatch):
+    """The status's as_of pins every query of the snapshot (a cycle landing between two
+    of its queries cannot mix two cycles on one screen)."""
+    from ac_observe.daemon import cli_top
+    asked = []
+
+    def get_json(obj, path, expect, **params):
+        asked.append((path, params))
+        if path == "/api/v1/status":
+            return {"as_of": 1_800_000_123.25, "collectors": [], "engines": []}
+        if path == "/api/v1/alerts":
+            return {"alerts": [], "rules": 0}
+        return {"unit": "ns", "series": [], "as_of": float(params["at"])}
+
+    monkeypatch.setattr(cli_top, "get_json", get_json)
+    snap = cli_top.snapshot({"url": "http://x", "token": None}, "5m")
+    queries = [params for path, params in asked if path == "/api/v1/query"]
+    assert asked[0][0] == "/api/v1/status" and len(queries) == len(cli_top.FIGURES)
+    assert all(q["at"] == repr(1_800_000_123.25) and q["window"] == "5m" for q in queries)
+    assert snap["as_of"] == 1_800_000_123.25
+
+
 def test_top_lists_the_alerts_pending_or_firing_in_their_metrics_units():
     from rich.console import Console
     from ac_observe.daemon.cli_top import _alerts
     body = {"rules": 3, "alerts": [
         {"rule": "TtftDrift", "state": "firing", "no_data": False, "value": 12_300_000.0,
-         "baseline": 8_000_000.0, "metric": "inference_latency_ns",
+         "baseline": 8_000_000.0, "metric": "inference_latency_ns", "statistic": "p95",
          "labels": {"engine": "e1", "model": "tiny", "stream": "low_latency"}},
         {"rule": "[bold]KvHit", "state": "pending", "no_data": True, "value": None,
-         "baseline": 91.5, "metric": "kv_cache_hit_rate", "labels": {"engine": "e2"}}]}
+         "baseline": 91.5, "metric": "kv_cache_hit_rate", "statistic": "mean",
+         "labels": {"engine": "e2"}},
+        {"rule": "FastShare", "state": "firing", "no_data": False, "value": 71.5,
+         "baseline": 95.0, "metric": "inference_latency_ns", "statistic": "share_below:200ms",
+         "labels": {"engine": "e3"}}]}
     console = Console(width=80, record=True, color_system=None)
     console.print(_alerts(body))
     text = console.export_text()
@@ -320,6 +349,7 @@ def test_top_lists_the_alerts_pending_or_firing_in_their_metrics_units():
     labels = " ".join(rows[first][4:] + rows[first + 1])  # a label set wraps, whole
     assert labels == "engine=e1 stream=low_latency", text  # the model is the engine's
     assert ["[bold]KvHit", "pending (no data)", "-", "91.5%", "engine=e2"] in rows, text
+    assert ["FastShare", "firing", "71.5%", "95.0%", "engine=e3"] in rows, text  # a share
     for body, line in (({"rules": 0, "alerts": []}, "no rules"),
                        ({"rules": 2, "alerts": []}, "none pending or firing (2 rules)")):
         console = Console(width=80, record=True, color_system=None)

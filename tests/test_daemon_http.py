@@ -68,7 +68,10 @@ def test_methods_heads_and_absurd_queries_get_clear_answers(start_daemon):
                            params={"metric": "kv_cache_hit_rate", "window": "60s", "at": at})
         assert answer.status_code == 400, at
         assert "bad time" in answer.json()["error"], at
-    for at in (repr(time.time() - 1), time.strftime("%Y-%m-%dT%H:%M:%S")):
+    past = time.time() - 60
+    for at in (repr(time.time() - 1), time.strftime("%Y-%m-%dT%H:%M:%S"),
+               time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(past)),
+               time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(past))):
         answer = httpx.get(daemon.url + "/api/v1/query",
                            params={"metric": "kv_cache_hit_rate", "window": "60s", "at": at})
         assert answer.status_code == 200, (at, answer.text)
@@ -136,6 +139,16 @@ def test_cli_says_in_one_line_what_is_wrong(tmp_path, start_daemon):
             assert out.returncode == 1, (args, text)
             assert expected in text, (args, text)
             assert len(text.strip().splitlines()) == 1, (args, text)
+        for at in ("yesterday", "2999-01-01T00:00:00"):  # read by the CLI, in its own zone
+            out = run_cli("--daemon", daemon.url, "--token", "right", "--metric",
+                          "kv_cache_hit_rate", "--at", at, env=env)
+            assert out.returncode == 2 and out.stderr.startswith("error: --at: bad time"), \
+                out.stderr
+        clock = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
+        out = run_cli("--daemon", daemon.url, "--token", "right", "--metric",
+                      "kv_cache_hit_rate", "--at", clock, "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["window_seconds"] == 60
     finally:
         not_a_daemon.stop()
 
