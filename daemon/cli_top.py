@@ -16,6 +16,7 @@ import tty
 
 from rich import box
 from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -37,6 +38,9 @@ FIGURES = (
 
 
 LANE_COLUMNS = ("lane", "TTFT p50", "TTFT p95", "ITL p95", "stream", "run", "wait")
+LANE_FIGURES = {"TTFT p50": "ttft_p50", "TTFT p95": "ttft_p95", "ITL p95": "itl_p95",
+                "stream": "util", "run": "running", "wait": "waiting"}
+_MEASURE = Console(width=10_000, color_system=None)  # measures tables; prints nothing
 
 
 def snapshot(obj: dict, window: str) -> dict:
@@ -66,7 +70,19 @@ def snapshot(obj: dict, window: str) -> dict:
             "alerts": alerts}
 
 
-def render(snap: dict, url: str) -> Group:
+def _lanes_table(figures: dict, engine: str, lanes: list[str], columns) -> Table:
+    table = Table(title=Text(f"lanes of {engine}"), title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in columns:
+        table.add_column(column, justify="left" if column == "lane" else "right",
+                         no_wrap=True)
+    for lane in lanes:
+        table.add_row(Text(lane), *(figures[LANE_FIGURES[c]].get((engine, lane), "-")
+                                    for c in columns[1:]))
+    return table
+
+
+def render(snap: dict, url: str, width: int | None = None) -> Group:
     figures = snap["figures"]
     as_of = (time.strftime("%H:%M:%S", time.localtime(snap["as_of"])) if snap["as_of"]
              else "no cycle yet")
@@ -77,18 +93,19 @@ def render(snap: dict, url: str) -> Group:
                   if isinstance(k, tuple))
     # One lanes table per engine, its name in the title: seven columns fit 80 even with
     # wide figures (1.50k req, 12.3 s), and a long engine name wraps as a title, uncut.
+    # Narrower than it needs, an engine's lanes take two tables (latency, then load)
+    # rather than cut a number.
     lane_tables = []
     for engine in sorted({engine for engine, _ in keys}):
-        table = Table(title=Text(f"lanes of {engine}"), title_justify="left",
-                      box=box.SIMPLE_HEAD, pad_edge=False)
-        for column in LANE_COLUMNS:
-            table.add_column(column, justify="left" if column == "lane" else "right",
-                             no_wrap=True)
-        for _, lane in (k for k in keys if k[0] == engine):
-            cell = lambda f: figures[f].get((engine, lane), "-")  # noqa: E731
-            table.add_row(Text(lane), cell("ttft_p50"), cell("ttft_p95"), cell("itl_p95"),
-                          cell("util"), cell("running"), cell("waiting"))
-        lane_tables.append(table)
+        lanes = [lane for e, lane in keys if e == engine]
+        table = _lanes_table(figures, engine, lanes, LANE_COLUMNS)
+        if width is not None and \
+                Measurement.get(_MEASURE, _MEASURE.options, table).maximum > width:
+            lane_tables += [_lanes_table(figures, engine, lanes, LANE_COLUMNS[:4]),
+                            _lanes_table(figures, engine, lanes, LANE_COLUMNS[:1] +
+                                         LANE_COLUMNS[4:])]
+        else:
+            lane_tables.append(table)
     if not lane_tables:
         lane_tables.append(Text("lanes: no engine has reported a figure in this window"))
     engines = Table(title="engines", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -124,7 +141,7 @@ def run_top(obj: dict, window: str) -> int:
         window = WINDOWS[1]
     try:
         if not console.is_terminal or not sys.stdin.isatty():
-            console.print(render(snapshot(obj, window), obj["url"]))
+            console.print(render(snapshot(obj, window), obj["url"], console.width))
             return 0
         return _live(console, obj, window)
     except KeyboardInterrupt:
@@ -145,7 +162,8 @@ def _live(console: Console, obj: dict, window: str) -> int:
             while True:
                 now = time.monotonic()
                 if now >= due:
-                    live.update(render(snapshot(obj, window), obj["url"]), refresh=True)
+                    live.update(render(snapshot(obj, window), obj["url"], console.width),
+                                refresh=True)
                     due = now + 1.0
                 ready, _, _ = select.select([fd], [], [], max(0.0, due - time.monotonic()))
                 if ready:

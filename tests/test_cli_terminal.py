@@ -280,9 +280,11 @@ def test_top_under_demo_load_shows_exactly_the_json_answers_of_its_cycle(start_d
         engine.stop()
 
 
-def test_top_at_80_columns_keeps_headers_numbers_and_names_whole():
-    """Wide figures in every column and a long engine name at 80 columns: every header,
-    number and name stays whole."""
+@pytest.mark.parametrize("columns", [60, 80])
+def test_top_keeps_headers_numbers_and_names_whole(columns):
+    """Wide figures in every column and a long engine name at 80 columns, and at 60 where
+    the lanes split into a latency and a load table: every header and number stays whole
+    (a long name may wrap)."""
     from rich.console import Console
     from ac_observe.daemon.cli_top import render
     name = "prod-engine-with-a-long-name-7"
@@ -293,16 +295,27 @@ def test_top_at_80_columns_keeps_headers_numbers_and_names_whole():
                         "hit": {name: "88.8%"}, "usage": {name: "99.9%"},
                         "skeleton": {name: "12.5 lvl"}, "gpu_util": {}, "sm": {}},
             "collectors": [{"name": "engine", "up": True}], "window": "5m",
-            "engines": [{"engine": name, "alive": True}], "as_of": time.time()}
-    console = Console(width=80, record=True, color_system=None)
-    console.print(render(snap, "http://127.0.0.1:9464"))
+            "engines": [{"engine": name, "alive": True}], "as_of": time.time(),
+            "alerts": {"rules": 0, "alerts": []}}
+    console = Console(width=columns, record=True, color_system=None,
+                      file=open(os.devnull, "w"))
+    console.print(render(snap, "http://127.0.0.1:9464", columns))
     text = console.export_text()
     rows = [_cells(line) for line in text.splitlines()]
-    assert all(len(line) <= 80 for line in text.splitlines()), text
-    assert [f"lanes of {name}"] in rows and list(LANE_COLUMNS) in rows, text
+    assert all(len(line) <= columns for line in text.splitlines()), text
+    assert "…" not in text, text
+    assert [f"lanes of {name}"] in rows, text
+    values = list(wide.values())
+    if columns == 80:
+        assert list(LANE_COLUMNS) in rows and ["low_latency", *values] in rows, text
+        assert [name, "88.8%", "99.9%", "12.5 lvl", "alive"] in rows, text
+    else:
+        assert list(LANE_COLUMNS[:4]) in rows and ["low_latency", *values[:3]] in rows, text
+        assert ["lane", *LANE_COLUMNS[4:]] in rows and ["low_latency", *values[3:]] in rows
+        (i,) = [i for i, r in enumerate(rows) if r[1:] == ["88.8%", "99.9%", "12.5 lvl",
+                                                          "alive"]]
+        assert rows[i][0] + rows[i + 1][0] == name, text  # wrapped in its table, whole
     assert ["engine", "KV hit", "KV used", "skeleton p50", "state"] in rows, text
-    assert ["low_latency", *wide.values()] in rows, text
-    assert [name, "88.8%", "99.9%", "12.5 lvl", "alive"] in rows, text
 
 
 def test_every_figure_of_a_top_screen_is_asked_at_the_same_cycle(monkeypatch):
