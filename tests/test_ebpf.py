@@ -106,17 +106,29 @@ def test_probes_count_exactly_per_process_and_stream(start_daemon, cuda_standin,
 
 
 @needs_root
-def test_without_bpf_capabilities_it_is_down_with_the_reason(tmp_path, cuda_standin):
-    """Root with every capability dropped (setpriv): the collector says why it is down and
-    the daemon carries on with the others."""
+@pytest.mark.parametrize("who", ["root without capabilities", "nobody"])
+def test_without_bpf_capabilities_it_is_down_with_the_reason(tmp_path, cuda_standin, who):
+    """Root with every capability dropped, and an unprivileged user (uid 65534), both by
+    setpriv: the collector says why it is down and the daemon carries on with the others."""
+    import tempfile
     from support.servers import AC_OBSERVE, free_port
     port = free_port()
-    root = tmp_path / "telemetry"
-    root.mkdir()
-    daemon = subprocess.Popen([shutil.which("setpriv"), "--bounding-set=-all",
-                               "--inh-caps=-all", AC_OBSERVE, "daemon", "--port", str(port),
-                               "--collectors", "engine,ebpf", "--telemetry-root", str(root)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Where uid 65534 can reach: a telemetry root of root's it can read, a state dir its own.
+    shared = Path(tempfile.mkdtemp(prefix="ac-nobody-"))
+    shared.chmod(0o755)
+    root = shared / "telemetry"
+    root.mkdir(mode=0o755)
+    state = shared / "state"
+    state.mkdir()
+    drop = (["--bounding-set=-all", "--inh-caps=-all"] if who != "nobody" else
+            ["--reuid=65534", "--regid=65534", "--clear-groups"])
+    if who == "nobody":
+        os.chown(state, 65534, 65534)
+    daemon = subprocess.Popen([shutil.which("setpriv"), *drop, AC_OBSERVE, "daemon", "--port",
+                               str(port), "--collectors", "engine,ebpf", "--telemetry-root",
+                               str(root)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL,
+                              env={**os.environ, "AC_OBSERVE_STATE_DIR": str(state)})
     pattern = Pattern(cuda_standin)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -131,6 +143,8 @@ def test_without_bpf_capabilities_it_is_down_with_the_reason(tmp_path, cuda_stan
         states = wait_for(lambda: (s := ebpf_state()) and s["ebpf"]["reason"] != "not run yet"
                           and s, 30, "a first cycle")
         assert not states["ebpf"]["up"] and "CAP_BPF" in states["ebpf"]["reason"]
+        uid = 65534 if who == "nobody" else 0
+        assert f"runs as uid {uid} without them" in states["ebpf"]["reason"], states
         assert states["engine"]["up"]
         text = httpx.get(url + "/metrics", timeout=5).text
         assert 'ac_collector_up{collector="ebpf"} 0.0' in text
@@ -139,3 +153,4 @@ def test_without_bpf_capabilities_it_is_down_with_the_reason(tmp_path, cuda_stan
         pattern.exit()
         daemon.terminate()
         daemon.wait(timeout=20)
+        shutil.rmtree(shared, ignore_errors=True)
