@@ -467,10 +467,22 @@ def main() -> int:
     big_model(big, device, args.skip_bench)
     figure("seconds", round(time.perf_counter() - started, 1))
     Path(args.out).write_text(json.dumps(RESULTS, indent=2))
-    failed = [c["name"] for c in RESULTS["checks"] if c["ok"] is False]
-    print(f"{len(failed)} failed: {failed}" if failed else "all checks passed",
-          f"(results in {args.out})")
-    return 1 if failed else 0
+    print(summary(RESULTS["checks"]), f"(results in {args.out})")
+    return 1 if any(c["ok"] is False for c in RESULTS["checks"]) else 0
+
+
+def summary(checks: list[dict]) -> str:
+    """One line: how many passed, and by name which were skipped and which failed, so a
+    run whose GPU checks never ran cannot read as all passed."""
+    passed = sum(c["ok"] is True for c in checks)
+    skipped = [c["name"] for c in checks if c["ok"] is None]
+    failed = [c["name"] for c in checks if c["ok"] is False]
+    parts = [f"{passed} passed"]
+    if skipped:
+        parts.append(f"{len(skipped)} skipped: " + "; ".join(skipped))
+    if failed:
+        parts.append(f"{len(failed)} FAILED: " + "; ".join(failed))
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":

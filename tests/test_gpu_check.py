@@ -29,5 +29,11 @@ def test_gpu_check_dry_run_passes_and_reports_every_check(tmp_path):
                  "eBPF launches per lane and sync waits move with load",
                  "every NVML and eBPF panel's families have samples"):
         assert verdicts[name] is None, name
+    # The last line says which were skipped, by name: never "all checks passed".
+    last = done.stdout.strip().splitlines()[-1]
+    skipped = [n for n, ok in verdicts.items() if ok is None]
+    assert last.startswith(f"{sum(ok is True for ok in verdicts.values())} passed, "
+                           f"{len(skipped)} skipped: "), last
+    assert all(name in last for name in skipped) and "FAILED" not in last, last
     assert results["figures"]["hardware panel queries"] > 10
     assert results["figures"]["tokens/s at batch 16"] > 0
