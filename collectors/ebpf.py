@@ -11,7 +11,7 @@ engine.json publishes their handles); others show the handle.
 NOTE: down with the reason, never silently empty: not root (or without CAP_BPF and
 CAP_PERFMON), bcc missing, the program not compiling (kernel headers), or no probe
 attached yet. Maps are read, never cleared; a process that exits loses its series and its
-map entries, and nobody else's.
+map entries, and nobody else's (`ac_ebpf_map_entries{pid}` counts what the maps hold).
 """
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ log = logging.getLogger("ac_observe.collectors.ebpf")
 _LIBRARY = re.compile(r"/lib(cuda|cudart)\.so[.0-9]*$")
 CAP_PERFMON, CAP_BPF, CAP_SYS_ADMIN = 38, 39, 21
 DEBIAN_BCC = "/usr/lib/python3/dist-packages"
+# Every map of the program (ebpf_program.PROGRAM); each is keyed by a process or a thread.
+MAPS = ("launches", "graphs", "copied", "wait_slots", "wait_sums", "launch_slots",
+        "launch_sums", "in_runtime", "launch_started", "waiting")
 
 
 def _capabilities() -> int:
@@ -179,6 +182,10 @@ class EbpfCollector(Collector):
             raise CollectorUnavailable("no process has a CUDA library mapped yet (probes "
                                        "attach to libcuda/libcudart when one does)")
         self._forget_exited()
+        held = new_family(m.EBPF_MAP_ENTRIES)
+        for pid, count in sorted(self._entries_per_pid().items()):
+            target = self.targets.get(pid)
+            held.add_metric([str(pid), target.comm if target else _comm(pid)], count)
         streams = self._engine_streams()
         launches = new_family(m.CUDA_KERNEL_LAUNCHES)
         for key, count in self.bpf["launches"].items():
@@ -197,7 +204,7 @@ class EbpfCollector(Collector):
             if target:
                 copied.add_metric([str(key.pid), target.comm, DIRECTIONS[key.kind]],
                                   total.value)
-        families = [launches, graphs, copied,
+        families = [launches, graphs, copied, held,
                     self._histogram(m.CUDA_SYNC_WAIT, "wait_slots", "wait_sums",
                                     lambda kind: [WAIT_APIS[kind]])]
         if LATENCY_GROUP in self.groups:
@@ -228,9 +235,7 @@ class EbpfCollector(Collector):
 
     def _forget_exited(self) -> None:
         """Map entries of processes that are gone: deleted (others keep theirs)."""
-        for name in ("launches", "graphs", "copied", "wait_slots", "wait_sums",
-                     "launch_slots", "launch_sums", "in_runtime", "launch_started",
-                     "waiting"):
+        for name in MAPS:
             table = self.bpf[name]
             for key in list(table.keys()):
                 pid = _pid_of(key)
@@ -239,6 +244,17 @@ class EbpfCollector(Collector):
                         del table[key]
                     except KeyError:
                         pass
+
+    def _entries_per_pid(self) -> dict[int, int]:
+        """{pid: entries} over all the maps, read back from the kernel after the deletion
+        (any process the probes saw; a gone one too, were its entries not deleted): what
+        ac_ebpf_map_entries shows."""
+        held: dict[int, int] = {}
+        for name in MAPS:
+            for key in self.bpf[name]:  # its keys, from the kernel
+                pid = _pid_of(key)
+                held[pid] = held.get(pid, 0) + 1
+        return held
 
     def _engine_streams(self) -> dict[tuple, str]:
         """{(pid, stream handle): lane} of the bundled engines (engine.json)."""

@@ -244,8 +244,14 @@ CUDA_MEMCPY_BYTES = _ebpf("ac_cuda_memcpy_bytes_total", COUNTER,
                           "Bytes copied by cuMemcpy*/cudaMemcpy* by direction.",
                           ("direction",), "bytes")
 
+EBPF_MAP_ENTRIES = _ebpf("ac_ebpf_map_entries", GAUGE,
+                         "Entries the eBPF collector's BPF maps hold for the process (its "
+                         "counts, histogram slots and sums, calls in flight), read from the "
+                         "kernel after the entries of exited processes are deleted.", (),
+                         "entries")
+
 EBPF_METRICS = (CUDA_KERNEL_LAUNCHES, CUDA_GRAPH_LAUNCHES, CUDA_LAUNCH_CALL, CUDA_SYNC_WAIT,
-                CUDA_MEMCPY_BYTES)
+                CUDA_MEMCPY_BYTES, EBPF_MAP_ENTRIES)
 
 
 def _daemon(name, typ, help_text, labels, unit=""):

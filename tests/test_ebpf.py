@@ -91,10 +91,17 @@ def test_probes_count_exactly_per_process_and_stream(start_daemon, cuda_standin,
         _expect(metrics, second.pid, 1, timed)  # untouched by the other's calls
         assert sample_value(metrics, "ac_cuda_kernel_launches_total", pid=first.pid,
                             stream="0x1000", comm="cuda_pattern") == 6
-        # One exits: its series go; the other's go on.
+        # One exits: its series and its map entries go; the other's stay as they were (no
+        # call of its own in between, so no new histogram slot or call in flight).
+        entries = {p.pid: sample_value(metrics, "ac_ebpf_map_entries", pid=p.pid)
+                   for p in (first, second)}
+        assert all(entries.values()), entries
         second.exit()
-        wait_for(lambda: not [k for k in daemon.metrics() if ("pid", second.pid) in k[1]],
-                 10, "the exited process's series to go")
+        metrics = wait_for(lambda: (m := daemon.metrics()) and not [
+            k for k in m if ("pid", second.pid) in k[1]] and m, 10,
+            "the exited process's series and entries to go")
+        assert sample_value(metrics, "ac_ebpf_map_entries", pid=first.pid) == \
+            entries[first.pid]
         assert first.run("round 1") == "done"
         metrics = wait_for(lambda: (m := daemon.metrics()) and sample_value(
             m, "ac_cuda_graph_launches_total", pid=first.pid) == 3 and m, 10, "more counts")
