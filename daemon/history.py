@@ -17,7 +17,9 @@ computes over cycles for: a rate's mean, a ratio (Σ increases / Σ increases), 
 histogram's quantiles, mean and shares (bucket increases add up), and a gauge's mean,
 min, max and last. Per-point statistics (a gauge's or a rate's p50/p95/p99, a ratio's
 spread) are taken over one-minute points instead of cycles: the answer says so
-(`source: history`, `resolution_seconds: 60`).
+(`source: history`, `resolution_seconds: 60`). A span longer than MAX_POINTS minutes is
+read as groups of minutes folded by the database (`resolution_seconds` says how many):
+sums stay exact, per-point statistics are over the groups.
 
 NOTE: minutes are Unix minutes (`floor(t / 60)`); an increase belongs to the minute its
 interval ended in. A minute is written by merging (sums add, extremes widen, last wins),
@@ -43,6 +45,9 @@ MINUTE = 60.0
 DEFAULT_RETENTION_SECONDS = 8 * 86400.0
 # A counter unseen for this long is forgotten: when it returns it counts as new.
 FORGET_AFTER_MINUTES = 60
+# Points a history answer reads per series at most: a longer span reads groups of minutes
+# folded by the database (sums stay exact; a gauge's p50/p95 are over the groups' means).
+MAX_POINTS = 1440
 # Minutes kept in memory while the store cannot take them (then the oldest are dropped).
 MAX_UNWRITTEN_MINUTES = 24 * 60
 
@@ -232,25 +237,41 @@ class HistoryView(WindowView):
     minute's mean; `gauges` keeps each gauge's exact (n, sum, min, max, last) over the
     span and its per-minute (end, sum, n) for the trend; `coverage` is the share of the
     span's minutes that hold any data, `key_coverage` that share for each series."""
-    __slots__ = ("gauges", "coverage", "key_coverage")
+    __slots__ = ("gauges", "coverage", "key_coverage", "resolution_seconds")
 
     def __init__(self, times, series, gauges, coverage, key_coverage=None):
         super().__init__(times, series, {k: -math.inf for k in series}, -math.inf)
         self.gauges, self.coverage = gauges, coverage
         self.key_coverage = key_coverage or {}
+        self.resolution_seconds = MINUTE
+
+
+def history_step(first_minute: int, last_minute: int) -> int:
+    """Minutes per point for a span: 1 up to MAX_POINTS minutes, then as many as keep the
+    points at most MAX_POINTS (a week: 7)."""
+    return max(1, -(-(last_minute - first_minute + 1) // MAX_POINTS))
+
+
+def group_minute(minute: int, first_minute: int, step: int) -> int:
+    """The first minute of the group of `step` minutes that holds `minute`."""
+    return first_minute + (minute - first_minute) // step * step
 
 
 def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
                first_minute: int, last_minute: int,
-               in_progress: tuple[int, float] | None = None) -> HistoryView:
-    """minutes: series -> [(minute, n, total, min, max, last), ...] in minute order.
+               in_progress: tuple[int, float] | None = None, step: int = 1) -> HistoryView:
+    """minutes: series -> [(minute, n, total, min, max, last), ...] in minute order, one
+    row per group of `step` minutes (its first minute) when step > 1.
     in_progress: (minute, time of its latest cycle): that minute's point sits at that time,
     not at the minute's end, so its rate is over the time it covers."""
     from array import array
-    count = last_minute - first_minute + 1
-    times = array("d", [first_minute * MINUTE + MINUTE * i for i in range(count + 1)])
+    count = (last_minute - first_minute) // step + 1  # points (groups of `step` minutes)
+    end = (last_minute + 1) * MINUTE
+    times = array("d", [min(end, (first_minute + step * i) * MINUTE)
+                        for i in range(count + 1)])
+    times[count] = end
     if in_progress is not None and first_minute <= in_progress[0] <= last_minute:
-        index = in_progress[0] - first_minute + 1
+        index = (in_progress[0] - first_minute) // step + 1
         times[index] = max(times[index - 1] + 1e-3, min(times[index], in_progress[1]))
     series, gauges, used, key_coverage = {}, {}, set(), {}
     for key, rows in minutes.items():
@@ -260,26 +281,29 @@ def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
             continue
         if kinds.get(key[0]) == COUNTER:
             running = 0.0
-            values[rows[0][0] - first_minute] = 0.0
+            values[(rows[0][0] - first_minute) // step] = 0.0
             for minute, _n, total, *_ in rows:
                 running += total
-                values[minute - first_minute + 1] = running
+                values[(minute - first_minute) // step + 1] = running
         else:
             n_all = sum_all = 0.0
             low, high = math.inf, -math.inf
             trend = []
             for minute, n, total, vmin, vmax, _last in rows:
-                values[minute - first_minute + 1] = total / n
+                index = (minute - first_minute) // step + 1
+                values[index] = total / n
                 n_all += n
                 sum_all += total
                 low, high = min(low, vmin), max(high, vmax)
-                trend.append((times[minute - first_minute + 1], total, n))
+                trend.append((times[index], total, n))
             gauges[key] = (int(n_all), sum_all, low, high, rows[-1][5], trend)
         used.update(r[0] for r in rows)
         series[key] = values
         key_coverage[key] = len(rows) / count
-    return HistoryView(times, series, gauges, len(used) / count if count > 0 else 0.0,
+    view = HistoryView(times, series, gauges, len(used) / count if count > 0 else 0.0,
                        key_coverage)
+    view.resolution_seconds = MINUTE * step
+    return view
 
 
 def merge_minutes(into: dict[SeriesKey, list[tuple]], minute: int,

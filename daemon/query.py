@@ -193,7 +193,8 @@ class QueryEngine:
                   "as_of": as_of, "series": series}
         coverage = getattr(view, "coverage", None)
         if coverage is not None:  # answered from the store's per-minute history
-            answer.update(history=True, resolution_seconds=60, coverage=round(coverage, 4))
+            answer.update(history=True, resolution_seconds=view.resolution_seconds,
+                          coverage=round(coverage, 4))
             _series_coverage(series, view.key_coverage)
         return answer
 

@@ -282,11 +282,13 @@ class Daemon:
         return self.queries.answer(view, friendly, window_seconds, since, labels, shares)
 
     def _history_view(self, names: set[str], since: float, until: float):
-        from ac_observe.daemon.history import build_view, merge_minutes
+        from ac_observe.daemon.history import (build_view, group_minute, history_step,
+                                               merge_minutes)
         first, last = int(since // 60), math.ceil(until / 60) - 1
+        step = history_step(first, last)
         with self.history_writer.io_lock:  # no minute both in the store and still queued
             try:
-                minutes = self.store.read_minutes(names, first, last)
+                minutes = self.store.read_minutes(names, first, last, step)
             except Exception as exc:
                 raise HistoryUnavailable(f"the history store cannot be read: "
                                          f"{type(exc).__name__}") from None
@@ -294,10 +296,10 @@ class Daemon:
                 unwritten = self.history_writer.unwritten()
                 current = self.history.current()
         for minute, rows, *_ in unwritten + ([current] if current else []):
-            if first <= minute <= last:
-                merge_minutes(minutes, minute, rows, names)
+            if first <= minute <= last:  # into its group's row, as the database folds
+                merge_minutes(minutes, group_minute(minute, first, step), rows, names)
         return build_view(minutes, self.history.kinds, first, last,
-                          (current[0], current[2]) if current else None)
+                          (current[0], current[2]) if current else None, step)
 
     def status(self) -> dict:
         engines = []

@@ -226,22 +226,45 @@ class Store:
             for chunk in _chunks(values, 5000):
                 connection.execute(upsert, chunk)
 
-    def read_minutes(self, samples, first_minute: int, last_minute: int) -> dict:
+    def read_minutes(self, samples, first_minute: int, last_minute: int,
+                     step: int = 1) -> dict:
         """series key -> [(minute, n, total, min, max, last), ...] of these sample names
-        over [first_minute, last_minute], in minute order."""
+        over [first_minute, last_minute], in minute order.
+
+        step > 1: the minutes folded into groups of `step` by the database (a week is 7
+        minutes a point: 1,440 rows per series, not 10,080): each row is its group's first
+        minute with n and total summed, the extremes of its extremes, and `last` left None
+        except in a series' final group (the only one a query reads it from)."""
         out: dict = {}
         with self.engine.connect() as connection:
             series = {row.id: (row.sample, tuple(tuple(item) for item in json.loads(row.labels)))
                       for row in connection.execute(sa.select(history_series).where(
                           history_series.c.sample.in_(sorted(samples))))}
+            t = history_minutes.c
             for chunk in _chunks(sorted(series), 500):
-                query = (sa.select(history_minutes)
-                         .where(history_minutes.c.series_id.in_(chunk),
-                                history_minutes.c.minute.between(first_minute, last_minute))
-                         .order_by(history_minutes.c.series_id, history_minutes.c.minute))
-                for row in connection.execute(query):
-                    out.setdefault(series[row.series_id], []).append(
-                        (row.minute, row.n, row.total, row.vmin, row.vmax, row.vlast))
+                where = (t.series_id.in_(chunk), t.minute.between(first_minute, last_minute))
+                if step <= 1:
+                    query = (sa.select(t.series_id, t.minute, t.n, t.total, t.vmin, t.vmax,
+                                       t.vlast).where(*where).order_by(t.series_id, t.minute))
+                    for row in connection.execute(query):
+                        out.setdefault(series[row[0]], []).append(tuple(row[1:]))
+                    continue
+                group = (t.minute - first_minute) // step
+                query = (sa.select(t.series_id, group, sa.func.sum(t.n), sa.func.sum(t.total),
+                                   sa.func.min(t.vmin), sa.func.max(t.vmax))
+                         .where(*where).group_by(t.series_id, group)
+                         .order_by(t.series_id, group))
+                for sid, g, n, total, vmin, vmax in connection.execute(query):
+                    out.setdefault(series[sid], []).append(
+                        (first_minute + int(g) * step, int(n), total, vmin, vmax, None))
+                newest = (sa.select(t.series_id, sa.func.max(t.minute))
+                          .where(*where).group_by(t.series_id).subquery())
+                query = sa.select(t.series_id, t.vlast).where(
+                    sa.tuple_(t.series_id, t.minute).in_(sa.select(newest)))
+                for sid, vlast in connection.execute(query):
+                    rows = out.get(series[sid])
+                    if rows:
+                        rows[-1] = rows[-1][:5] + (vlast,)
         return out
 
     def prune(self, before: float) -> dict[str, int]:

@@ -115,6 +115,8 @@ def load_history(store: Store, start: float, end: float, step: float, traffic) -
     while t < end:
         synth.step(t, **traffic(t, rng))
         writer.submit(aggregator.add(t, synth.samples()))
+        if len(writer.unwritten()) >= 1000:  # below MAX_UNWRITTEN_MINUTES, which drops
+            writer.write_pending()
         t += step
     writer.submit(aggregator.flush())
     writer.write_pending()
@@ -215,6 +217,47 @@ def test_a_24h_window_from_history_equals_the_statistics_of_the_history(store, t
         past = _expected(synth, until - 3600, until)
         [old] = daemon.query("kv_cache_hit_rate", 3600, {}, now=until)["series"]
         assert old["mean"] == pytest.approx(past["hit_rate"], rel=1e-12)
+    finally:
+        daemon.close()
+
+
+def test_a_7d_window_reads_groups_of_minutes_and_its_sums_stay_exact(store, tmp_path):
+    """A week is read as 7-minute groups folded by the database (1,440 points a series,
+    not 10,080): every statistic made of sums (a histogram's count, quantiles, mean and
+    shares, a ratio, a rate, a gauge's mean, min, max and last) equals the history's."""
+    from ac_observe.daemon.history import group_minute
+    synth = load_history(store, NOW - 7 * 86400 - 3 * 3600 + 5, NOW, 60.0, _uneven)
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=600,
+                                 store_url=None if store.is_sqlite else store.url,
+                                 state_dir=tmp_path / "state"), collectors=[])
+    try:
+        span = 7 * 86400
+        since = NOW - span
+        want = _expected(synth, since, NOW)
+        latency = daemon.query("inference_latency_ns", span, {}, now=NOW,
+                               shares={"share_below:100ms": 101.594e6})
+        assert latency["resolution_seconds"] == 7 * 60 and latency["coverage"] == 1.0
+        [series] = latency["series"]
+        assert series["samples"] == want["count"]
+        assert series["p95"] == pytest.approx(want["p95"], rel=1e-12)
+        assert series["p50"] == pytest.approx(want["p50"], rel=1e-12)
+        assert series["mean"] == pytest.approx(want["mean"], rel=1e-9)
+        assert series["share_below:100ms"] == pytest.approx(want["under_100ms"], rel=1e-12)
+        assert series["rate"] == pytest.approx(want["count"] / span, rel=1e-12)
+        assert len(series["trend"]) == 24 and None not in series["trend"]
+        [hits] = daemon.query("kv_cache_hit_rate", span, {}, now=NOW)["series"]
+        assert hits["mean"] == pytest.approx(want["hit_rate"], rel=1e-12)
+        [usage] = daemon.query("kv_cache_usage", span, {}, now=NOW)["series"]
+        assert usage["samples"] == want["usage_n"]
+        assert usage["mean"] == pytest.approx(want["usage_mean"], rel=1e-12)
+        assert (usage["min"], usage["max"], usage["last"]) == pytest.approx(
+            (want["usage_min"], want["usage_max"], want["usage_last"]), rel=1e-12)
+        errors, rate = daemon.query("requests_per_second", span, {}, now=NOW)["series"]
+        assert rate["mean"] * span == pytest.approx(want["requests"], rel=1e-9)
+        born = next(e[0] for e in synth.events if e[6]) // 60  # its first minute, whose
+        start = group_minute(born, int(since // 60), 7) * 60  # group the zero opens
+        assert errors["mean"] * (NOW - start) == pytest.approx(want["errors"], rel=1e-9)
     finally:
         daemon.close()
 
