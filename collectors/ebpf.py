@@ -251,7 +251,10 @@ class EbpfCollector(Collector):
         ac_ebpf_map_entries shows."""
         held: dict[int, int] = {}
         for name in MAPS:
-            for key in self.bpf[name]:  # its keys, from the kernel
+            # Its keys, from the kernel, each once: an in-flight entry deleted under the
+            # walk sends get_next_key back to the first key.
+            keys = {bytes(key): key for key in self.bpf[name].keys()}
+            for key in keys.values():
                 pid = _pid_of(key)
                 held[pid] = held.get(pid, 0) + 1
         return held

@@ -149,6 +149,26 @@ class EngineCollector(Collector):
         self.engines: dict[str, EngineState] = {}
         self._readers: dict[str, _EngineReader] = {}
         self._last_seen: dict[str, tuple[str, float]] = {}  # engine -> (model, heartbeat)
+        self._exported: set[str] = set()     # engines whose series the last collect gave
+        self._last_collect: float | None = None
+        self._with_past: list[dict[str, str]] = []
+
+    def with_past(self) -> list[dict[str, str]]:
+        return self._with_past
+
+    def _note_new_engines(self, served: dict[str, str], seen: dict, now: float) -> None:
+        """An engine exported now and not last time, that started before the last look
+        (back after a spell as a bad directory, a name clash or silence; or found late),
+        brings counters with a past; one started since counts from zero."""
+        self._with_past = []
+        for engine, name in served.items():
+            if engine in self._exported:
+                continue
+            started = seen[name].info.get("started_at")
+            if self._last_collect is None or not isinstance(started, (int, float)) or \
+                    started < self._last_collect:
+                self._with_past.append({"engine": engine})
+        self._exported, self._last_collect = set(served), now
 
     def collect(self):
         now = time.time()
@@ -158,6 +178,7 @@ class EngineCollector(Collector):
             root_fd = open_trusted_dir(self.root, "telemetry root")
         except FileNotFoundError:
             self.engines, self._readers = {}, {}
+            self._note_new_engines({}, {}, now)
             return []
         except UnsafeDirectory as exc:
             raise CollectorUnavailable(f"{exc}; point --telemetry-root at a directory "
@@ -191,6 +212,7 @@ class EngineCollector(Collector):
                 seen[name] = state
                 _merge(families, samples)
             self.engines = seen
+            self._note_new_engines(served, seen, now)
             self._readers = {n: r for n, r in self._readers.items() if n in seen}
             restarts = new_family(ENGINE_RESTARTS)
             for state in seen.values():

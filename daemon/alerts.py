@@ -384,10 +384,10 @@ class Evaluator:
         self._last = -math.inf
         self._lock = threading.Lock()
         self._orphans: list[dict] = []
-        # rule -> (the minute its same-hour-yesterday span ended in, values, each series'
-        # coverage):
+        # rule -> (the minute its same-hour-yesterday span ended in, values, {label set:
+        # its coverage}):
         # that baseline moves a minute at a time, so history is read once a minute.
-        self._same_hour: dict[str, tuple[int, dict, float]] = {}
+        self._same_hour: dict[str, tuple[int, dict, dict]] = {}
         # (rule, severity) -> firing instances, as the last evaluation left them: the
         # cycle reads it without waiting on an evaluation in progress.
         self.firing_counts: dict[tuple[str, str], int] = {

@@ -408,11 +408,15 @@ def engine(
                    "instrumentation writes no telemetry", err=True)
         raise typer.Exit(2)
     try:
-        fault_token = _read_token(os.environ.get(FAULT_TOKEN_ENV) or None, fault_token_file)
+        fault_token = _read_token((os.environ.get(FAULT_TOKEN_ENV) or "").strip() or None,
+                                  fault_token_file)
         if fault_injection and not fault_token:
             raise ValueError(f"--fault-injection needs a token (${FAULT_TOKEN_ENV} or "
                              f"--fault-token-file): a port forwarded over ssh or kubectl "
                              f"reaches loopback routes too")
+        if fault_token and not all(33 <= ord(c) <= 126 for c in fault_token):
+            raise ValueError("the fault token must be printable ASCII without spaces (it "
+                             "travels in an Authorization header)")
         config = EngineConfig(
             model=model, model_name=model_name, engine_name=name, device=device, dtype=dtype,
             block_size=block_size, num_kv_blocks=kv_blocks,

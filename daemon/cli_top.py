@@ -191,7 +191,7 @@ def _alerts(body: dict):
                          else "left", overflow="fold", min_width=len(column),
                          no_wrap=column in ("state", "value", "baseline"))
     for a in body["alerts"]:
-        unit = _statistic_unit(a["metric"], a["statistic"])
+        unit = _statistic_unit(a["metric"], a.get("statistic", ""))
         state = a["state"] + (" (no data)" if a["no_data"] else "")
         labels = " ".join(f"{k}={v}" for k, v in sorted(a["labels"].items()) if k != "model")
         table.add_row(Text(a["rule"]), Text(state, style="red" if a["state"] == "firing"

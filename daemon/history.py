@@ -236,7 +236,8 @@ class HistoryView(WindowView):
     running sums of their increases from 0 one minute before their first, gauges as each
     minute's mean; `gauges` keeps each gauge's exact (n, sum, min, max, last) over the
     span and its per-minute (end, sum, n) for the trend; `coverage` is the share of the
-    span's minutes that hold any data, `key_coverage` that share for each series."""
+    span's points (minutes, or groups of them) that hold any data, `key_coverage` that
+    share for each series."""
     __slots__ = ("gauges", "coverage", "key_coverage", "resolution_seconds")
 
     def __init__(self, times, series, gauges, coverage, key_coverage=None):
@@ -246,10 +247,11 @@ class HistoryView(WindowView):
         self.resolution_seconds = MINUTE
 
 
-def history_step(first_minute: int, last_minute: int) -> int:
-    """Minutes per point for a span: 1 up to MAX_POINTS minutes, then as many as keep the
-    points at most MAX_POINTS (a week: 7)."""
-    return max(1, -(-(last_minute - first_minute + 1) // MAX_POINTS))
+def history_step(span_seconds: float) -> int:
+    """Minutes per point for a window: 1 up to MAX_POINTS minutes (24 h), then as many as
+    keep its whole minutes at most MAX_POINTS points (a week: 7). A window that does not
+    start on a minute touches one minute more than it holds: that does not count."""
+    return max(1, -(-int(span_seconds // MINUTE) // MAX_POINTS))
 
 
 def group_minute(minute: int, first_minute: int, step: int) -> int:

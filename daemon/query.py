@@ -39,10 +39,9 @@ def parse_instant(text: str | None, now: float | None = None) -> float | None:
     try:
         instant = float(text)
     except ValueError:
-        if text[-1:] in ("Z", "z"):  # UTC, which fromisoformat takes only from 3.11
-            text = text[:-1] + "+00:00"
+        iso = text[:-1] + "+00:00" if text[-1:] in ("Z", "z") else text  # 3.10 lacks Z
         try:
-            instant = datetime.fromisoformat(text).timestamp()
+            instant = datetime.fromisoformat(iso).timestamp()
         except ValueError:
             raise ValueError(f"bad time {text[:40]!r}: use unix seconds or ISO 8601, "
                              f"e.g. 2026-12-01T14:03:00") from None
@@ -186,8 +185,10 @@ class QueryEngine:
         # cycles up to it only, so the same question at the same time has the same answer
         # whatever cycles came since: `top` asks every figure of a screen at one as_of.
         # From history, whole minutes are read: as_of is the end of the last one (or its
-        # latest cycle while it is in progress), which may lie after the time asked.
+        # latest cycle while it is in progress), but never later than now.
         as_of = view.times[-1] if len(view.times) else None
+        if as_of is not None and getattr(view, "coverage", None) is not None:
+            as_of = min(as_of, time.time())  # a minute turned, its first cycle not yet in
         answer = {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
                   "source": friendly.source.name, "window_seconds": window_seconds,
                   "as_of": as_of, "series": series}

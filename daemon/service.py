@@ -130,10 +130,13 @@ class Daemon:
             runner.start()
         families: list[Metric] = []
         returning: list[Metric] = []
+        with_past: list[tuple[list[Metric], list[dict]]] = []
         for runner in self.runners:
             got = runner.finish()
             if runner.up and not self._reporting.get(runner.name):
                 returning.extend(got)  # up for the first time, or again after an outage
+            elif runner.up and (subsets := getattr(runner.collector, "with_past", list)()):
+                with_past.append((got, subsets))  # e.g. an engine back, its process the same
             self._reporting[runner.name] = runner.up
             families.extend(got)
         families.extend(self._utilization(families, now))
@@ -142,7 +145,12 @@ class Daemon:
         # A collector's first cycle up, and its first after an outage: the counters it
         # reports then have a past the daemon did not see (an engine up for days, found
         # now); a new one among them is a base, not an increase from zero.
-        preexisting = self._watched_samples(returning).keys() if returning else ()
+        preexisting = set(self._watched_samples(returning)) if returning else set()
+        for got, subsets in with_past:
+            for key in self._watched_samples(got):
+                labels = dict(key[1])
+                if any(all(labels.get(k) == v for k, v in s.items()) for s in subsets):
+                    preexisting.add(key)
         if self.alerts is None:
             with self._lock:  # queries see a window and a snapshot from one and the same cycle
                 self._remember(now, watched, preexisting)
@@ -285,7 +293,7 @@ class Daemon:
         from ac_observe.daemon.history import (build_view, group_minute, history_step,
                                                merge_minutes)
         first, last = int(since // 60), math.ceil(until / 60) - 1
-        step = history_step(first, last)
+        step = history_step(until - since)
         with self.history_writer.io_lock:  # no minute both in the store and still queued
             try:
                 minutes = self.store.read_minutes(names, first, last, step)

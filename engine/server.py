@@ -418,7 +418,9 @@ class EventStreamResponse(StreamingResponse):
             # Whatever ended it (a client gone before Starlette's writer ran, a send that
             # raised), the body's `finally` (which aborts the request) runs now, not when a
             # garbage collector gets to the generator.
-            await chunks.aclose()
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def _sse_response(body, first: RequestOutput) -> EventStreamResponse:

@@ -644,10 +644,10 @@ def test_same_hour_yesterday_reads_history_once_a_minute(tmp_path):
     yesterday = []
     read_minutes = daemon.store.read_minutes
 
-    def counted(names, first, last):
+    def counted(names, first, last, *args):
         if last < (t0 - 3600) // 60:
             yesterday.append((first, last))
-        return read_minutes(names, first, last)
+        return read_minutes(names, first, last, *args)
 
     daemon.store.read_minutes = counted
     try:

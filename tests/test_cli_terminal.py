@@ -2,6 +2,7 @@
 with NO_COLOR, and `ac-observe top` live."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -298,7 +299,7 @@ def test_top_keeps_headers_numbers_and_names_whole(columns):
             "engines": [{"engine": name, "alive": True}], "as_of": time.time(),
             "alerts": {"rules": 0, "alerts": []}}
     console = Console(width=columns, record=True, color_system=None,
-                      file=open(os.devnull, "w"))
+                      file=io.StringIO())
     console.print(render(snap, "http://127.0.0.1:9464", columns))
     text = console.export_text()
     rows = [_cells(line) for line in text.splitlines()]

@@ -153,3 +153,25 @@ def test_nvml_without_a_library_is_down_with_a_reason(start_daemon):
     status = httpx.get(daemon.url + "/api/v1/status").json()
     nvml = next(c for c in status["collectors"] if c["name"] == "nvml")
     assert "libnvidia-ml.so.1 not found" in nvml["reason"]
+
+
+def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tmp_path):
+    """Exported now and not at the last look: with a past if it started before that look
+    (back from a bad spell, found late, or no start time), from zero if it started since."""
+    from types import SimpleNamespace
+    from ac_observe.collectors.engine import EngineCollector, EngineState
+    collector = EngineCollector(SimpleNamespace(telemetry_root=tmp_path, engine_stale_seconds=10,
+                                                engine_grace_seconds=60))
+
+    def look(now, **started):
+        seen = {f"dir-{e}": EngineState(f"dir-{e}", {"engine": e, "started_at": t}
+                                        if t is not None else {"engine": e}, True, now)
+                for e, t in started.items()}
+        collector._note_new_engines({e: f"dir-{e}" for e in started}, seen, now)
+        return sorted(s["engine"] for s in collector.with_past())
+
+    assert look(100.0, a=50.0) == ["a"]                   # the first look: all have a past
+    assert look(101.0, a=50.0, b=100.5) == []             # b started after the last look
+    assert look(102.0, a=50.0, b=100.5) == []             # nothing new
+    assert look(103.0, b=100.5) == []                     # a away (a bad directory) ...
+    assert look(104.0, a=50.0, b=100.5, c=None) == ["a", "c"]  # ... back; c: no start time

@@ -124,7 +124,7 @@ def test_the_head_and_the_first_tokens_text_are_written_before_anything_else_wai
 
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
         await response_class(body(), media_type="text/event-stream")(scope, receive, send)
-        return log, closed
+        return log, list(closed)  # before asyncio.run's own shutdown closes generators
 
     log, closed = asyncio.run(run(EventStreamResponse, False))
     assert log[:2] == ["start:", "body:first"], log

@@ -255,6 +255,11 @@ def test_a_7d_window_reads_groups_of_minutes_and_its_sums_stay_exact(store, tmp_
             (want["usage_min"], want["usage_max"], want["usage_last"]), rel=1e-12)
         errors, rate = daemon.query("requests_per_second", span, {}, now=NOW)["series"]
         assert rate["mean"] * span == pytest.approx(want["requests"], rel=1e-9)
+        # Off a whole minute, a week touches 10,081 minutes: still 7 a point.
+        assert daemon.query("kv_cache_usage", span, {}, now=NOW - 12.3)[
+            "resolution_seconds"] == 7 * 60
+        assert daemon.query("kv_cache_usage", 86400, {}, now=NOW - 12.3)[
+            "resolution_seconds"] == 60
         born = next(e[0] for e in synth.events if e[6]) // 60  # its first minute, whose
         start = group_minute(born, int(since // 60), 7) * 60  # group the zero opens
         assert errors["mean"] * (NOW - start) == pytest.approx(want["errors"], rel=1e-9)
@@ -503,6 +508,47 @@ def test_a_collector_up_late_or_back_from_an_outage_books_no_lifetime_as_one_inc
     # Every request counted once from the first base (the outage's 1,300 included, booked
     # when the collector is back), the million before it never.
     assert sum(r[2] for r in minutes) == pytest.approx(10.0 * (460 - 6))
+
+
+class _EnginesComeAndGo(Collector):
+    """Always up. e1 counts 10 a cycle throughout. From cycle 50, e2 (a process that ran
+    unseen: a million requests, said through with_past) and e3 (started just now: 10)."""
+    name = "engines"
+
+    def __init__(self):
+        self.cycle = 0
+
+    def collect(self):
+        self.cycle += 1
+        family = new_family(m.REQUESTS)
+        family.add_metric(["e1", "m", "throughput", "ok"], 10.0 * self.cycle)
+        if self.cycle >= 50:
+            family.add_metric(["e2", "m", "throughput", "ok"], 1e6 + 10.0 * self.cycle)
+            family.add_metric(["e3", "m", "throughput", "ok"], 10.0 * (self.cycle - 49))
+        return [family]
+
+    def with_past(self):
+        return [{"engine": "e2"}] if self.cycle == 50 else []
+
+
+def test_an_engine_with_a_past_found_while_its_collector_is_up_starts_from_a_base(tmp_path):
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=600,
+                                 state_dir=tmp_path / "state"), collectors=[_EnginesComeAndGo()])
+    try:
+        for t in range(120):
+            daemon.run_cycle(now=NOW + t)
+        answer = daemon.query("requests_per_second", 100, {}, now=NOW + 119.5)
+        peak = {s["labels"]["engine"]: s["max"] for s in answer["series"]}
+        # e2's million is a base; e3, born watched, counted its first 10 from zero.
+        assert peak == {"e1": pytest.approx(10.0), "e2": pytest.approx(10.0),
+                        "e3": pytest.approx(10.0)}, answer
+        rows = daemon.history.current()[1]
+        totals = {dict(k[1])["engine"]: row[1] for k, row in rows.items()
+                  if k[0] == "ac_requests_total"}
+        assert totals["e2"] < 1000 and totals["e3"] < 1000, totals
+    finally:
+        daemon.close()
 
 
 def test_retention_prunes_history_transitions_and_finished_deliveries_only(store):
