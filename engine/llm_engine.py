@@ -382,9 +382,9 @@ class Engine:
                     continue
                 end_ns = time.monotonic_ns()
                 completed.add(key)
-                with self._lock:
-                    self.stats.on_step(batch.lane, key[1], device_seconds, start_ns, end_ns)
+                with self._lock:  # the outputs first: no figure stands in their way
                     self._postprocess(batch, next_tokens, device_seconds, end_ns)
+                    self.stats.on_step(batch.lane, key[1], device_seconds, start_ns, end_ns)
                     self.stats.on_state(self.scheduler, self.block_manager)
         finally:
             found = self.kernel_sampler.end(completed)
@@ -452,8 +452,8 @@ class Engine:
             timeline.last_token_ns = now_ns
             if not timeline.first_token_ns:
                 timeline.first_token_ns = now_ns
-            self.stats.on_token(seq, previous_ns)
             self._emit(request, token_id, previous_ns == 0)
+            self.stats.on_token(seq, previous_ns)
 
     def _emit(self, request: _Request, token_id: int, first: bool) -> None:
         seq, params = request.seq, request.seq.params

