@@ -18,7 +18,8 @@ import math
 from typing import Callable
 from urllib.parse import parse_qs
 
-from ac_observe.daemon.http_server import HttpServer, Request, Response, bearer_token
+from ac_observe.auth import bearer_token
+from ac_observe.daemon.http_server import HttpServer, Request, Response
 from ac_observe.daemon.query import (describe_friendly, parse_duration, parse_instant,
                                      parse_labels)
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ac_observe import __version__
-from ac_observe.daemon.http_server import bearer_token  # stdlib only: no daemon
+from ac_observe.auth import bearer_token
 from ac_observe.engine import api_format as fmt
 from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 from ac_observe.engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest

@@ -11,6 +11,7 @@ import json
 import math
 import random
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -34,7 +35,11 @@ KV_LABELS = (("engine", "e1"), ("model", "m"), ("skeleton", "s1"))
 USAGE_LABELS = (("engine", "e1"), ("model", "m"))
 REQ_LABELS = (("engine", "e1"), ("model", "m"), ("stream", "low_latency"), ("status", "ok"))
 ERR_LABELS = (("engine", "e1"), ("model", "m"), ("stream", "low_latency"), ("status", "error"))
-ERRORS_FROM = 1_800_000_000.0 - 10 * 3600  # the error counter is born inside the window
+# Today, 08:00 UTC: a whole minute and hour, never so far from the real clock that the
+# daemon's retention (8 days, against the real clock) would refuse or prune the tests'
+# history (a fixed date in the future would do so once it had passed by a week).
+NOW = time.time() // 86400 * 86400 + 8 * 3600
+ERRORS_FROM = NOW - 10 * 3600  # the error counter is born inside the window
 
 
 def _le(bound: float) -> str:
@@ -167,41 +172,49 @@ def _expected(synth: Synth, since: float, until: float) -> dict:
             "requests": sum(e[5] for e in inside), "errors": sum(e[6] for e in inside)}
 
 
-NOW = 1_800_000_000.0  # a whole minute (2027-01-15 08:00 UTC)
+
+
+def _history_daemon(store, tmp_path, *collectors, window: float = 600) -> Daemon:
+    """A daemon on `store` (None: SQLite in the test's state directory), 1 s cycles."""
+    return Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                               interval_seconds=1.0, window_seconds=window,
+                               store_url=None if store is None or store.is_sqlite
+                               else store.url, state_dir=tmp_path / "state"),
+                  collectors=list(collectors))
+
+
+def _sums_match(daemon: Daemon, span: float, want: dict) -> dict:
+    """Every statistic made of sums, over the span to NOW from history, equals the one
+    computed from the generated events; the latency answer, for more."""
+    latency = daemon.query("inference_latency_ns", span, {}, now=NOW,
+                           shares={"share_below:100ms": 101.594e6, "share_below:25ms": 25e6})
+    assert latency["history"] is True and latency["coverage"] == 1.0
+    [series] = latency["series"]
+    assert series["samples"] == want["count"]
+    assert series["p95"] == pytest.approx(want["p95"], rel=1e-12)
+    assert series["p50"] == pytest.approx(want["p50"], rel=1e-12)
+    assert series["mean"] == pytest.approx(want["mean"], rel=1e-9)
+    assert series["share_below:100ms"] == pytest.approx(want["under_100ms"], rel=1e-12)
+    assert series["share_below:25ms"] == pytest.approx(want["under_25ms"], rel=1e-12)
+    assert series["rate"] == pytest.approx(want["count"] / span, rel=1e-12)
+    [hits] = daemon.query("kv_cache_hit_rate", span, {}, now=NOW)["series"]
+    assert hits["mean"] == pytest.approx(want["hit_rate"], rel=1e-12)
+    [usage] = daemon.query("kv_cache_usage", span, {}, now=NOW)["series"]
+    assert usage["samples"] == want["usage_n"]
+    assert usage["mean"] == pytest.approx(want["usage_mean"], rel=1e-12)
+    assert (usage["min"], usage["max"], usage["last"]) == pytest.approx(
+        (want["usage_min"], want["usage_max"], want["usage_last"]), rel=1e-12)
+    return latency
 
 
 def test_a_24h_window_from_history_equals_the_statistics_of_the_history(store, tmp_path):
     # 26 hours of cycles, 5 s past each 20 s mark: the window cuts two hours off the start.
     synth = load_history(store, NOW - 26 * 3600 + 5, NOW, 20.0, _uneven)
-    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
-                                 interval_seconds=1.0, window_seconds=600,
-                                 store_url=None if store.is_sqlite else store.url,
-                                 state_dir=tmp_path / "state"), collectors=[])
+    daemon = _history_daemon(store, tmp_path)
     try:
         since = NOW - 86400
         want = _expected(synth, since, NOW)
-        latency = daemon.query("inference_latency_ns", 86400, {}, now=NOW,
-                               shares={"share_below:100ms": 101.594e6,
-                                       "share_below:25ms": 25e6})
-        assert latency["history"] is True and latency["resolution_seconds"] == 60
-        assert latency["coverage"] == 1.0
-        [series] = latency["series"]
-        assert series["samples"] == want["count"]
-        assert series["p95"] == pytest.approx(want["p95"], rel=1e-12)
-        assert series["p50"] == pytest.approx(want["p50"], rel=1e-12)
-        assert series["mean"] == pytest.approx(want["mean"], rel=1e-9)
-        assert series["share_below:100ms"] == pytest.approx(want["under_100ms"], rel=1e-12)
-        assert series["share_below:25ms"] == pytest.approx(want["under_25ms"], rel=1e-12)
-        assert series["rate"] == pytest.approx(want["count"] / 86400, rel=1e-12)
-
-        [hits] = daemon.query("kv_cache_hit_rate", 86400, {}, now=NOW)["series"]
-        assert hits["mean"] == pytest.approx(want["hit_rate"], rel=1e-12)
-
-        [usage] = daemon.query("kv_cache_usage", 86400, {}, now=NOW)["series"]
-        assert usage["samples"] == want["usage_n"]
-        assert usage["mean"] == pytest.approx(want["usage_mean"], rel=1e-12)
-        assert (usage["min"], usage["max"], usage["last"]) == pytest.approx(
-            (want["usage_min"], want["usage_max"], want["usage_last"]), rel=1e-12)
+        assert _sums_match(daemon, 86400, want)["resolution_seconds"] == 60
 
         # A counter reset inside the window is an increase from zero, as in memory.
         # A series born inside the window counted from zero.
@@ -227,32 +240,15 @@ def test_a_7d_window_reads_groups_of_minutes_and_its_sums_stay_exact(store, tmp_
     shares, a ratio, a rate, a gauge's mean, min, max and last) equals the history's."""
     from ac_observe.daemon.history import group_minute
     synth = load_history(store, NOW - 7 * 86400 - 3 * 3600 + 5, NOW, 60.0, _uneven)
-    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
-                                 interval_seconds=1.0, window_seconds=600,
-                                 store_url=None if store.is_sqlite else store.url,
-                                 state_dir=tmp_path / "state"), collectors=[])
+    daemon = _history_daemon(store, tmp_path)
     try:
         span = 7 * 86400
         since = NOW - span
         want = _expected(synth, since, NOW)
-        latency = daemon.query("inference_latency_ns", span, {}, now=NOW,
-                               shares={"share_below:100ms": 101.594e6})
-        assert latency["resolution_seconds"] == 7 * 60 and latency["coverage"] == 1.0
-        [series] = latency["series"]
-        assert series["samples"] == want["count"]
-        assert series["p95"] == pytest.approx(want["p95"], rel=1e-12)
-        assert series["p50"] == pytest.approx(want["p50"], rel=1e-12)
-        assert series["mean"] == pytest.approx(want["mean"], rel=1e-9)
-        assert series["share_below:100ms"] == pytest.approx(want["under_100ms"], rel=1e-12)
-        assert series["rate"] == pytest.approx(want["count"] / span, rel=1e-12)
-        assert len(series["trend"]) == 24 and None not in series["trend"]
-        [hits] = daemon.query("kv_cache_hit_rate", span, {}, now=NOW)["series"]
-        assert hits["mean"] == pytest.approx(want["hit_rate"], rel=1e-12)
-        [usage] = daemon.query("kv_cache_usage", span, {}, now=NOW)["series"]
-        assert usage["samples"] == want["usage_n"]
-        assert usage["mean"] == pytest.approx(want["usage_mean"], rel=1e-12)
-        assert (usage["min"], usage["max"], usage["last"]) == pytest.approx(
-            (want["usage_min"], want["usage_max"], want["usage_last"]), rel=1e-12)
+        latency = _sums_match(daemon, span, want)
+        assert latency["resolution_seconds"] == 7 * 60
+        assert len(latency["series"][0]["trend"]) == 24
+        assert None not in latency["series"][0]["trend"]
         errors, rate = daemon.query("requests_per_second", span, {}, now=NOW)["series"]
         assert rate["mean"] * span == pytest.approx(want["requests"], rel=1e-9)
         # Off a whole minute, a week touches 10,081 minutes: still 7 a point.
@@ -331,35 +327,44 @@ def _hourly(levels: dict[int, float]):
     return traffic
 
 
+# The same-hour tests' day: each hour at its own latency (by its start, UTC).
+SAME_HOUR_LEVELS = {NOW - 86400: 0.1, NOW - 86400 - 3600: 0.4, NOW - 86400 + 3600: 0.6,
+                    NOW - 2 * 86400: 0.8, NOW - 3600: 0.2}
+DRIFT_AT = NOW + 32 * 60 + 30  # 08:32:30: the hour around the window's middle is 08:00-09:00
+
+
+def _same_hour_daemon(tmp_path, state, *collectors) -> Daemon:
+    (tmp_path / "alerts.yaml").write_text(RULE)
+    return Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                               interval_seconds=1.0, window_seconds=3600,
+                               alerting_file=tmp_path / "alerts.yaml", state_dir=state,
+                               alert_interval_seconds=1.0), collectors=list(collectors))
+
+
+def _drift(daemon: Daemon, synth: Synth) -> None:
+    """65 minutes at 120 ms (within 50 % of any baseline here: nothing fires), then a last
+    cycle of 40 requests at 300 ms."""
+    for t in range(int(DRIFT_AT) - 3900, int(DRIFT_AT), 5):
+        synth.step(t, latencies=[0.12] * 2)
+        daemon.run_cycle(now=float(t))
+    assert daemon.alerts.active() == []
+    synth.step(DRIFT_AT, latencies=[0.12] * 2 + [0.3] * 40)
+    daemon.run_cycle(now=DRIFT_AT)
+
+
 @pytest.mark.parametrize("with_history", [True, False])
 def test_same_hour_yesterday_compares_against_that_hour(tmp_path, with_history):
-    now = NOW + 32 * 60 + 30  # 08:32:30: the hour around the window's middle is 08:00-09:00
-    yesterday = NOW - 86400
-    levels = {yesterday: 0.1, yesterday - 3600: 0.4, yesterday + 3600: 0.6,
-              NOW - 2 * 86400: 0.8, NOW - 3600: 0.2}
     state = tmp_path / "state"
     store = Store(None, state)
     if with_history:  # two days, a cycle a minute, each hour at its own latency
-        load_history(store, NOW - 2 * 86400 - 3600, NOW - 600, 60.0, _hourly(levels))
+        load_history(store, NOW - 2 * 86400 - 3600, NOW - 600, 60.0, _hourly(SAME_HOUR_LEVELS))
     store.close()
-    (tmp_path / "alerts.yaml").write_text(RULE)
     synth = Synth()
-    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
-                                 interval_seconds=1.0, window_seconds=3600,
-                                 alerting_file=tmp_path / "alerts.yaml", state_dir=state,
-                                 alert_interval_seconds=1.0),
-                    collectors=[SynthCollector(synth)])
+    daemon = _same_hour_daemon(tmp_path, state, SynthCollector(synth))
     try:
-        # The last 65 minutes live at 120 ms: within 50 % of any baseline here, so nothing
-        # fires, until the last cycle brings 40 requests at 300 ms.
-        for t in range(int(now) - 3900, int(now), 5):
-            synth.step(t, latencies=[0.12] * 2)
-            daemon.run_cycle(now=float(t))
-        assert daemon.alerts.active() == []
-        synth.step(now, latencies=[0.12] * 2 + [0.3] * 40)
-        daemon.run_cycle(now=now)
+        _drift(daemon, synth)
         [alert] = daemon.alerts.active()
-        assert alert["state"] == "firing" and alert["firing_since"] == now
+        assert alert["state"] == "firing" and alert["firing_since"] == DRIFT_AT
         source = alert["baseline_source"]
         # The firing transition's summary annotation says the same ({{ baseline_source }}).
         assert daemon.alerts.history()[0]["summary"] == source
@@ -382,13 +387,10 @@ def test_same_hour_yesterday_is_taken_per_series(tmp_path):
     """e1 ran all of yesterday's hour; e2 only its last 15 minutes (25 % < 75 %): e1 is
     compared with that hour, e2 with its trailing hour, each alert saying which (the
     hour's coverage over all series, 100 %, gave e2 a quarter-hour baseline)."""
-    now = NOW + 32 * 60 + 30
     yesterday = NOW - 86400
-    levels = {yesterday: 0.1, yesterday - 3600: 0.4, yesterday + 3600: 0.6,
-              NOW - 2 * 86400: 0.8, NOW - 3600: 0.2}
     state = tmp_path / "state"
     store = Store(None, state)
-    load_history(store, NOW - 2 * 86400 - 3600, NOW - 600, 60.0, _hourly(levels))
+    load_history(store, NOW - 2 * 86400 - 3600, NOW - 600, 60.0, _hourly(SAME_HOUR_LEVELS))
     e2 = (("engine", "e2"),) + LAT_LABELS[1:]
     first, last = int(yesterday // 60) + 45, int(yesterday // 60) + 59
     names = {"ac_inference_latency_seconds" + s for s in ("_bucket", "_sum", "_count")}
@@ -399,19 +401,11 @@ def test_same_hour_yesterday_is_taken_per_series(tmp_path):
             copied.setdefault(minute, {})[name, relabelled] = list(row)
     store.write_minutes(sorted(copied.items()))
     store.close()
-    (tmp_path / "alerts.yaml").write_text(RULE)
     synth = Synth()
-    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
-                                 interval_seconds=1.0, window_seconds=3600,
-                                 alerting_file=tmp_path / "alerts.yaml", state_dir=state,
-                                 alert_interval_seconds=1.0),
-                    collectors=[SynthCollector(synth), SynthCollector(synth, e2)])
+    daemon = _same_hour_daemon(tmp_path, state, SynthCollector(synth),
+                               SynthCollector(synth, e2))
     try:
-        for t in range(int(now) - 3900, int(now), 5):
-            synth.step(t, latencies=[0.12] * 2)
-            daemon.run_cycle(now=float(t))
-        synth.step(now, latencies=[0.12] * 2 + [0.3] * 40)
-        daemon.run_cycle(now=now)
+        _drift(daemon, synth)
         alerts = {a["labels"]["engine"]: a for a in daemon.alerts.active()}
         assert alerts["e1"]["baseline_source"] == "same hour yesterday (08:00-09:00 UTC)"
         assert alerts["e2"]["baseline_source"] == (
@@ -483,9 +477,7 @@ def test_a_collector_up_late_or_back_from_an_outage_books_no_lifetime_as_one_inc
     """Its counters' first values are bases: the rate is 10/s in memory and in the history,
     never a million requests in one interval (a windows-dropped series back after 90 s of
     outage in a 60 s window too)."""
-    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
-                                 interval_seconds=1.0, window_seconds=60,
-                                 state_dir=tmp_path / "state"), collectors=[_LateRequests()])
+    daemon = _history_daemon(None, tmp_path, _LateRequests(), window=60)
     try:
         for t in range(180):
             daemon.run_cycle(now=NOW + t)
@@ -532,9 +524,7 @@ class _EnginesComeAndGo(Collector):
 
 
 def test_an_engine_with_a_past_found_while_its_collector_is_up_starts_from_a_base(tmp_path):
-    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
-                                 interval_seconds=1.0, window_seconds=600,
-                                 state_dir=tmp_path / "state"), collectors=[_EnginesComeAndGo()])
+    daemon = _history_daemon(None, tmp_path, _EnginesComeAndGo())
     try:
         for t in range(120):
             daemon.run_cycle(now=NOW + t)

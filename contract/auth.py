@@ -1,0 +1,12 @@
+"""Bearer tokens (RFC 6750), shared by the daemon's API and the engine's fault route."""
+from __future__ import annotations
+
+
+def bearer_token(header: str | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header, as the client's bytes."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode("latin-1")  # the header's bytes, as they came
