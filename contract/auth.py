@@ -10,3 +10,9 @@ def bearer_token(header: str | None) -> bytes | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip().encode("latin-1")  # the header's bytes, as they came
+
+
+def header_token_ok(token: str | None) -> bool:
+    """A token an Authorization header can carry as sent: printable ASCII, no white space
+    (a byte outside ASCII fails httpx's encoding, or the latin-1 compare on arrival)."""
+    return bool(token) and all(33 <= ord(c) <= 126 for c in token)

@@ -339,6 +339,15 @@ class Friendly:
     def families(self) -> tuple[MetricSpec, ...]:
         return (self.source,) + ((self.denominator,) if self.denominator else ())
 
+    def statistic_unit(self, statistic: str) -> str:
+        """The unit a statistic of this name is in: a share is a percentage, a histogram's
+        rate observations per second, anything else the name's own unit."""
+        if statistic.startswith("share_below"):
+            return "%"
+        if statistic == "rate" and self.kind == HISTOGRAM_KIND:
+            return "1/s"
+        return self.unit
+
 
 FRIENDLY = {f.name: f for f in (
     Friendly("inference_latency_ns", HISTOGRAM_KIND, INFERENCE_LATENCY, "ns", 1e9,

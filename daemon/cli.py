@@ -394,6 +394,7 @@ def engine(
     from ac_observe.daemon.demo_load import run_demo_load, wait_healthy
     from ac_observe.engine.config import EngineConfig, LaneConfig
     from ac_observe.engine.server import EngineService, create_app
+    from ac_observe.auth import header_token_ok
     from ac_observe.engine.http_middleware import arrival_stamping_protocol
     from ac_observe.telemetry_format import default_telemetry_root, open_engine_dir
 
@@ -414,7 +415,7 @@ def engine(
             raise ValueError(f"--fault-injection needs a token (${FAULT_TOKEN_ENV} or "
                              f"--fault-token-file): a port forwarded over ssh or kubectl "
                              f"reaches loopback routes too")
-        if fault_token and not all(33 <= ord(c) <= 126 for c in fault_token):
+        if fault_token and not header_token_ok(fault_token):
             raise ValueError("the fault token must be printable ASCII without spaces (it "
                              "travels in an Authorization header)")
         config = EngineConfig(

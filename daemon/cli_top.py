@@ -191,23 +191,11 @@ def _alerts(body: dict):
                          else "left", overflow="fold", min_width=len(column),
                          no_wrap=column in ("state", "value", "baseline"))
     for a in body["alerts"]:
-        unit = _statistic_unit(a["metric"], a.get("statistic", ""))
+        friendly = FRIENDLY.get(a["metric"])
+        unit = friendly.statistic_unit(a.get("statistic", "")) if friendly else ""
         state = a["state"] + (" (no data)" if a["no_data"] else "")
         labels = " ".join(f"{k}={v}" for k, v in sorted(a["labels"].items()) if k != "model")
         table.add_row(Text(a["rule"]), Text(state, style="red" if a["state"] == "firing"
                                             else "yellow"),
                       human(a["value"], unit), human(a["baseline"], unit), Text(labels))
     return table
-
-
-def _statistic_unit(metric: str, statistic: str) -> str:
-    """The unit a rule's statistic is in: a share is a percentage, a histogram's rate
-    observations per second, anything else the metric's own unit."""
-    if statistic.startswith("share_below"):
-        return "%"
-    friendly = FRIENDLY.get(metric)
-    if friendly is None:
-        return ""
-    if statistic == "rate" and friendly.kind == "histogram":
-        return "1/s"
-    return friendly.unit

@@ -240,11 +240,12 @@ class HistoryView(WindowView):
     share for each series."""
     __slots__ = ("gauges", "coverage", "key_coverage", "resolution_seconds")
 
-    def __init__(self, times, series, gauges, coverage, key_coverage=None):
+    def __init__(self, times, series, gauges, coverage, key_coverage=None,
+                 resolution_seconds: float = MINUTE):
         super().__init__(times, series, {k: -math.inf for k in series}, -math.inf)
         self.gauges, self.coverage = gauges, coverage
         self.key_coverage = key_coverage or {}
-        self.resolution_seconds = MINUTE
+        self.resolution_seconds = resolution_seconds
 
 
 def history_step(span_seconds: float) -> int:
@@ -302,10 +303,8 @@ def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
         used.update(r[0] for r in rows)
         series[key] = values
         key_coverage[key] = len(rows) / count
-    view = HistoryView(times, series, gauges, len(used) / count if count > 0 else 0.0,
-                       key_coverage)
-    view.resolution_seconds = MINUTE * step
-    return view
+    return HistoryView(times, series, gauges, len(used) / count if count > 0 else 0.0,
+                       key_coverage, MINUTE * step)
 
 
 def merge_minutes(into: dict[SeriesKey, list[tuple]], minute: int,

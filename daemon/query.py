@@ -131,9 +131,10 @@ def samples_read(friendly: Friendly) -> set[str]:
 
 
 def _series_coverage(series: list[dict], key_coverage: dict) -> None:
-    """Each answered series' own coverage: the share of the span's minutes in which the
-    series it is made of (its buckets, the label sets it sums) held data; a series younger
-    than the span covers less of it than the answer as a whole."""
+    """Each answered series' own coverage: the share of the span's points (minutes, or
+    groups of them) in which the series it is made of (its buckets, the label sets it
+    sums) held data; a series younger than the span covers less of it than the answer as
+    a whole."""
     keys = [(frozenset(key[1]), share) for key, share in key_coverage.items()]
     for stats in series:
         labels = set(stats["labels"].items())
@@ -186,13 +187,13 @@ class QueryEngine:
         # whatever cycles came since: `top` asks every figure of a screen at one as_of.
         # From history, whole minutes are read: as_of is the end of the last one (or its
         # latest cycle while it is in progress), but never later than now.
+        coverage = getattr(view, "coverage", None)  # None: from the in-memory windows
         as_of = view.times[-1] if len(view.times) else None
-        if as_of is not None and getattr(view, "coverage", None) is not None:
+        if as_of is not None and coverage is not None:
             as_of = min(as_of, time.time())  # a minute turned, its first cycle not yet in
         answer = {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
                   "source": friendly.source.name, "window_seconds": window_seconds,
                   "as_of": as_of, "series": series}
-        coverage = getattr(view, "coverage", None)
         if coverage is not None:  # answered from the store's per-minute history
             answer.update(history=True, resolution_seconds=view.resolution_seconds,
                           coverage=round(coverage, 4))

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ac_observe.auth import header_token_ok
 from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Delivery, Store
 
 log = logging.getLogger("ac_observe.daemon.webhooks")
@@ -135,14 +136,9 @@ def _token(entry: dict, where: str) -> str | None:
     if given is None:
         return None
     key, token = given
-    if not _one_line(token):
+    if not header_token_ok(token):
         raise AlertConfigError(f"{where}.{key}: a token is one line without spaces")
     return token
-
-
-def _one_line(token: str) -> bool:
-    """A token as an Authorization header can carry it: printable, no white space."""
-    return bool(token) and not any(c.isspace() or not c.isprintable() for c in token)
 
 
 def parse_receivers(raw, source: str) -> dict[str, Receiver]:
@@ -191,7 +187,7 @@ def grafana_receiver(url: str, token: str | None, name: str = "grafana") -> Rece
     url = _check_url(url, "--grafana-url")
     if token is not None:
         token = token.strip()
-        if not _one_line(token):
+        if not header_token_ok(token):
             raise AlertConfigError("the Grafana token is empty or not one line without "
                                    "spaces")
     return Receiver(name, url, "grafana", token=token)
