@@ -355,6 +355,10 @@ def engine(
     gpu_memory_utilization: float = typer.Option(0.9, help="Share of the GPU's memory this "
                                                            "engine may hold (weights, KV)."),
     max_model_len: int = typer.Option(0, help="Context limit (0: the model's)."),
+    cuda_graphs: str = typer.Option("auto", help="auto (on for CUDA) | on | off: decode steps "
+                                                 "replay CUDA graphs captured at start-up."),
+    cuda_graph_max_len: int = typer.Option(8192, help="Longest context a CUDA graph covers; "
+                                                      "longer decode steps run eagerly."),
     evicted_hash_memory: int = typer.Option(0, help="Evicted KV block hashes remembered to "
                                                     "tell evicted misses from new traffic "
                                                     "(16-32 bytes each; 0: 4x the pool, at "
@@ -423,6 +427,7 @@ def engine(
             block_size=block_size, num_kv_blocks=kv_blocks,
             kv_cache_memory_bytes=kv_memory_mb << 20, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
+            cuda_graphs=cuda_graphs, cuda_graph_max_len=cuda_graph_max_len,
             evicted_hash_memory=evicted_hash_memory,
             kernel_sample_steps=kernel_sample_steps, kernel_sample_budget=kernel_sample_budget,
             fault_injection=fault_injection, fault_token=fault_token,

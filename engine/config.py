@@ -125,6 +125,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_waiting: int = 256
     decode_workspace: str = "auto"    # auto (on for CPU) | on | off: see engine/workspace.py
+    # auto (on for CUDA) | on | off: decode steps replay CUDA graphs captured at start-up
+    # (engine/cuda_graphs.py); "on" on CPU runs the same padded static-buffer steps eagerly.
+    cuda_graphs: str = "auto"
+    cuda_graph_max_len: int = 8192    # longest context a graph covers; longer runs eagerly
     enable_prefix_caching: bool = True
     # Evicted block hashes remembered to tell "evicted" misses from new traffic (16-32
     # bytes each; see engine/evicted_hashes.py). 0: 4x the pool, at least 262144.
@@ -160,9 +164,14 @@ class EngineConfig:
             raise ValueError("max_waiting must be positive")
         if sorted(lane.name for lane in self.lanes) != sorted(LANES):
             raise ValueError(f"lanes must be {' and '.join(LANES)}")
-        for name in ("decode_workspace", "overlap_lanes"):
+        for name in ("decode_workspace", "overlap_lanes", "cuda_graphs"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be auto, on or off")
+        if self.decode_workspace == "on" and self.cuda_graphs == "on":
+            raise ValueError("decode_workspace and cuda_graphs cannot both be on: a graph "
+                             "decodes over the paged cache, the workspace beside it")
+        if self.cuda_graph_max_len < 1:
+            raise ValueError("cuda_graph_max_len must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.evicted_hash_memory and self.evicted_hash_memory < 16:

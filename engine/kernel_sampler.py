@@ -197,6 +197,12 @@ def scoped(name: str, fn, *args):
         return fn(*args)
 
 
+def sampling() -> bool:
+    """Whether a sample runs now: a sampled decode step runs eagerly rather than replaying
+    a CUDA graph, so its kernels sit inside the model's scopes and are classed."""
+    return bool(_active)
+
+
 def step_scope(lane: str, phase: str):
     return record_function(STEP_SCOPES[lane, phase]) if _active else _NULL
 

@@ -4,27 +4,33 @@ On CUDA a step is launched on its lane's stream (inputs in one pinned non-blocki
 then the model, sampling and the ids' copy back) and finished by waiting on its own end
 event: the one wait of a step, so two lanes' steps can be in flight together. Its device
 time is the span between two `torch.cuda.Event`s around the device work, recorded after
-the inputs were queued. On CPU the host clock brackets the same work.
+the inputs were queued. A decode step replays its lane's CUDA graph for its bucket
+(engine/cuda_graphs.py), one launch, so that span is nearly the step's kernel time. On CPU
+the host clock brackets the same work.
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from ac_observe.metrics import PHASE_DECODE, PHASE_PREFILL
+from ac_observe.metrics import LOW_LATENCY, PHASE_DECODE, PHASE_PREFILL
 from ac_observe.engine.config import EngineConfig
-from ac_observe.engine.kernel_sampler import SCOPE_SAMPLING, scoped, step_scope
+from ac_observe.engine.cuda_graphs import DecodeGraphs
+from ac_observe.engine.kernel_sampler import SCOPE_SAMPLING, sampling, scoped, step_scope
 from ac_observe.engine.loader import build_model, resolve_dtype
-from ac_observe.engine.model import AttentionMetadata, PrefillSequence, long_tensor
+from ac_observe.engine.model import (AttentionMetadata, PrefillSequence, decode_mask,
+                                    long_tensor)
 from ac_observe.engine.sampler import sample
 from ac_observe.engine.workspace import DecodeWorkspace
 from ac_observe.engine.scheduler import ScheduledBatch
 
 
 CPU_KV_POOL_BYTES = 256 << 20
+log = logging.getLogger("ac_observe.engine.model_runner")
 
 
 def activation_bytes(mc, num_tokens: int, element: int) -> int:
@@ -33,6 +39,14 @@ def activation_bytes(mc, num_tokens: int, element: int) -> int:
     per_token = 4 * mc.hidden_size + 3 * mc.intermediate_size + \
         (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
     return 2 * num_tokens * per_token * element
+
+
+def decode_step_bytes(mc, batch: int, context: int, element: int) -> int:
+    """A bound on a decode step's transient memory at `batch` sequences of `context`
+    positions: the gathered keys and values (and their expansion to every query head,
+    where attention makes one), the additive mask, and the activations."""
+    per_position = 2 * (mc.num_key_value_heads + mc.num_attention_heads) * mc.head_dim + 1
+    return batch * context * per_position * element + activation_bytes(mc, batch, element)
 
 
 FREE_MARGIN_BYTES = 256 << 20
@@ -83,34 +97,56 @@ class ModelRunner:
         self.model = build_model(config.model, self.device, self.dtype, config.seed)
         mc = self.model.config
         self.block_size = config.block_size
+        max_len = config.max_model_len or mc.max_position_embeddings
+        # CPU decode keeps each lane's batch KV contiguous (see engine/workspace.py) by
+        # default; on a GPU decode replays CUDA graphs (engine/cuda_graphs.py) over the
+        # paged cache, whose gather is cheap next to the GPU's memory bandwidth.
+        cuda = self.device.type == "cuda"
+        use_workspace = config.decode_workspace == "on" or (
+            config.decode_workspace == "auto" and not cuda and config.cuda_graphs != "on")
+        use_graphs = config.cuda_graphs == "on" or (
+            config.cuda_graphs == "auto" and cuda and not use_workspace)
+        graph_len = min(max_len, config.cuda_graph_max_len)
         element = torch.empty(0, dtype=self.dtype).element_size()
         slot_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * element
+        graph_bytes = sum(decode_step_bytes(mc, lane.max_num_seqs, graph_len, element)
+                          for lane in config.lanes) if use_graphs else 0
         self.num_blocks = config.num_kv_blocks or max(
-            1, self._kv_pool_bytes(config, element) // (slot_bytes * config.block_size))
-        # One pre-allocated pool for every layer: [layers, K/V, kv heads, blocks, block size, head dim].
+            1, self._kv_pool_bytes(config, element, graph_bytes) //
+            (slot_bytes * config.block_size))
+        # One pre-allocated pool for every layer: [layers, K/V, kv heads, blocks, block size,
+        # head dim]. With graphs one more block than the block manager knows: the trash
+        # block, where a graph's padding rows write.
         self.kv_pool = torch.zeros(mc.num_hidden_layers, 2, mc.num_key_value_heads,
-                                   self.num_blocks, self.block_size, mc.head_dim,
+                                   self.num_blocks + use_graphs, self.block_size, mc.head_dim,
                                    dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_pool)
-        self.model.precompute_rotations(config.max_model_len or mc.max_position_embeddings,
-                                        self.dtype, self.device)
-        if self.device.type == "cuda":
+        self.model.precompute_rotations(max_len, self.dtype, self.device)
+        self.graphs = {lane.name: DecodeGraphs(
+            self.model, lane.max_num_seqs, -(-graph_len // self.block_size), self.block_size,
+            self.num_blocks, max_len, self.device) for lane in config.lanes} if use_graphs else {}
+        if cuda:
             # Weights, pool and tables were made on the default stream; the lanes' streams
-            # do not wait on it by themselves.
+            # (and the graphs' capture stream) do not wait on it by themselves.
             torch.cuda.synchronize(self.device)
-        self.streams = ({lane.name: torch.cuda.Stream(self.device) for lane in config.lanes}
-                        if self.device.type == "cuda" else {})
+        started = time.perf_counter()
+        for graphs in self.graphs.values():
+            graphs.capture()
+        if cuda and self.graphs:
+            log.info("captured %d decode CUDA graphs in %.1f s",
+                     sum(len(g.graphs) for g in self.graphs.values()),
+                     time.perf_counter() - started)
+        # low_latency's stream gets the higher priority: when both lanes' kernels wait, the
+        # GPU's scheduler picks its blocks first.
+        self.streams = ({lane.name: torch.cuda.Stream(
+            self.device, priority=-1 if lane.name == LOW_LATENCY else 0)
+            for lane in config.lanes} if cuda else {})
         self.timed = config.instrumentation  # device step timers (CUDA events)
-        # CPU decode keeps each lane's batch KV contiguous (see engine/workspace.py) by
-        # default; on a GPU the gather is cheap next to its memory bandwidth, and memory
-        # is precious.
-        use_workspace = config.decode_workspace == "on" or (
-            config.decode_workspace == "auto" and self.device.type == "cpu")
         budget = self.kv_pool.numel() * self.kv_pool.element_size() // 2
         self.workspaces = ({lane.name: DecodeWorkspace(budget) for lane in config.lanes}
                            if use_workspace else {})
 
-    def _kv_pool_bytes(self, config: EngineConfig, element: int) -> int:
+    def _kv_pool_bytes(self, config: EngineConfig, element: int, graph_bytes: int) -> int:
         if config.kv_cache_memory_bytes:
             return config.kv_cache_memory_bytes
         if self.device.type != "cuda":
@@ -119,7 +155,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = kv_pool_bytes_from_free(
             total, free, config.gpu_memory_utilization, torch.cuda.memory_reserved(self.device),
-            activation_bytes(self.model.config, config.max_num_batched_tokens, element))
+            activation_bytes(self.model.config, config.max_num_batched_tokens, element)
+            + graph_bytes)  # the graphs' memory pools
         # No more than every lane's batch at full context could ever hold.
         mc = self.model.config
         useful_tokens = sum(lane.max_num_seqs for lane in config.lanes) * (
@@ -186,12 +223,8 @@ class ModelRunner:
         columns = long_tensor(ids + positions + slots + tables, dev)  # one copy
         tables = columns[3 * B:].view(B, M)
         columns = columns[:3 * B].view(3, B)
-        # A query sees every cached position of its own sequence; padding is masked out.
-        key_pos = torch.arange(M * bs, device=dev)
-        masked = key_pos[None, :] > columns[1][:, None]  # [B, L]
-        attn_mask = torch.zeros(masked.shape, dtype=self.dtype, device=dev) \
-            .masked_fill_(masked, float("-inf"))[:, None, None, :]
-        meta = AttentionMetadata(write_slots=columns[2], block_tables=tables, attn_mask=attn_mask)
+        meta = AttentionMetadata(write_slots=columns[2], block_tables=tables,
+                                 attn_mask=decode_mask(columns[1], M * bs, self.dtype))
         return columns[0], columns[1], max(positions) + 1, meta, None
 
     def run(self, batch: ScheduledBatch) -> tuple[list[int | None], float]:
@@ -206,11 +239,20 @@ class ModelRunner:
         stream = self.streams.get(batch.lane)
         try:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                input_ids, positions, num_positions, meta, last_rows = (
-                    self.prepare_prefill(batch.seqs) if batch.is_prefill
-                    else self.prepare_decode(batch.lane, batch.seqs))
+                graphs, key = self.graphs.get(batch.lane), None
+                if graphs is not None and not batch.is_prefill and not sampling():
+                    key = graphs.key_for(len(batch.seqs),
+                                         max(len(seq.block_table) for seq in batch.seqs))
+                if key is not None:
+                    graphs.load(key, batch.seqs)
+                    workspace = None
+                else:
+                    input_ids, positions, num_positions, meta, last_rows = (
+                        self.prepare_prefill(batch.seqs) if batch.is_prefill
+                        else self.prepare_decode(batch.lane, batch.seqs))
+                    workspace = meta.workspace
                 # The timed window holds device work only: inputs are already queued.
-                step = PendingStep(batch, meta.workspace, time.perf_counter_ns())
+                step = PendingStep(batch, workspace, time.perf_counter_ns())
                 if stream is not None and self.timed:
                     step.start_event, step.end_event = (torch.cuda.Event(enable_timing=True),
                                                         torch.cuda.Event(enable_timing=True))
@@ -218,9 +260,12 @@ class ModelRunner:
                 elif stream is not None:  # not timed: an end event to wait on, no timer
                     step.end_event = torch.cuda.Event()
                 with step_scope(batch.lane, PHASE_PREFILL if batch.is_prefill else PHASE_DECODE):
-                    hidden = self.model(input_ids, positions, num_positions, meta)
-                    if last_rows is not None:
-                        hidden = hidden.index_select(0, last_rows)
+                    if key is not None:
+                        hidden = graphs.replay(key, len(batch.seqs))
+                    else:
+                        hidden = self.model(input_ids, positions, num_positions, meta)
+                        if last_rows is not None:
+                            hidden = hidden.index_select(0, last_rows)
                     logits = self.model.compute_logits(hidden).float()
                     step.token_ids, step.failed_rows = scoped(
                         SCOPE_SAMPLING, sample, logits, batch.seqs,

@@ -7,8 +7,9 @@ Prints one line per check and writes every result and figure to a JSON file; exi
 a check fails. Nothing is downloaded: checkpoints are written here, the big model is the
 random `random-1b` preset. Checks:
  1. logits vs transformers on the same weights: float32 (TF32 off) and bfloat16;
- 2. float64 greedy identical to transformers for 16 concurrent requests, decode workspace
-    off (the CUDA default) and on;
+ 2. float64 greedy identical to transformers for 16 concurrent requests whose batch
+    shrinks as they finish, decode by CUDA graphs (the CUDA default: padded buckets), eager
+    and over the workspace; the graphs were captured and replayed;
  3. two lanes overlapping with cross-lane prefix hits generate what one lane alone does
     and what transformers does (float32 greedy); no request ends in ERROR;
  4. a step's path never synchronises the device but for its own end event
@@ -22,7 +23,8 @@ random `random-1b` preset. Checks:
     collector on the engine: launches per lane and sync waits moving with load (needs root
     and bcc; the script says when it cannot run);
  8. the ~1B model: tokens/s at batch 1 and 16, decode step time against the memory-bandwidth
-    floor (weights + KV read per step / HBM bandwidth measured here).
+    floor (weights + KV read per step / HBM bandwidth measured here), and a decode step's
+    wall time without graphs against with them.
 With --dry-run the same code runs on the CPU with the tiny preset; the verdicts that only a
 GPU can give (4-7) are shown as "skipped" with what was measured.
 """
@@ -115,17 +117,34 @@ def _reference(folder: Path, device: str, dtype, prompts, new_tokens) -> list[li
     return out
 
 
+DECODE_PATHS = {  # how a decode step runs: CUDA graphs (the CUDA default), eager, workspace
+    "graphs": dict(cuda_graphs="on", decode_workspace="off"),
+    "eager": dict(cuda_graphs="off", decode_workspace="off"),
+    "workspace": dict(cuda_graphs="off", decode_workspace="on"),
+}
+
+
 def greedy_float64(folder: Path, device: str) -> None:
     prompts = _prompts(random.Random(1), 16, 384)
-    expected = _reference(folder, device, torch.float64, prompts, 24)
-    for workspace in ("off", "on"):
+    budgets = [8 + (i * 5) % 17 for i in range(len(prompts))]  # the batch shrinks: padding
+    expected = [_reference(folder, device, torch.float64, [p], n)[0]
+                for p, n in zip(prompts, budgets)]
+    for path, options in DECODE_PATHS.items():
         with Engine(EngineConfig(model=str(folder), device=device, dtype="float64",
-                                 decode_workspace=workspace)) as engine:
-            outs = engine.generate_batch(prompts, SamplingParams(max_tokens=24))
+                                 **options)) as engine:
+            handles = [engine.add_request(p, params=SamplingParams(max_tokens=n))
+                       for p, n in zip(prompts, budgets)]
+            outs = [h.result() for h in handles]
+            graphs = list(engine.runner.graphs.values())
         same = sum(want == out.new_token_ids for want, out in zip(expected, outs))
-        check(f"float64 greedy = transformers, workspace {workspace}", same == 16,
+        check(f"float64 greedy = transformers, decode {path}", same == 16,
               f"{same}/16 identical")
-        no_errors(outs, f"float64 greedy, workspace {workspace}")
+        no_errors(outs, f"float64 greedy, decode {path}")
+        if path == "graphs":
+            check("decode graphs captured and replayed",
+                  all(g.captured for g in graphs) and sum(g.replays for g in graphs) > 0,
+                  f"{sum(len(g.graphs) for g in graphs)} graphs, "
+                  f"{sum(g.replays for g in graphs)} replays", gpu_only=True)
 
 
 def two_lanes(folder: Path, device: str) -> None:
@@ -366,6 +385,9 @@ def ebpf_on_the_engine(model: str, device: str) -> None:
     lanes = [moved.get(("launches", lane), 0) for lane in ("low_latency", "throughput")]
     check(name, min(lanes) > 0 and sum(v for (kind, _), v in moved.items()
                                        if kind == "waits") > 0, str(moved), gpu_only=True)
+    # Decode replays CUDA graphs (one launch a step): the probes must see them.
+    check("eBPF counts the decode graphs' launches", moved.get(("graph launches", "all"), 0)
+          > 0, str(moved.get(("graph launches", "all"), 0)), gpu_only=True)
     no_errors(outs, "eBPF run")
 
 
@@ -379,6 +401,8 @@ def _ebpf_counts(collector) -> dict:
                 continue
             if sample.name == "ac_cuda_kernel_launches_total":
                 counts[("launches", sample.labels["stream"])] = sample.value
+            elif sample.name == "ac_cuda_graph_launches_total":
+                counts[("graph launches", "all")] = sample.value
             elif sample.name == "ac_cuda_sync_wait_seconds_count":
                 counts[("waits", sample.labels["api"])] = sample.value
     return counts
@@ -406,8 +430,9 @@ def big_model(model: str, device: str, skip_bench: bool) -> None:
                  for _ in range(16)]
         engine.step()  # prefill
         lane = engine.stats.lane("throughput")
-        busy, count = lane.busy_seconds, lane.num_steps
+        busy, count, started = lane.busy_seconds, lane.num_steps, time.perf_counter()
         engine.run_until_idle()
+        graph_wall = (time.perf_counter() - started) / (lane.num_steps - count)
         step_seconds = (lane.busy_seconds - busy) / (lane.num_steps - count)
         kv_bytes = 16 * 288 * 2 * mc.num_hidden_layers * mc.num_key_value_heads * \
             mc.head_dim * runner.kv_pool.element_size()
@@ -418,6 +443,22 @@ def big_model(model: str, device: str, skip_bench: bool) -> None:
         figure("measured bandwidth GB/s", round(bandwidth / 1e9, 1))
         figure("decode step / floor", round(step_seconds / floor, 2))
         no_errors([h.result() for h in steps], "big model")
+    # The same decode without graphs: what replaying one graph a step saves.
+    with Engine(EngineConfig(model=model, device=device, cuda_graphs="off"),
+                start=False) as engine:
+        eager = [engine.add_request([5] * 256, params=SamplingParams(max_tokens=65,
+                                                                        ignore_eos=True))
+                 for _ in range(16)]
+        engine.step()
+        lane = engine.stats.lane("throughput")
+        busy, count, started = lane.busy_seconds, lane.num_steps, time.perf_counter()
+        engine.run_until_idle()
+        eager_wall = (time.perf_counter() - started) / (lane.num_steps - count)
+        eager_step = (lane.busy_seconds - busy) / (lane.num_steps - count)
+        no_errors([h.result() for h in eager], "big model, no graphs")
+    figure("decode step ms without graphs (batch 16)", round(eager_step * 1e3, 3))
+    figure("decode wall ms a step without graphs / with", round(
+        eager_wall / graph_wall, 2))
 
 
 def _bandwidth(device: str) -> float:

@@ -10,6 +10,7 @@ import transformers
 from ac_observe.engine.config import EngineConfig, ModelConfig
 from ac_observe.engine.llm_engine import Engine, SamplingParams
 from ac_observe.engine.model import CausalLM, rope_row_order, rotate_
+from ac_observe.engine.model_runner import ModelRunner
 from support.checkpoints import write_hf_checkpoint
 
 MAX_NEW = 24
@@ -116,8 +117,8 @@ def float64_pair(llama_checkpoint):
     return llama_checkpoint, _hf(llama_checkpoint, torch.float64)
 
 
-def _engine64(folder, **kw):
-    return Engine(EngineConfig(model=str(folder), dtype="float64", **kw))
+def _engine64(folder, start=True, **kw):
+    return Engine(EngineConfig(model=str(folder), dtype="float64", **kw), start=start)
 
 
 def test_greedy_single_request_matches(float64_pair):
@@ -128,23 +129,43 @@ def test_greedy_single_request_matches(float64_pair):
     assert got == _hf_greedy(reference, prompt, MAX_NEW)
 
 
-@pytest.mark.parametrize("decode_workspace", ["auto", "off"])
-def test_greedy_16_concurrent_requests_match(float64_pair, decode_workspace):
-    """On CPU "auto" decodes over the contiguous workspace; "off" gathers the paged
-    blocks every step, the path a GPU takes."""
+@pytest.mark.parametrize("decode", ["workspace", "gather", "graphs"])
+def test_greedy_16_concurrent_requests_match(float64_pair, decode, monkeypatch):
+    """On CPU "workspace" decodes over the contiguous workspace (the CPU default);
+    "gather" gathers the paged blocks every step, and "graphs" runs the CUDA-graph steps
+    (padded static buffers, a trash block for padding rows; here without the capture):
+    the GPU's paths."""
+    from ac_observe.engine.cuda_graphs import DecodeGraphs
     folder, reference = float64_pair
     prompts = _prompts(random.Random(11), 16, 384)
     assert len({len(p) for p in prompts}) > 8
     # Different lengths finish at different steps, so the decode batch shrinks as it runs
-    # (and the CPU decode workspace is rebuilt for each new membership).
+    # (and the CPU decode workspace is rebuilt for each new membership); with graphs every
+    # batch size between 16 and 1 runs padded to its bucket, and contexts beyond the
+    # graphs' 96 tokens run eagerly.
     budgets = [8 + (i * 5) % 17 for i in range(len(prompts))]
-    with _engine64(folder, decode_workspace=decode_workspace) as engine:
-        assert bool(engine.runner.workspaces) == (decode_workspace == "auto")
+    replayed, eager = [], []
+    real_replay, real_prepare = DecodeGraphs.replay, ModelRunner.prepare_decode
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, key, batch_size: (
+        replayed.append((key, batch_size)), real_replay(self, key, batch_size))[1])
+    monkeypatch.setattr(ModelRunner, "prepare_decode", lambda self, lane, seqs: (
+        eager.append(len(seqs)), real_prepare(self, lane, seqs))[1])
+    options = {"workspace": {}, "gather": {"decode_workspace": "off"},
+               "graphs": {"cuda_graphs": "on", "cuda_graph_max_len": 96}}[decode]
+    with _engine64(folder, **options) as engine:
+        assert bool(engine.runner.workspaces) == (decode == "workspace")
+        assert bool(engine.runner.graphs) == (decode == "graphs")
         handles = [engine.add_request(p, params=SamplingParams(max_tokens=n))
                    for p, n in zip(prompts, budgets)]
         outs = [h.result() for h in handles]
     for prompt, out, budget in zip(prompts, outs, budgets):
         assert out.new_token_ids == _hf_greedy(reference, prompt, budget)
+    if decode == "graphs":  # padded buckets ran, and so did eager steps past the graphs
+        assert {size for _, size in replayed} >= {16, 9, 5, 3}  # in buckets 16, 16, 8, 4
+        assert all(size <= bs for (bs, _), size in replayed)
+        assert {M for (_, M), _ in replayed} >= {4, 6} and eager  # 6 blocks: the limit
+    else:
+        assert not replayed and eager
 
 
 def test_greedy_with_prefix_cache_hits_matches(float64_pair):
@@ -198,3 +219,62 @@ def test_greedy_with_overlapping_lanes_matches(float64_pair):
     assert sum(out.trace.kv_hit_blocks for out in outs[1:]) > 0  # hits across lanes
     for prompt, out, budget in zip(prompts, outs, budgets):
         assert out.new_token_ids == _hf_greedy(reference, prompt, budget)
+
+
+def test_graph_padding_rows_write_only_the_trash_block(float64_pair):
+    """A decode step of 3 sequences replays the 4-row graph: the padding row writes its
+    keys and values into the trash block and nowhere else, and the real rows into exactly
+    their new tokens' slots; the sequences still generate what transformers does."""
+    folder, reference = float64_pair
+    prompts = _prompts(random.Random(23), 3, 384)
+    with _engine64(folder, cuda_graphs="on", start=False) as engine:
+        runner = engine.runner
+        trash = runner.num_blocks
+        assert runner.kv_pool.shape[3] == trash + 1  # one block the manager never sees
+        handles = [engine.add_request(p, params=SamplingParams(max_tokens=MAX_NEW))
+                   for p in prompts]
+        engine.step()  # the prefill
+        bs = engine.config.block_size
+        for _ in range(4):  # decode steps, 3 sequences in the 4-row bucket
+            seqs = engine.scheduler.live_sequences()
+            assert len(seqs) == 3
+            runner.kv_pool[:, :, :, trash] = 0  # so the padding row's write shows each time
+            before = runner.kv_pool.clone()
+            engine.step()
+            written = {(s.block_table[p // bs], p % bs) for s in seqs for p in [len(s) - 2]}
+            changed = (before != runner.kv_pool).any(dim=(0, 1, 2, 5)).nonzero().tolist()
+            assert {tuple(c) for c in changed if c[0] != trash} == written
+            assert any(c[0] == trash for c in changed)
+        engine.run_until_idle()
+        outs = [h.result() for h in handles]
+    for prompt, out in zip(prompts, outs):
+        assert out.new_token_ids == _hf_greedy(reference, prompt, MAX_NEW)
+
+
+def test_a_sampled_decode_step_runs_eagerly_and_is_classed(float64_pair, monkeypatch):
+    """Kernel sampling classes a decode step's kernels by the model's scopes; a replayed
+    graph has none, so a sampled step runs eagerly and its attention time is counted,
+    while the steps between samples replay their graphs."""
+    from ac_observe.engine.cuda_graphs import DecodeGraphs
+    from ac_observe.engine.kernel_sampler import KernelSampler
+    folder, _ = float64_pair
+    replayed, found = [], []
+    real_replay, real_end = DecodeGraphs.replay, KernelSampler.end
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, key, batch_size: (
+        replayed.append(key), real_replay(self, key, batch_size))[1])
+    monkeypatch.setattr(KernelSampler, "end", lambda self, completed=None: (
+        found.append(real_end(self, completed)), found[-1])[1])
+    with _engine64(folder, cuda_graphs="on", kernel_sample_steps=2, kernel_sample_budget=1.0,
+                   start=False) as engine:
+        engine.add_request(_prompts(random.Random(3), 1, 384)[0],
+                           params=SamplingParams(max_tokens=8))
+        engine.step()  # prefill
+        steps = []
+        for _ in range(6):
+            before = len(replayed)
+            engine.step()
+            steps.append((len(replayed) > before, found[-1]))
+    sampled = [classes for replay, classes in steps if classes]
+    assert sampled and all(not replay for replay, classes in steps if classes)
+    assert all(replay for replay, classes in steps if not classes)
+    assert all(classes[("throughput", "decode")]["attention"] > 0 for classes in sampled)

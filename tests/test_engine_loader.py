@@ -9,7 +9,10 @@ from torch.utils._pytree import tree_leaves
 
 from ac_observe.engine.config import ModelConfig
 from ac_observe.engine.loader import build_model
-from ac_observe.engine.model_runner import activation_bytes, kv_pool_bytes_from_free
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_block_counts
+from ac_observe.engine.model_runner import (activation_bytes, decode_step_bytes,
+                                           kv_pool_bytes_from_free)
 from support.checkpoints import write_hf_checkpoint
 
 
@@ -69,3 +72,41 @@ def test_kv_pool_from_gpu_memory_utilization():
     tiny = ModelConfig.tiny()
     assert activation_bytes(tiny, 4096, 4) == 2 * 4096 * (
         4 * 256 + 3 * 688 + (8 + 2 * 2) * 32) * 4
+
+
+def test_cuda_graph_buckets():
+    """nano-vllm's batch buckets (1, 2, 4, 8, multiples of 16) up to each lane's limit,
+    context buckets every power of two up to the graphs' limit; beyond either, eager."""
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(4) == [1, 2, 4]
+    assert graph_batch_sizes(10) == [1, 2, 4, 8, 10]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(1) == [1]
+    assert graph_block_counts(512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert graph_block_counts(6) == [1, 2, 4, 6]
+    assert graph_block_counts(1) == [1]
+    graphs = DecodeGraphs(build_model("tiny", torch.device("cpu"), torch.float32, 0),
+                          max_seqs=40, max_blocks=6, block_size=16, trash_block=99,
+                          num_positions=96, device=torch.device("cpu"))
+    assert graphs.key_for(3, 3) == (4, 4)
+    assert graphs.key_for(17, 5) == (32, 6)
+    assert graphs.key_for(40, 1) == (40, 1)
+    assert graphs.key_for(41, 1) is None and graphs.key_for(1, 7) is None
+
+
+def test_cuda_graph_options():
+    with pytest.raises(ValueError, match="cannot both be on"):
+        EngineConfig(decode_workspace="on", cuda_graphs="on")
+    with pytest.raises(ValueError, match="cuda_graphs must be auto, on or off"):
+        EngineConfig(cuda_graphs="yes")
+    with pytest.raises(ValueError, match="cuda_graph_max_len"):
+        EngineConfig(cuda_graph_max_len=0)
+
+
+def test_graph_pools_come_off_the_kv_budget():
+    """A decode step's transient bound: the gathered K/V (G heads) and their expansion to
+    H query heads, the mask, the activations; per position of every sequence."""
+    tiny = ModelConfig.tiny()  # G = 2, H = 8, E = 32
+    per_position = 2 * (2 + 8) * 32 + 1
+    assert decode_step_bytes(tiny, 64, 4096, 2) == 64 * 4096 * per_position * 2 + \
+        activation_bytes(tiny, 64, 2)

@@ -18,12 +18,14 @@ def test_gpu_check_dry_run_passes_and_reports_every_check(tmp_path):
     verdicts = {c["name"]: c["ok"] for c in results["checks"]}
     assert False not in verdicts.values()
     for name in ("float32 logits match transformers",
-                 "float64 greedy = transformers, workspace off",
+                 "float64 greedy = transformers, decode graphs",
+                 "float64 greedy = transformers, decode eager",
                  "two overlapping lanes = transformers (float32 greedy)",
                  "prefix hits across lanes"):
         assert verdicts[name] is True, name
     # The GPU-only verdicts ran their code and are reported, not silently absent.
     for name in ("steps synchronise only on their own end event",
+                 "decode graphs captured and replayed",
                  "event step times within 10 % of kernel time",
                  "lanes overlap: both together take under 90 % of each alone", "NVML",
                  "eBPF launches per lane and sync waits move with load",
