@@ -601,13 +601,17 @@ class Evaluator:
         value, baseline = instance.value, instance.baseline
         delta = value - baseline
         fields = {"value": _number(value), "baseline": _number(baseline),
-                  "delta": _number(delta), "unit": FRIENDLY[rule.metric].unit,
+                  "delta": _number(delta),
+                  "unit": FRIENDLY[rule.metric].statistic_unit(rule.statistic),
                   "delta_percent": _number(100 * delta / abs(baseline)) if baseline else "n/a",
                   "labels": ", ".join(f"{k}={v}" for k, v in sorted(instance.labels.items())),
                   "rule": rule.name, "baseline_source": instance.baseline_source}
         annotations = {k: _render(t, fields) for k, t in rule.annotations.items()}
+        against = (f"{rule.comparison} {_number(rule.threshold)}"
+                   if rule.comparison in ("above", "below")
+                   else f"vs baseline {fields['baseline']}")
         annotations.setdefault("summary", f"{rule.metric} {rule.statistic} {fields['value']} "
-                                          f"{fields['unit']} vs baseline {fields['baseline']}")
+                                          f"{fields['unit']} {against}")
         annotations.update(value=fields["value"], baseline=fields["baseline"],
                            baseline_source=instance.baseline_source)
         if status == RESOLVED and instance.resolved_because:

@@ -660,3 +660,58 @@ def test_same_hour_yesterday_reads_history_once_a_minute(tmp_path):
         assert yesterday[1][0] == yesterday[0][0] + 1  # the span moved a minute on
     finally:
         daemon.close()
+
+
+class _Latency(Collector):
+    """TTFT of engine e1 as a histogram: every cycle adds `per_cycle` slow (0.5 s)
+    observations."""
+    name = "latency"
+
+    def __init__(self, per_cycle: int = 10):
+        self.count, self.per_cycle = 0, per_cycle
+
+    def collect(self):
+        self.count += self.per_cycle
+        family = new_family(m.INFERENCE_LATENCY)
+        buckets = [(repr(b), self.count if b >= 0.5 else 0) for b in m.INFERENCE_LATENCY.buckets]
+        family.add_metric(["e1", "m", "throughput"], buckets + [("+Inf", self.count)],
+                          0.5 * self.count)
+        return [family]
+
+
+def test_an_alerts_unit_is_its_statistics_unit(tmp_path):
+    """A share is a percentage and a histogram's rate observations per second, not the
+    metric's ns: in the default summary and in {{ unit }} alike."""
+    rules = """\
+  - name: FastShareLow
+    metric: inference_latency_ns
+    statistic: 'share_below:200ms'
+    window: 3s
+    comparison: below
+    threshold: 50
+  - name: TtftRateHigh
+    metric: inference_latency_ns
+    statistic: rate
+    window: 3s
+    comparison: above
+    threshold: 5
+    annotations: {summary: "{{ value }} {{ unit }}"}
+  - name: TtftP95High
+    metric: inference_latency_ns
+    statistic: p95
+    window: 3s
+    comparison: above
+    threshold: 100000000
+"""
+    daemon = _daemon(tmp_path, _write(tmp_path, rules), _Latency())
+    t0 = 1_000_000.0
+    for t in range(8):
+        daemon.run_cycle(now=t0 + t)
+    summaries = {json.loads(r["body"])["alerts"][0]["labels"]["alertname"]:
+                 json.loads(r["body"])["alerts"][0]["annotations"]["summary"]
+                 for r in _outbox(daemon)}
+    assert summaries["FastShareLow"] == \
+        "inference_latency_ns share_below:200ms 0 % below 50"
+    assert summaries["TtftRateHigh"] == "10 1/s"
+    assert summaries["TtftP95High"].startswith("inference_latency_ns p95 ")
+    assert summaries["TtftP95High"].endswith(" ns above 1e+08")
