@@ -5,7 +5,10 @@ Two sizes: one engine's worth of series (what the demo produces) and about 10,00
 own TelemetryWriter and filled with observations, so the daemon reads the real format.
 /metrics is scraped by 1 client and by 50 at once (threads of a separate process, each
 with its own connection; the daemon cycling underneath), p50/p99 over every scrape.
-Usage: python bench/daemon_cost.py [--cycles 60] [--scrapes 300] [--json]
+Between two cycles each engine finishes `--load` requests (20: one engine's demo rate is
+a few a second, so this is a busy node), written untimed: a cycle meets series that
+changed, not only still ones.
+Usage: python bench/daemon_cost.py [--cycles 60] [--scrapes 300] [--load 20] [--json]
 """
 from __future__ import annotations
 
@@ -34,7 +37,13 @@ from ac_observe.engine.telemetry import TelemetryWriter
 def write_engine(directory: Path, name: str, rng: random.Random) -> TelemetryWriter:
     writer = TelemetryWriter(directory, {"api_address": "", "started_at": time.time()},
                              engine=name, model="tiny", heartbeat_seconds=0.5)
-    for _ in range(200):
+    traffic(writer, rng, 200)
+    return writer
+
+
+def traffic(writer: TelemetryWriter, rng: random.Random, requests: int) -> None:
+    """What `requests` finished requests leave in an engine's files."""
+    for _ in range(requests):
         lane = rng.choice(LANES)
         for spec in (m.INFERENCE_LATENCY, m.QUEUE_TIME, m.E2E_LATENCY, m.INTER_TOKEN_LATENCY):
             writer.observe(spec, rng.expovariate(20), stream=lane)
@@ -44,7 +53,6 @@ def write_engine(directory: Path, name: str, rng: random.Random) -> TelemetryWri
         writer.inc(m.REQUESTS, stream=lane, status="ok")
         writer.observe(m.SKELETON_COMPLEXITY, float(rng.randint(1, 9)))
         writer.inc(m.SKELETON_REQUESTS, skeleton=f"{rng.randrange(20):012x}")
-    return writer
 
 
 def cpu_seconds() -> float:
@@ -53,7 +61,9 @@ def cpu_seconds() -> float:
 
 
 def measure(num_engines: int, cycles: int, scrapes: int,
-            concurrency: tuple[int, ...] = (1, 50)) -> dict:
+            concurrency: tuple[int, ...] = (1, 50), load: int = 20) -> dict:
+    """`load`: requests each engine finishes between two cycles (written untimed), so a
+    cycle meets series that changed, as under traffic, not only still ones."""
     rng = random.Random(num_engines)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -64,10 +74,14 @@ def measure(num_engines: int, cycles: int, scrapes: int,
         series = sum(len(f.samples) for f in daemon._snapshot)
         for _ in range(3):
             daemon.run_cycle()
-        before = cpu_seconds()
+        spent = 0.0
         for _ in range(cycles):
+            for writer in writers:
+                traffic(writer, rng, load)
+            before = cpu_seconds()
             daemon.run_cycle()
-        per_cycle = (cpu_seconds() - before) / cycles
+            spent += cpu_seconds() - before
+        per_cycle = spent / cycles
         server = make_server(daemon, "127.0.0.1", 0, None)
         stop_server = server.start_in_thread()
         daemon.start()  # scrapes race real cycles, so rendering is not always cached
@@ -127,6 +141,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cycles", type=int, default=60)
     parser.add_argument("--scrapes", type=int, default=300)
+    parser.add_argument("--load", type=int, default=20,
+                        help="Requests each engine finishes between two cycles.")
     parser.add_argument("--json", action="store_true", help="End with one JSON line.")
     parser.add_argument("--scrape-worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -138,7 +154,7 @@ def main() -> None:
           f"{'p50/p99 ms, 1 scraper':>22} {'p50/p99 ms, 50':>15} {'body KiB':>9}")
     results = []
     for engines in (1, 26):
-        r = measure(engines, args.cycles, args.scrapes)
+        r = measure(engines, args.cycles, args.scrapes, load=args.load)
         results.append(r)
         print(f"{r['engines']:>7} {r['series']:>7} {r['cpu_ms_per_cycle']:>13.2f} "
               f"{r['core_percent_at_1s']:>11.2f} "

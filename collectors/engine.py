@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from ac_observe.collectors.base import (Collector, CollectorUnavailable, new_family,
@@ -60,6 +61,7 @@ class _Entry:
     le: float | None
     sample_labels: dict        # the sample's labels, le included for a bucket
     count_labels: dict         # a bucket's `_count` labels (its labels without le)
+    watch_key: tuple           # (sample, labels as the exposition orders them): see _merge
 
 
 class _FileIndex:
@@ -152,6 +154,7 @@ class EngineCollector(Collector):
         self._exported: set[str] = set()     # engines whose series the last collect gave
         self._last_collect: float | None = None
         self._with_past: list[dict[str, str]] = []
+        self._samples: dict[tuple, Sample] = {}  # the last cycle's, by watch key
 
     def with_past(self) -> list[dict[str, str]]:
         return self._with_past
@@ -186,6 +189,7 @@ class EngineCollector(Collector):
         try:
             root_owner = os.fstat(root_fd).st_uid
             families: dict[str, Metric] = {}
+            current: dict[tuple, Sample] = {}  # this cycle's samples, reused next cycle
             seen: dict[str, EngineState] = {}
             served: dict[str, str] = {}  # engine label -> directory serving it
             for name in sorted(os.listdir(root_fd)):
@@ -210,8 +214,8 @@ class EngineCollector(Collector):
                     continue
                 served[engine] = name
                 seen[name] = state
-                _merge(families, samples)
-            self.engines = seen
+                _merge(families, samples, self._samples, current)
+            self.engines, self._samples = seen, current
             self._note_new_engines(served, seen, now)
             self._readers = {n: r for n, r in self._readers.items() if n in seen}
             restarts = new_family(ENGINE_RESTARTS)
@@ -408,7 +412,8 @@ def _check_key(key: str, expected: dict[str, str]) -> _Entry | str:
     sample_labels = dict(ordered)
     if le is not None:
         sample_labels["le"] = floatToGoString(le)
-    return _Entry(family, sample, ordered, le, sample_labels, dict(ordered))
+    return _Entry(family, sample, ordered, le, sample_labels, dict(ordered),
+                  (sample, tuple(sample_labels.items())))
 
 
 # Every bound of each histogram family, +Inf last: a series exposes all of them (the
@@ -416,30 +421,62 @@ def _check_key(key: str, expected: dict[str, str]) -> _Entry | str:
 # for a series without its +Inf bucket).
 _BOUNDS = {spec.family: sorted({float(b) for b in spec.buckets} | {math.inf})
            for spec in ENGINE_METRICS if spec.type == HISTOGRAM}
-_BUCKET_LABELS: dict[tuple, list[dict]] = {}  # (family, labels) -> a label dict per bound
+# (family, labels) -> ([(bound, its bucket's label dict, its watch key)], the _count's key)
+_BUCKET_LABELS: dict[tuple, tuple[list[tuple], tuple]] = {}
 
 
-def _bucket_labels(family: str, labels: tuple, count_labels: dict) -> list[dict]:
+def _bucket_labels(family: str, labels: tuple, count_labels: dict) -> tuple[list, tuple]:
     key = (family, labels)
     cached = _BUCKET_LABELS.get(key)
     if cached is None:
         if len(_BUCKET_LABELS) > 200_000:  # label churn: start over rather than grow
             _BUCKET_LABELS.clear()
-        cached = _BUCKET_LABELS[key] = [{**count_labels, "le": floatToGoString(bound)}
-                                        for bound in _BOUNDS[family]]
+        bounds = []
+        for bound in _BOUNDS[family]:
+            sample_labels = {**count_labels, "le": floatToGoString(bound)}
+            bounds.append((bound, sample_labels,
+                           (f"{family}_bucket", tuple(sample_labels.items()))))
+        cached = _BUCKET_LABELS[key] = (bounds, (f"{family}_count",
+                                                 tuple(count_labels.items())))
     return cached
 
 
-def _merge(families: dict[str, Metric], samples: list) -> None:
-    """Add one engine's checked samples to the exposition's families."""
+class WatchedMetric(Metric):
+    """A family that also carries its samples keyed as the daemon's windows key them,
+    `watch`: {(sample name, ((label, value), ...)): value}, built from keys made once per
+    series, so the daemon takes a cycle's values with one dict update instead of a tuple
+    per sample (see Daemon._watched_samples). Every sample is added through `add`, which
+    reuses the last cycle's `Sample` of a series whose value has not changed (`previous`,
+    `current`: the collector's {watch key: Sample} of the last cycle and of this one)."""
+
+    def __init__(self, name: str, documentation: str, typ: str, previous: dict,
+                 current: dict):
+        super().__init__(name, documentation, typ)
+        self.watch: dict[tuple, float] = {}
+        self._previous, self._current = previous, current
+
+    def add(self, sample: str, labels: dict, value: float, watch_key: tuple) -> None:
+        made = self._previous.get(watch_key)
+        if made is None or made.value != value:  # NaN != NaN: a new one, rightly
+            made = Sample(sample, labels, value)
+        self.samples.append(made)
+        self._current[watch_key] = made
+        self.watch[watch_key] = value
+
+
+def _merge(families: dict[str, WatchedMetric], samples: list, previous: dict,
+           current: dict) -> None:
+    """Add one engine's checked samples to the exposition's families (`previous` and
+    `current`: see WatchedMetric)."""
     buckets: dict[tuple, dict] = {}
     for entry, value in samples:
         metric = families.get(entry.family)
         if metric is None:
             spec = _SPECS[entry.family]
-            metric = families[entry.family] = Metric(spec.family, spec.help, spec.type)
+            metric = families[entry.family] = WatchedMetric(spec.family, spec.help, spec.type,
+                                                            previous, current)
         if entry.le is None:
-            metric.add_sample(entry.sample, entry.sample_labels, value)
+            metric.add(entry.sample, entry.sample_labels, value, entry.watch_key)
         else:
             per_bound = buckets.get((entry.family, entry.labels))
             if per_bound is None:
@@ -448,9 +485,9 @@ def _merge(families: dict[str, Metric], samples: list) -> None:
     for (family, labels), per_bound in buckets.items():
         metric = families[family]
         entry = per_bound[None]
+        bounds, count_key = _bucket_labels(family, labels, entry.count_labels)
         total = 0.0
-        for bound, sample_labels in zip(_BOUNDS[family],
-                                        _bucket_labels(family, labels, entry.count_labels)):
+        for bound, sample_labels, watch_key in bounds:
             total += per_bound.get(bound, 0.0)  # stored per bucket; exposed cumulative
-            metric.add_sample(f"{family}_bucket", sample_labels, total)
-        metric.add_sample(f"{family}_count", entry.count_labels, total)
+            metric.add(f"{family}_bucket", sample_labels, total, watch_key)
+        metric.add(f"{family}_count", entry.count_labels, total, count_key)

@@ -95,6 +95,9 @@ class MinuteAggregator:
             row = rows.get(key)
             if kind == COUNTER:
                 before = previous.get(key)
+                if before is not None and before[0] == value and row is not None:
+                    row[0] += 1  # unchanged this minute (most buckets): nothing else moves
+                    continue
                 previous[key] = (value, minute)
                 if before is None:
                     if self._cycles == 0 or key in preexisting:

@@ -235,6 +235,10 @@ class Daemon:
         samples = {}
         for family in families:
             if family.name in self._watched:
+                watch = getattr(family, "watch", None)
+                if watch is not None:  # keyed by its collector (the engine collector's)
+                    samples.update(watch)
+                    continue
                 for sample in family.samples:
                     # Collectors emit each series' labels in one stable order.
                     samples[(sample.name, tuple(sample.labels.items()))] = sample.value

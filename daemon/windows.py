@@ -28,7 +28,7 @@ class Windows:
         self.series: dict[SeriesKey, array] = {}
         self.by_sample: dict[str, set[SeriesKey]] = {}
         self.first_seen: dict[SeriesKey, float] = {}
-        self._last_seen: dict[SeriesKey, int] = {}
+        self._absent_since: dict[SeriesKey, int] = {}  # series missing since that cycle
 
     def append(self, timestamp: float, samples: dict[SeriesKey, float],
                preexisting=()) -> None:
@@ -37,9 +37,14 @@ class Windows:
         point), so its first value is a base, not an increase."""
         index = self.cycle % self.capacity
         self.times[index] = timestamp
-        series, last_seen, cycle = self.series, self._last_seen, self.cycle
-        for key in series.keys() - samples.keys():  # absent this cycle (set difference, in C)
+        series, absent_since, cycle = self.series, self._absent_since, self.cycle
+        # Presence changes are set operations (in C); a series present now costs one store.
+        for key in series.keys() - samples.keys():  # absent this cycle
             series[key][index] = NAN
+            absent_since.setdefault(key, cycle)
+        if absent_since:
+            for key in absent_since.keys() & samples.keys():  # back
+                del absent_since[key]
         for key, value in samples.items():
             ring = series.get(key)
             if ring is None:
@@ -47,12 +52,11 @@ class Windows:
                 self.by_sample.setdefault(key[0], set()).add(key)
                 self.first_seen[key] = -math.inf if key in preexisting else timestamp
             ring[index] = value
-            last_seen[key] = cycle
         self.cycle += 1
         if self.cycle % self.capacity == 0:  # drop series absent for a whole window
             horizon = self.cycle - self.capacity
-            for key in [k for k, seen in self._last_seen.items() if seen < horizon]:
-                del self.series[key], self._last_seen[key], self.first_seen[key]
+            for key in [k for k, since in absent_since.items() if since <= horizon]:
+                del self.series[key], absent_since[key], self.first_seen[key]
                 self.by_sample[key[0]].discard(key)
 
     @property

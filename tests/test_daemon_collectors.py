@@ -175,3 +175,39 @@ def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tm
     assert look(102.0, a=50.0, b=100.5) == []             # nothing new
     assert look(103.0, b=100.5) == []                     # a away (a bad directory) ...
     assert look(104.0, a=50.0, b=100.5, c=None) == ["a", "c"]  # ... back; c: no start time
+
+
+def test_the_engine_collectors_watch_keys_are_the_samples_own(tmp_path):
+    """The engine collector hands the daemon its samples already keyed (one dict update a
+    family): those keys and values are exactly each exposed sample's name, labels in
+    their order, and value, for counters, gauges and every cumulative histogram bucket,
+    two engines merged into one family."""
+    import random
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from daemon_cost import traffic, write_engine
+    writers = [write_engine(tmp_path / f"engine-{i}", f"engine-{i}", random.Random(i))
+               for i in range(2)]
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
+    try:
+        seen = []
+        for cycle in range(2):  # the second reuses the first's samples where nothing moved
+            if cycle:
+                traffic(writers[1], random.Random(9), 5)
+            daemon.run_cycle()
+            families = daemon._snapshot
+            keyed = daemon._watched_samples(families)
+            plain = {(s.name, tuple(s.labels.items())): s.value for f in families
+                     if f.name in daemon._watched for s in f.samples}
+            assert keyed == plain
+            seen.append(keyed)
+        assert any(getattr(f, "watch", None) for f in families)  # the fast path ran
+        buckets = [k for k in keyed if k[0].endswith("_bucket")]
+        assert len({dict(k[1])["engine"] for k in buckets}) == 2
+        assert len(keyed) > 1000
+        moved = {dict(k[1])["engine"] for k in buckets if seen[0].get(k) != keyed[k]}
+        assert moved == {"engine-1"}  # its new requests' buckets; engine-0's reused
+    finally:
+        daemon.close()
+        for writer in writers:
+            writer.close()

@@ -242,3 +242,24 @@ def test_latency_quantiles_from_the_buckets_are_within_10_percent():
         for q, key in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
             exact = ordered[int(q * (len(ordered) - 1))] * 1e9
             assert abs(series[key] - exact) / exact < 0.10, (name, key, series[key], exact)
+
+
+def test_a_series_absent_a_whole_window_is_dropped_and_one_back_in_time_is_kept():
+    """A series missing for every cycle of the window leaves the windows (its memory with
+    it); one missing for less, then back, keeps its ring, NaN where it was absent."""
+    windows = Windows(capacity=4)
+    name = "ac_kv_cache_usage_ratio"
+    a, b, c = ((name, (("engine", e),)) for e in "abc")
+    for t in range(8):  # a: cycles 0-3, then gone for 4-7, exactly a window
+        windows.append(float(t), {b: float(t), **({a: 1.0} if t < 4 else {}),
+                                  **({c: 1.0} if t in (0, 4) else {})})
+    # The cleanup after cycle 7: a missed the whole window (4-7); c was there at 4.
+    assert a not in windows.series and a not in windows.first_seen
+    assert a not in windows.by_sample[name]
+    assert c in windows.series and b in windows.series
+    assert windows.view({name}, 0.0).points(c) == [(4.0, 1.0)]
+    for t in range(8, 12):
+        windows.append(float(t), {b: float(t)})
+    assert c not in windows.series  # gone since cycle 5: dropped after cycle 11
+    assert windows.view({name}, 8.0).points(b) == [(8.0, 8.0), (9.0, 9.0), (10.0, 10.0),
+                                                   (11.0, 11.0)]
