@@ -12,7 +12,8 @@ shape. A step fills that buffer with one copy from pinned host memory on the lan
 hidden-state buffer. Padding rows (a batch of 5 runs in the 8 bucket) read token 0 at
 position 0 and write their keys and values into a trash block the block manager never
 hands out, so they can never touch a sequence's cache; padding columns of a block table
-point at the trash block and are masked out by position.
+point at the trash block and are masked out by position. Both lanes' padding rows may write
+the trash block at once: only padding rows ever read it, and their outputs are dropped.
 
 A step sampled by the kernel sampler (engine/kernel_sampler.py) runs eagerly: a replayed
 graph's kernels have no op around them to say which part of the model they belong to.
