@@ -21,7 +21,10 @@ graph's kernels have no op around them to say which part of the model they belon
 Buckets: batch sizes 1, 2, 4, 8 and every multiple of 16 up to the lane's batch limit
 (nano-vllm's), context blocks every power of two up to the graphs' context limit
 (`cuda_graph_max_len`, vLLM's max_seq_len_to_capture): a step whose batch or longest
-context lies beyond the buckets runs eagerly. A lane's graphs share one memory pool,
+context lies beyond the buckets runs eagerly. The price of a bucket: decode attention
+gathers and reads the bucket's context, up to twice the batch's longest (masked beyond
+each sequence), where an eager step reads the longest. At 8192 tokens the default lanes
+110 graphs. A lane's graphs share one memory pool,
 captured largest first so the smaller ones reuse its blocks; lanes have their own pools
 and buffers, because their steps may be in flight together.
 
@@ -30,6 +33,8 @@ instead of replaying: every part but the capture itself, which is what the CPU t
 check; the GPU check compares captured and eager steps token for token.
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 
@@ -92,26 +97,32 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (smaller graphs reuse the pool's blocks).
-        On CPU there is nothing to capture: `replay` runs `_forward` eagerly."""
-        if self.device.type != "cuda":
-            return
-        self._fill(self.batch_sizes[-1], self.block_counts[-1], [])  # all padding: harmless
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        """Capture every bucket, largest first (smaller graphs reuse the pool's blocks),
+        each after a warm-up run over an all-padding fill at its own layout (lazy library
+        state is set up outside the capture, and nothing but the trash block is written).
+        On CPU only the warm-ups run, one per bucket (every layout checked); `replay` then
+        runs `_forward` eagerly."""
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream(self.device))
         for M in reversed(self.block_counts):
             for bs in reversed(self.batch_sizes):
-                with torch.cuda.stream(side):
-                    self._forward((bs, M))  # warm-up: lazy library state outside capture
+                with torch.cuda.stream(side) if cuda else nullcontext():
+                    self._fill(bs, M, [])
+                    self._forward((bs, M))
+                if not cuda:
+                    continue
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=side,
                                       capture_error_mode="thread_local"):
                     self._forward((bs, M))
                 self.pool = self.pool or graph.pool()
                 self.graphs[bs, M] = graph
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # the warm-ups' blocks: the graphs hold their own pool
-        self.captured = True
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the warm-ups' blocks: the graphs hold their own pool
+            self.captured = True
 
     def load(self, key: tuple[int, int], seqs) -> None:
         """Fill the static buffer for this step: one copy, on the current (lane's) stream."""

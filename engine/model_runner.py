@@ -43,10 +43,13 @@ def activation_bytes(mc, num_tokens: int, element: int) -> int:
 
 def decode_step_bytes(mc, batch: int, context: int, element: int) -> int:
     """A bound on a decode step's transient memory at `batch` sequences of `context`
-    positions: the gathered keys and values (and their expansion to every query head,
-    where attention makes one), the additive mask, and the activations."""
-    per_position = 2 * (mc.num_key_value_heads + mc.num_attention_heads) * mc.head_dim + 1
-    return batch * context * per_position * element + activation_bytes(mc, batch, element)
+    positions: the gathered keys and values, the additive mask, and where attention falls
+    back to SDPA's math kernel (a mask with grouped-query heads) its float32 copies of the
+    keys and values expanded to every query head and its float32 scores; and the
+    activations."""
+    H, G, E = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    per_position = (2 * G * E + 1) * element + (2 * H * E + H) * 4
+    return batch * context * per_position + activation_bytes(mc, batch, element)
 
 
 FREE_MARGIN_BYTES = 256 << 20

@@ -104,9 +104,10 @@ def test_cuda_graph_options():
 
 
 def test_graph_pools_come_off_the_kv_budget():
-    """A decode step's transient bound: the gathered K/V (G heads) and their expansion to
-    H query heads, the mask, the activations; per position of every sequence."""
+    """A decode step's transient bound: the gathered K/V (G heads) and the mask in the
+    model's dtype; the math kernel's float32 K/V expanded to H query heads and its float32
+    scores; the activations; per position of every sequence."""
     tiny = ModelConfig.tiny()  # G = 2, H = 8, E = 32
-    per_position = 2 * (2 + 8) * 32 + 1
-    assert decode_step_bytes(tiny, 64, 4096, 2) == 64 * 4096 * per_position * 2 + \
+    per_position = (2 * 2 * 32 + 1) * 2 + (2 * 8 * 32 + 8) * 4
+    assert decode_step_bytes(tiny, 64, 4096, 2) == 64 * 4096 * per_position + \
         activation_bytes(tiny, 64, 2)
