@@ -24,13 +24,14 @@ Buckets: batch sizes 1, 2, 4, 8 and every multiple of 16 up to the lane's batch 
 context lies beyond the buckets runs eagerly. The price of a bucket: decode attention
 gathers and reads the bucket's context, up to twice the batch's longest (masked beyond
 each sequence), where an eager step reads the longest. At 8192 tokens the default lanes
-110 graphs. A lane's graphs share one memory pool,
-captured largest first so the smaller ones reuse its blocks; lanes have their own pools
-and buffers, because their steps may be in flight together.
+(4 and 64 sequences) capture 110 graphs. A lane's graphs share one memory pool, captured
+largest first so the smaller ones reuse its blocks; lanes have their own pools and
+buffers, because their steps may be in flight together.
 
 Off the GPU (`cuda_graphs="on"` on CPU) the same padded static-buffer steps run eagerly
-instead of replaying: every part but the capture itself, which is what the CPU tests
-check; the GPU check compares captured and eager steps token for token.
+instead of replaying, after one warm-up run per bucket at start-up: every part but the
+capture itself, which is what the CPU tests check; the GPU check compares captured and
+eager steps token for token.
 """
 from __future__ import annotations
 
