@@ -55,8 +55,7 @@ class AttentionMetadata:
     write_slots: torch.Tensor                  # [T] cache slot of each new token
     prefill: list[PrefillSequence] | None = None
     block_tables: torch.Tensor | None = None   # decode: [B, M] blocks (padded), L = M * bs
-    attn_mask: torch.Tensor | None = None      # decode: additive [B, 1, 1, L]; [1, B, 1, L]
-                                               # over the workspace
+    attn_mask: torch.Tensor | None = None      # decode: additive [1, B, 1, L]
     workspace: object = None                   # decode only: engine.workspace.DecodeWorkspace
     workspace_index: torch.Tensor | None = None  # [B] flat workspace slot of each new token
 
@@ -183,13 +182,13 @@ def long_tensor(values, device) -> torch.Tensor:
 
 
 def decode_mask(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive decode mask [B, 1, 1, L]: a query (at positions[b]) sees every cached
+    """Additive decode mask [1, B, 1, L]: a query (at positions[b]) sees every cached
     position of its own sequence up to its own; padding beyond is -inf. Built on the
     device from the positions (no host round trip: CUDA graphs capture it)."""
     key_pos = torch.arange(num_keys, device=positions.device)
     masked = key_pos[None, :] > positions[:, None]  # [B, L]
     return torch.zeros(masked.shape, dtype=dtype, device=positions.device) \
-        .masked_fill_(masked, float("-inf"))[:, None, None, :]
+        .masked_fill_(masked, float("-inf"))[None, :, None, :]
 
 
 def padded_block_tables(seqs, device) -> torch.Tensor:
@@ -256,11 +255,14 @@ class Attention(nn.Module):
                 scale=self.scale)
             return out.transpose(0, 1).reshape(T, H * E)
         context = gather_blocks(cache, meta.block_tables)  # [2, G, B, L, E]
-        q = qkv[:, :H * E].view(T, 1, H, E).transpose(1, 2)  # [B, H, 1, E]
+        # As over the workspace: a group's H/G query heads are its key/value head's query
+        # rows, so no kernel expands K/V to every head (with enable_gqa and a mask, SDPA on
+        # CUDA may be left with its math kernel, which copies K/V per query head in float32)
+        # and the memory-efficient kernel, which takes the mask, stays eligible.
+        q = qkv[:, :H * E].view(T, G, H // G, E).transpose(0, 1)  # [G, B, H/G, E]
         out = F.scaled_dot_product_attention(
-            q, context[0].transpose(0, 1), context[1].transpose(0, 1),
-            attn_mask=meta.attn_mask, enable_gqa=H != G, scale=self.scale)
-        return out.transpose(1, 2).reshape(T, H * E)
+            q, context[0], context[1], attn_mask=meta.attn_mask, scale=self.scale)
+        return out.transpose(0, 1).reshape(T, H * E)
 
     def _prefill(self, qkv: torch.Tensor, new_kv: torch.Tensor,
                  seqs: list[PrefillSequence]) -> torch.Tensor:

@@ -43,12 +43,11 @@ def activation_bytes(mc, num_tokens: int, element: int) -> int:
 
 def decode_step_bytes(mc, batch: int, context: int, element: int) -> int:
     """A bound on a decode step's transient memory at `batch` sequences of `context`
-    positions: the gathered keys and values, the additive mask, and where attention falls
-    back to SDPA's math kernel (a mask with grouped-query heads) its float32 copies of the
-    keys and values expanded to every query head and its float32 scores; and the
-    activations."""
+    positions: the gathered keys and values, the additive mask, and where attention runs
+    SDPA's math kernel its float32 copies of the keys and values and float32 scores; and
+    the activations."""
     H, G, E = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
-    per_position = (2 * G * E + 1) * element + (2 * H * E + H) * 4
+    per_position = (2 * G * E + 1) * element + (2 * G * E + H) * 4
     return batch * context * per_position + activation_bytes(mc, batch, element)
 
 
@@ -69,6 +68,25 @@ def kv_pool_bytes_from_free(total: int, free: int, utilization: float, ours: int
             f"{free >> 20} MiB are free and a step needs ~{activations >> 20} MiB; raise "
             "--gpu-memory-utilization, free the GPU, or set --kv-memory-mb")
     return budget
+
+
+def gpu_kv_pool_bytes(config: EngineConfig, mc, element: int, use_graphs: bool, total: int,
+                      free: int, reserved: int) -> int:
+    """The KV pool of an engine on a GPU with `total` bytes, `free` of them free, holding
+    `reserved` (its weights): its share less a prefill step's activations and, with CUDA
+    graphs, each lane's graph pool (a decode step at the lane's batch and the graphs'
+    longest context); never more than every lane's batch at full context could hold."""
+    max_len = config.max_model_len or mc.max_position_embeddings
+    transient = activation_bytes(mc, config.max_num_batched_tokens, element)
+    if use_graphs:
+        graph_len = min(max_len, config.cuda_graph_max_len)
+        transient += sum(decode_step_bytes(mc, lane.max_num_seqs, graph_len, element)
+                         for lane in config.lanes)
+    budget = kv_pool_bytes_from_free(total, free, config.gpu_memory_utilization, reserved,
+                                     transient)
+    useful_tokens = sum(lane.max_num_seqs for lane in config.lanes) * max_len
+    slot = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * element
+    return min(budget, useful_tokens * slot)
 
 
 @dataclass(slots=True)
@@ -112,10 +130,8 @@ class ModelRunner:
         graph_len = min(max_len, config.cuda_graph_max_len)
         element = torch.empty(0, dtype=self.dtype).element_size()
         slot_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * element
-        graph_bytes = sum(decode_step_bytes(mc, lane.max_num_seqs, graph_len, element)
-                          for lane in config.lanes) if use_graphs else 0
         self.num_blocks = config.num_kv_blocks or max(
-            1, self._kv_pool_bytes(config, element, graph_bytes) //
+            1, self._kv_pool_bytes(config, element, use_graphs) //
             (slot_bytes * config.block_size))
         # One pre-allocated pool for every layer: [layers, K/V, kv heads, blocks, block size,
         # head dim]. With graphs one more block than the block manager knows: the trash
@@ -149,23 +165,15 @@ class ModelRunner:
         self.workspaces = ({lane.name: DecodeWorkspace(budget) for lane in config.lanes}
                            if use_workspace else {})
 
-    def _kv_pool_bytes(self, config: EngineConfig, element: int, graph_bytes: int) -> int:
+    def _kv_pool_bytes(self, config: EngineConfig, element: int, use_graphs: bool) -> int:
         if config.kv_cache_memory_bytes:
             return config.kv_cache_memory_bytes
         if self.device.type != "cuda":
             return CPU_KV_POOL_BYTES
         torch.cuda.empty_cache()  # what loading left cached is not in use
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = kv_pool_bytes_from_free(
-            total, free, config.gpu_memory_utilization, torch.cuda.memory_reserved(self.device),
-            activation_bytes(self.model.config, config.max_num_batched_tokens, element)
-            + graph_bytes)  # the graphs' memory pools
-        # No more than every lane's batch at full context could ever hold.
-        mc = self.model.config
-        useful_tokens = sum(lane.max_num_seqs for lane in config.lanes) * (
-            config.max_model_len or mc.max_position_embeddings)
-        slot = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * element
-        return min(budget, useful_tokens * slot)
+        return gpu_kv_pool_bytes(config, self.model.config, element, use_graphs, total, free,
+                                 torch.cuda.memory_reserved(self.device))
 
     def prepare_prefill(self, seqs) -> tuple:
         """Inputs of a prefill step: every sequence's new tokens packed one after another.

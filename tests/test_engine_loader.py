@@ -12,7 +12,7 @@ from ac_observe.engine.loader import build_model
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_block_counts
 from ac_observe.engine.model_runner import (activation_bytes, decode_step_bytes,
-                                           kv_pool_bytes_from_free)
+                                           gpu_kv_pool_bytes, kv_pool_bytes_from_free)
 from support.checkpoints import write_hf_checkpoint
 
 
@@ -105,9 +105,22 @@ def test_cuda_graph_options():
 
 def test_graph_pools_come_off_the_kv_budget():
     """A decode step's transient bound: the gathered K/V (G heads) and the mask in the
-    model's dtype; the math kernel's float32 K/V expanded to H query heads and its float32
-    scores; the activations; per position of every sequence."""
+    model's dtype; the math kernel's float32 K/V and its float32 scores (H per position);
+    the activations; per position of every sequence."""
     tiny = ModelConfig.tiny()  # G = 2, H = 8, E = 32
-    per_position = (2 * 2 * 32 + 1) * 2 + (2 * 8 * 32 + 8) * 4
+    per_position = (2 * 2 * 32 + 1) * 2 + (2 * 2 * 32 + 8) * 4
     assert decode_step_bytes(tiny, 64, 4096, 2) == 64 * 4096 * per_position + \
         activation_bytes(tiny, 64, 2)
+    # On a 16 GiB GPU holding 2 GiB of weights, the 1B shape in bf16, lanes of 4 and 256
+    # (so the pool is not capped by what the lanes could use): graphs take exactly their
+    # lanes' bounds off the pool, at the graphs' longest context.
+    from ac_observe.engine.config import LaneConfig
+    gib = 1 << 30
+    config = EngineConfig(cuda_graph_max_len=2048, lanes=(
+        LaneConfig("low_latency", 4), LaneConfig("throughput", 256)))
+    big = ModelConfig.random_1b()
+    without = gpu_kv_pool_bytes(config, big, 2, False, 16 * gib, 14 * gib, 2 * gib)
+    with_graphs = gpu_kv_pool_bytes(config, big, 2, True, 16 * gib, 14 * gib, 2 * gib)
+    assert without == int(16 * gib * 0.9) - 2 * gib - activation_bytes(big, 4096, 2)
+    assert without - with_graphs == decode_step_bytes(big, 4, 2048, 2) + \
+        decode_step_bytes(big, 256, 2048, 2)
