@@ -258,7 +258,7 @@ class Attention(nn.Module):
         # As over the workspace: a group's H/G query heads are its key/value head's query
         # rows, so no kernel expands K/V to every head (with enable_gqa and a mask, SDPA on
         # CUDA may be left with its math kernel, which copies K/V per query head in float32)
-        # and the memory-efficient kernel, which takes the mask, stays eligible.
+        # and the fused kernels that take a mask (memory-efficient, cuDNN) stay eligible.
         q = qkv[:, :H * E].view(T, G, H // G, E).transpose(0, 1)  # [G, B, H/G, E]
         out = F.scaled_dot_product_attention(
             q, context[0], context[1], attn_mask=meta.attn_mask, scale=self.scale)

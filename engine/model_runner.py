@@ -44,10 +44,10 @@ def activation_bytes(mc, num_tokens: int, element: int) -> int:
 def decode_step_bytes(mc, batch: int, context: int, element: int) -> int:
     """A bound on a decode step's transient memory at `batch` sequences of `context`
     positions: the gathered keys and values, the additive mask, and where attention runs
-    SDPA's math kernel its float32 copies of the keys and values and float32 scores; and
-    the activations."""
+    SDPA's math kernel its float32 copies (the keys, their scaled copy, the values) and its
+    float32 scores and softmax; and the activations."""
     H, G, E = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
-    per_position = (2 * G * E + 1) * element + (2 * G * E + H) * 4
+    per_position = (2 * G * E + 1) * element + (3 * G * E + 2 * H) * 4
     return batch * context * per_position + activation_bytes(mc, batch, element)
 
 

@@ -105,10 +105,10 @@ def test_cuda_graph_options():
 
 def test_graph_pools_come_off_the_kv_budget():
     """A decode step's transient bound: the gathered K/V (G heads) and the mask in the
-    model's dtype; the math kernel's float32 K/V and its float32 scores (H per position);
-    the activations; per position of every sequence."""
+    model's dtype; the math kernel's float32 K, scaled K and V, and its float32 scores and
+    softmax (H each per position); the activations; per position of every sequence."""
     tiny = ModelConfig.tiny()  # G = 2, H = 8, E = 32
-    per_position = (2 * 2 * 32 + 1) * 2 + (2 * 2 * 32 + 8) * 4
+    per_position = (2 * 2 * 32 + 1) * 2 + (3 * 2 * 32 + 2 * 8) * 4
     assert decode_step_bytes(tiny, 64, 4096, 2) == 64 * 4096 * per_position + \
         activation_bytes(tiny, 64, 2)
     # On a 16 GiB GPU holding 2 GiB of weights, the 1B shape in bf16, lanes of 4 and 256

@@ -62,10 +62,12 @@ def test_the_tiny_models_steps_are_classed_from_the_profilers_own_figures(tmp_pa
             lane, phase = key
             checked.append(phase)
             total = sum(classes_us.values())
-            # Judged on the median step: one op stalled by the VM's host (a 4 ms
-            # index_select in a 33 ms step, seen once in CI) must not decide it; an op the
-            # classes miss would show in every step.
+            # >= 95 % named is judged on the median step: one op stalled by the VM's host
+            # (a 4 ms index_select in a 33 ms step, 13.5 %, seen once in CI) must not decide
+            # it. Every step, the prefill alone included, stays under 20 % (a phase-only op
+            # the classes miss).
             other_shares.append((classes_us.get("other", 0.0) / total, classes_us))
+            assert other_shares[-1][0] <= 0.20, classes_us
             assert {"gemm", "attention", "norm", "rope", "activation", "sampling"} <= \
                 set(classes_us)
             assert classes_us["norm"] == pytest.approx(_inclusive_us(prof, "aten::rms_norm"),
