@@ -77,8 +77,12 @@ class DecodeGraphs:
                                   dtype=model.lm_head.weight.dtype, device=device)
         self.graphs: dict[tuple[int, int], object] = {}
         self.pool = None
-        self.captured = False
         self.replays = 0  # decode steps run through a bucket (the GPU check reads it)
+
+    @property
+    def captured(self) -> bool:
+        """Whether the buckets are CUDA graphs (on CPU they run eagerly)."""
+        return bool(self.graphs)
 
     def key_for(self, batch_size: int, blocks: int) -> tuple[int, int] | None:
         """The bucket a step of `batch_size` sequences, the longest holding `blocks`
@@ -110,7 +114,7 @@ class DecodeGraphs:
         for M in reversed(self.block_counts):
             for bs in reversed(self.batch_sizes):
                 with torch.cuda.stream(side) if cuda else nullcontext():
-                    self._fill(bs, M, [])
+                    self.load((bs, M), [])
                     self._forward((bs, M))
                 if not cuda:
                     continue
@@ -123,13 +127,11 @@ class DecodeGraphs:
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the warm-ups' blocks: the graphs hold their own pool
-            self.captured = True
 
     def load(self, key: tuple[int, int], seqs) -> None:
-        """Fill the static buffer for this step: one copy, on the current (lane's) stream."""
-        self._fill(*key, seqs)
-
-    def _fill(self, bs: int, M: int, seqs) -> None:
+        """Fill the static buffer for this step (no `seqs`: all padding): one copy, on the
+        current (lane's) stream."""
+        bs, M = key
         block_size, trash = self.block_size, self.trash_block
         pad = bs - len(seqs)
         positions = [len(seq) - 1 for seq in seqs]

@@ -117,6 +117,17 @@ def float64_pair(llama_checkpoint):
     return llama_checkpoint, _hf(llama_checkpoint, torch.float64)
 
 
+def _spy(monkeypatch, owner, name: str, note) -> None:
+    """Wrap owner.name so that note(positional args, result) sees every call."""
+    real = getattr(owner, name)
+
+    def spied(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        note(args, result)
+        return result
+    monkeypatch.setattr(owner, name, spied)
+
+
 def _engine64(folder, start=True, **kw):
     return Engine(EngineConfig(model=str(folder), dtype="float64", **kw), start=start)
 
@@ -145,11 +156,9 @@ def test_greedy_16_concurrent_requests_match(float64_pair, decode, monkeypatch):
     # graphs' 96 tokens run eagerly.
     budgets = [8 + (i * 5) % 17 for i in range(len(prompts))]
     replayed, eager = [], []
-    real_replay, real_prepare = DecodeGraphs.replay, ModelRunner.prepare_decode
-    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, key, batch_size: (
-        replayed.append((key, batch_size)), real_replay(self, key, batch_size))[1])
-    monkeypatch.setattr(ModelRunner, "prepare_decode", lambda self, lane, seqs: (
-        eager.append(len(seqs)), real_prepare(self, lane, seqs))[1])
+    _spy(monkeypatch, DecodeGraphs, "replay", lambda args, _: replayed.append(args))
+    _spy(monkeypatch, ModelRunner, "prepare_decode",
+         lambda args, _: eager.append(len(args[1])))
     options = {"workspace": {}, "gather": {"decode_workspace": "off"},
                "graphs": {"cuda_graphs": "on", "cuda_graph_max_len": 96}}[decode]
     with _engine64(folder, **options) as engine:
@@ -263,11 +272,8 @@ def test_a_sampled_decode_step_runs_eagerly_and_is_classed(float64_pair, monkeyp
     from ac_observe.engine.kernel_sampler import KernelSampler
     folder, _ = float64_pair
     replayed, found = [], []
-    real_replay, real_end = DecodeGraphs.replay, KernelSampler.end
-    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, key, batch_size: (
-        replayed.append(key), real_replay(self, key, batch_size))[1])
-    monkeypatch.setattr(KernelSampler, "end", lambda self, completed=None: (
-        found.append(real_end(self, completed)), found[-1])[1])
+    _spy(monkeypatch, DecodeGraphs, "replay", lambda args, _: replayed.append(args[0]))
+    _spy(monkeypatch, KernelSampler, "end", lambda args, result: found.append(result))
     with _engine64(folder, cuda_graphs="on", cuda_graph_max_len=256, kernel_sample_steps=2,
                    kernel_sample_budget=1.0, start=False) as engine:
         engine.add_request(_prompts(random.Random(3), 1, 384)[0],
