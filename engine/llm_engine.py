@@ -191,7 +191,7 @@ class Engine:
                 # The eBPF collector names launches on these streams by lane.
                 "cuda_streams": {lane: stream.cuda_stream
                                  for lane, stream in self.runner.streams.items()},
-            }, engine=config.engine_name, model=self.model_name)
+            }, engine=config.engine_name, model=self.model_name, buffered=True)
         self.step_delay_seconds = 0.0  # fault injection (EngineConfig.fault_injection)
         self.instrumented = config.instrumentation
         self.kernel_sampler = KernelSampler(
@@ -242,11 +242,13 @@ class Engine:
                 self.scheduler.add(seq)
             except (QueueFullError, NeverFitsError):
                 self.stats.on_rejected(lane if lane in self.scheduler.lanes else DEFAULT_LANE)
+                self.stats.flush()
                 raise
             self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
                                                   deliver)
             self.stats.on_accepted(seq)
             self.stats.on_gauges(self.scheduler, self.block_manager)
+            self.stats.flush()  # the queue's gauges move on admission, before any step
             self._wakeup.notify()
         return handle
 
@@ -321,6 +323,7 @@ class Engine:
                 return
         with self._lock:
             self._process_aborts()
+            self.stats.flush()
         if self.stats.writer:
             self.stats.writer.close()
 
@@ -336,6 +339,7 @@ class Engine:
         while True:
             with self._lock:
                 while not self._stopped and not self._aborts and not self.scheduler.has_work():
+                    self.stats.flush()  # idle: every figure written
                     self._wakeup.wait()
                 if self._stopped:
                     return
@@ -356,6 +360,7 @@ class Engine:
             batches = (self.scheduler.schedule_lanes() if self.overlap_lanes
                        else [b for b in (self.scheduler.schedule(),) if b is not None])
             if not batches:
+                self.stats.flush()  # aborts of requests that had not run yet
                 return False
             for batch in batches:
                 for seq in batch.first_scheduled:
@@ -388,9 +393,10 @@ class Engine:
                     self.stats.on_state(self.scheduler, self.block_manager)
         finally:
             found = self.kernel_sampler.end(completed)
-            if sampled:
-                with self._lock:
+            with self._lock:
+                if sampled:
                     self.stats.on_kernel_sample(found)
+                self.stats.flush_due()
         return True
 
     def _fail_batch(self, batch: ScheduledBatch) -> None:
@@ -435,6 +441,7 @@ class Engine:
 
     def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int | None],
                      device_seconds: float, now_ns: int) -> None:
+        first_token_seconds, gap_seconds = [], []
         for seq, token_id in zip(batch.seqs, next_tokens):
             request = self._requests[seq.request_id]
             seq.num_computed_tokens = len(seq)
@@ -452,8 +459,12 @@ class Engine:
             timeline.last_token_ns = now_ns
             if not timeline.first_token_ns:
                 timeline.first_token_ns = now_ns
+            if previous_ns:
+                gap_seconds.append((now_ns - previous_ns) * 1e-9)
+            else:
+                first_token_seconds.append(timeline.ttft_ns * 1e-9)
             self._emit(request, token_id, previous_ns == 0)
-            self.stats.on_token(seq, previous_ns)
+        self.stats.on_tokens(batch.lane, first_token_seconds, gap_seconds)
 
     def _emit(self, request: _Request, token_id: int, first: bool) -> None:
         seq, params = request.seq, request.seq.params

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ac_observe import metrics as m
@@ -12,11 +13,12 @@ from ac_observe import metrics as m
 from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.scheduler import Scheduler
 from ac_observe.engine.sequence import FinishReason, Sequence
-from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
+from ac_observe.engine.telemetry import Series, SkeletonLabeler, TelemetryWriter
 
 NS = 1e-9
-
-
+# Per-step figures are kept in lists and handed to the writer at most this often (and
+# whenever the engine goes idle or admits a request): the daemon reads once a second.
+FLUSH_SECONDS = 0.05
 
 @dataclass(slots=True)
 class LaneTotals:
@@ -27,6 +29,42 @@ class LaneTotals:
     last_step_end_ns: int = 0
 
 
+class _LaneSeries:
+    """A lane's per-step series, resolved once, and what its steps and tokens added since
+    the last flush (the hot path appends to lists; `commit` hands them to the writer)."""
+    __slots__ = ("step_gpu", "busy", "steps", "ttft", "itl", "running", "waiting",
+                 "step_seconds", "busy_seconds", "ttft_seconds", "itl_seconds")
+
+    def __init__(self, writer: TelemetryWriter, lane: str):
+        self.step_seconds: dict[str, list[float]] = {m.PHASE_PREFILL: [], m.PHASE_DECODE: []}
+        self.busy_seconds = 0.0
+        self.ttft_seconds: list[float] = []
+        self.itl_seconds: list[float] = []
+        self.step_gpu = {m.PHASE_PREFILL: writer.series(m.PREFILL_GPU, stream=lane),
+                         m.PHASE_DECODE: writer.series(m.DECODE_STEP_GPU, stream=lane)}
+        self.steps = {phase: writer.series(m.ENGINE_STEPS, stream=lane, phase=phase)
+                      for phase in (m.PHASE_PREFILL, m.PHASE_DECODE)}
+        self.busy = writer.series(m.STREAM_BUSY, stream=lane)
+        self.ttft = writer.series(m.INFERENCE_LATENCY, stream=lane)
+        self.itl = writer.series(m.INTER_TOKEN_LATENCY, stream=lane)
+        self.running = writer.series(m.REQUESTS_RUNNING, stream=lane)
+        self.waiting = writer.series(m.REQUESTS_WAITING, stream=lane)
+
+    def commit(self) -> None:
+        for phase, seconds in self.step_seconds.items():
+            if seconds:
+                self.step_gpu[phase].observe_many(seconds)
+                self.steps[phase].inc(len(seconds))
+                seconds.clear()
+        if self.busy_seconds:
+            self.busy.inc(self.busy_seconds)
+            self.busy_seconds = 0.0
+        for pending, series in ((self.ttft_seconds, self.ttft), (self.itl_seconds, self.itl)):
+            if pending:
+                series.observe_many(pending)
+                pending.clear()
+
+
 @dataclass(slots=True)
 class EngineStats:
     writer: TelemetryWriter | None
@@ -34,6 +72,22 @@ class EngineStats:
     lanes: dict[str, LaneTotals] = field(default_factory=dict)
     _evictions_exported: int = 0
     _preemptions_exported: int = 0
+    _by_lane: dict[str, _LaneSeries] = field(default_factory=dict)
+    _tokens: Series | None = None
+    _kv_usage: Series | None = None
+    _kv_blocks: Series | None = None
+    _pending_tokens: int = 0
+    _gauges: tuple = ()
+    _flushed: float = 0.0
+
+    def _lane_series(self, lane: str) -> _LaneSeries:
+        series = self._by_lane.get(lane)
+        if series is None:
+            series = self._by_lane[lane] = _LaneSeries(self.writer, lane)
+            self._tokens = self.writer.series(m.GENERATION_TOKENS)
+            self._kv_usage = self.writer.series(m.KV_USAGE)
+            self._kv_blocks = self.writer.series(m.KV_BLOCKS)
+        return series
 
     def lane(self, name: str) -> LaneTotals:
         totals = self.lanes.get(name)
@@ -62,10 +116,9 @@ class EngineStats:
         totals.first_step_start_ns = totals.first_step_start_ns or start_ns
         totals.last_step_end_ns = end_ns
         if self.writer:
-            spec = m.PREFILL_GPU if phase == m.PHASE_PREFILL else m.DECODE_STEP_GPU
-            self.writer.observe(spec, device_seconds, stream=lane)
-            self.writer.inc(m.STREAM_BUSY, device_seconds, stream=lane)
-            self.writer.inc(m.ENGINE_STEPS, stream=lane, phase=phase)
+            series = self._lane_series(lane)
+            series.step_seconds[phase].append(device_seconds)
+            series.busy_seconds += device_seconds
 
     def on_kernel_sample(self, found: dict[tuple[str, str], dict[str, float]]) -> None:
         """A sampled step's seconds per class, for each of its batches' lane and phase."""
@@ -95,18 +148,17 @@ class EngineStats:
                     self.writer.inc(m.KV_MISS_BLOCKS, count, reason=reason)
                     self.writer.inc(m.KV_MISS_TOKENS, count * block_size, reason=reason)
 
-    def on_token(self, seq: Sequence, previous_token_ns: int) -> None:
+    def on_tokens(self, lane: str, first_token_seconds: list[float],
+                  gap_seconds: list[float]) -> None:
+        """A batch's new tokens: time to first token of the sequences that got their
+        first, and the gap since the previous token of the others (one write per bucket
+        touched, not one per token)."""
         if not self.writer:
             return
-        self.writer.inc(m.GENERATION_TOKENS)
-        timeline = seq.timeline
-        if previous_token_ns == 0:
-            self.writer.observe(m.INFERENCE_LATENCY, timeline.ttft_ns * NS,
-                                stream=seq.lane)
-        else:
-            self.writer.observe(m.INTER_TOKEN_LATENCY,
-                                (timeline.last_token_ns - previous_token_ns) * NS,
-                                stream=seq.lane)
+        series = self._lane_series(lane)
+        self._pending_tokens += len(first_token_seconds) + len(gap_seconds)
+        series.ttft_seconds += first_token_seconds
+        series.itl_seconds += gap_seconds
 
     def on_first_text(self, seq: Sequence) -> None:
         if self.writer:
@@ -141,15 +193,41 @@ class EngineStats:
             self._preemptions_exported = scheduler.num_preemptions
         self.on_gauges(scheduler, block_manager)
 
+    def flush(self) -> None:
+        """What the steps since the last flush added, into the telemetry files. Called under
+        the engine's lock (as every hook is): on admission, when the loop goes idle, and
+        from `flush_due`."""
+        if not self.writer:
+            return
+        self._flushed = time.monotonic()
+        for series in self._by_lane.values():
+            series.commit()
+        if self._pending_tokens:
+            self._tokens.inc(self._pending_tokens)
+            self._pending_tokens = 0
+        self.writer.flush()
+
+    def flush_due(self) -> None:
+        """After a step: flush if FLUSH_SECONDS passed since the last flush."""
+        if self.writer and time.monotonic() - self._flushed >= FLUSH_SECONDS:
+            self.flush()
+
     def on_gauges(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
         """On every change of who holds blocks or waits (admission, finish, abort, step)."""
         if not self.writer:
             return
-        self.writer.set(m.KV_USAGE, block_manager.usage)
-        self.writer.set(m.KV_BLOCKS, block_manager.num_blocks)
-        for lane in scheduler.lanes.values():
-            self.writer.set(m.REQUESTS_RUNNING, len(lane.running), stream=lane.name)
-            self.writer.set(m.REQUESTS_WAITING, len(lane.waiting), stream=lane.name)
+        lanes = scheduler.lanes.values()
+        gauges = (block_manager.usage, block_manager.num_blocks,
+                  *[(len(lane.running), len(lane.waiting)) for lane in lanes])
+        if gauges == self._gauges:
+            return  # a decode step that admitted, finished and freed nothing
+        self._gauges = gauges
+        for lane in lanes:
+            series = self._lane_series(lane.name)
+            series.running.set(len(lane.running))
+            series.waiting.set(len(lane.waiting))
+        self._kv_usage.set(block_manager.usage)
+        self._kv_blocks.set(block_manager.num_blocks)
 
 
 
@@ -164,9 +242,11 @@ class NullStats(EngineStats):
     def on_step(self, lane, phase, device_seconds, start_ns, end_ns): pass
     def on_kernel_sample(self, found): pass
     def on_first_scheduled(self, seq, block_size): pass
-    def on_token(self, seq, previous_token_ns): pass
+    def on_tokens(self, lane, first_token_seconds, gap_seconds): pass
     def on_first_text(self, seq): pass
     def on_finished(self, seq): pass
     def on_state(self, scheduler, block_manager):
         block_manager.eviction_ages.clear()  # (not kept without instrumentation; belt)
     def on_gauges(self, scheduler, block_manager): pass
+    def flush(self): pass
+    def flush_due(self): pass

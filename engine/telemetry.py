@@ -7,6 +7,9 @@ are named by pid, so a restarted engine's counters add onto its predecessor's an
 monotonic; a dead pid's live gauges are removed when the next engine starts in the directory
 (prometheus_client's `mark_process_dead`). The format itself is `ac_observe.telemetry_format`.
 
+Events update the writer's memory; `TelemetryWriter.flush` writes what moved: the engine
+flushes after every step and every admission, and the heartbeat thread once a second.
+
 NOTE: torch-free; the writer is thread-safe (one lock), the engine is single-process.
 """
 from __future__ import annotations
@@ -42,7 +45,8 @@ class TelemetryWriter:
     engine writes there, and no daemon removes it."""
 
     def __init__(self, directory: str | os.PathLike, info: dict, engine: str, model: str,
-                 specs: tuple[MetricSpec, ...] = ENGINE_METRICS, heartbeat_seconds: float = 1.0):
+                 specs: tuple[MetricSpec, ...] = ENGINE_METRICS, heartbeat_seconds: float = 1.0,
+                 buffered: bool = False):
         self.directory = directory
         self._dir_fd = open_engine_dir(directory)
         self._reap_dead_predecessor()
@@ -56,8 +60,16 @@ class TelemetryWriter:
         self._values: dict[str, float] = {**self._files[COUNTER].read_all(),
                                           **self._files[HISTOGRAM].read_all()}
         self._keys: dict[tuple, tuple] = {}
+        # What moved since the last write, per file: {key: value}. Buffered (the engine),
+        # events only touch memory and `flush` (after every engine step and admission, and
+        # from the heartbeat) writes each moved series once, so a step costs one mmap write
+        # per series it moved, not one per token and bucket; unbuffered, every event is
+        # written at once. Either way a gauge set to the value it holds writes nothing.
+        self._buffered = buffered
+        self._dirty: dict[str, dict[str, float]] = {typ: {} for typ in _FILE_KINDS}
         self._lock = threading.Lock()
         self._declare_series()
+        self.flush()
         self._write_info({**info, "engine": engine, "model": model, "pid": pid,
                           "telemetry_format": TELEMETRY_FORMAT})
         # The daemon reads engine.json's mtime as a heartbeat: a separate thread keeps it
@@ -69,6 +81,7 @@ class TelemetryWriter:
 
     def _beat(self, period: float) -> None:
         while not self._closed.wait(period):
+            self.flush()  # what arrived while no step ran (a rejection, an idle engine)
             try:
                 os.utime(ENGINE_INFO_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
             except OSError:
@@ -138,24 +151,6 @@ class TelemetryWriter:
             self._keys[cache_key] = keys
         return keys
 
-    def _add(self, typ: str, key: str, amount: float) -> None:
-        value = self._values.get(key, 0.0) + amount
-        self._values[key] = value
-        self._files[typ].write(key, value, time.time())
-
-    def inc(self, spec: MetricSpec, amount: float = 1.0, **labels) -> None:
-        if amount < 0:
-            raise ValueError("counters only go up")
-        with self._lock:
-            (key,) = self._sample_keys(spec, labels)
-            self._add(COUNTER, key, amount)
-
-    def set(self, spec: MetricSpec, value: float, **labels) -> None:
-        with self._lock:
-            (key,) = self._sample_keys(spec, labels)
-            self._values[key] = value
-            self._files[GAUGE].write(key, value, time.time())
-
     def _histogram_keys(self, spec: MetricSpec, labels: dict) -> tuple:
         """A histogram series' keys; its first touch writes every bucket (and the sum) at 0,
         as prometheus_client does, so any reader sees all bounds, +Inf included."""
@@ -165,41 +160,125 @@ class TelemetryWriter:
                 self._add(HISTOGRAM, key, 0.0)
         return sum_key, bucket_keys
 
+    def _add(self, typ: str, key: str, amount: float) -> None:
+        value = self._values.get(key, 0.0) + amount
+        self._values[key] = value
+        self._dirty[typ][key] = value
+
+    def flush(self) -> None:
+        """Write every series that moved since the last write (one timestamp for all)."""
+        with self._lock:
+            self._write_moved()
+
+    def _write_moved(self) -> None:
+        if self._dir_fd < 0:
+            return
+        now = time.time()
+        for typ, dirty in self._dirty.items():
+            if dirty:
+                value_file = self._files[typ]
+                for key, value in dirty.items():
+                    value_file.write(key, value, now)
+                dirty.clear()
+
+    def series(self, spec: MetricSpec, **labels) -> "Series":
+        """One series with its keys resolved once (prometheus_client's `labels()` child):
+        the engine's hot path holds these, so an event costs no label handling."""
+        with self._lock:
+            if spec.type == HISTOGRAM:
+                return Series(self, spec, *self._histogram_keys(spec, labels))
+            (key,) = self._sample_keys(spec, labels)
+            return Series(self, spec, key, ())
+
+    def inc(self, spec: MetricSpec, amount: float = 1.0, **labels) -> None:
+        with self._lock:
+            (key,) = self._sample_keys(spec, labels)
+            self._inc(key, amount)
+
+    def set(self, spec: MetricSpec, value: float, **labels) -> None:
+        with self._lock:
+            (key,) = self._sample_keys(spec, labels)
+            self._set(key, value)
+
     def observe(self, spec: MetricSpec, value: float | None, **labels) -> None:
         """Add one observation (None only declares the series)."""
         with self._lock:
             sum_key, bucket_keys = self._histogram_keys(spec, labels)
-            if value is None:
-                return
-            index = bisect.bisect_left(spec.buckets, value)
-            self._add(HISTOGRAM, bucket_keys[index], 1.0)
-            self._add(HISTOGRAM, sum_key, value)
+            if value is not None:
+                self._observe(spec, sum_key, bucket_keys, (value,))
 
     def observe_many(self, spec: MetricSpec, values, **labels) -> None:
         """Add several observations with one write per touched bucket."""
+        with self._lock:
+            sum_key, bucket_keys = self._histogram_keys(spec, labels)
+            self._observe(spec, sum_key, bucket_keys, values)
+
+    # ----- under the lock: the events on resolved keys ------------------------------------
+
+    def _inc(self, key: str, amount: float) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        self._add(COUNTER, key, amount)
+        if not self._buffered:
+            self._write_moved()
+
+    def _set(self, key: str, value: float) -> None:
+        if self._values.get(key) != value:  # gauges are written on change
+            self._values[key] = value
+            self._dirty[GAUGE][key] = value
+            if not self._buffered:
+                self._write_moved()
+
+    def _observe(self, spec: MetricSpec, sum_key: str, bucket_keys: list, values) -> None:
         counts: dict[int, int] = {}
         total = 0.0
+        buckets = spec.buckets
         for value in values:
-            index = bisect.bisect_left(spec.buckets, value)
+            index = bisect.bisect_left(buckets, value)
             counts[index] = counts.get(index, 0) + 1
             total += value
         if not counts:
             return
-        with self._lock:
-            sum_key, bucket_keys = self._histogram_keys(spec, labels)
-            for index, count in counts.items():
-                self._add(HISTOGRAM, bucket_keys[index], float(count))
-            self._add(HISTOGRAM, sum_key, total)
+        for index, count in counts.items():
+            self._add(HISTOGRAM, bucket_keys[index], float(count))
+        self._add(HISTOGRAM, sum_key, total)
+        if not self._buffered:
+            self._write_moved()
 
     def close(self) -> None:
         self._closed.set()
         self._heartbeat.join()  # it uses the directory's descriptor, closed below
+        self.flush()
         with self._lock:
             for value_file in self._files.values():
                 value_file.close()
             if self._dir_fd >= 0:
                 os.close(self._dir_fd)
                 self._dir_fd = -1
+
+
+class Series:
+    """A writer's series with its keys resolved (see TelemetryWriter.series)."""
+    __slots__ = ("_writer", "_spec", "_key", "_bucket_keys")
+
+    def __init__(self, writer: TelemetryWriter, spec: MetricSpec, key: str, bucket_keys):
+        self._writer, self._spec, self._key, self._bucket_keys = writer, spec, key, bucket_keys
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._writer._lock:
+            self._writer._inc(self._key, amount)
+
+    def set(self, value: float) -> None:
+        with self._writer._lock:
+            self._writer._set(self._key, value)
+
+    def observe(self, value: float) -> None:
+        with self._writer._lock:
+            self._writer._observe(self._spec, self._key, self._bucket_keys, (value,))
+
+    def observe_many(self, values) -> None:
+        with self._writer._lock:
+            self._writer._observe(self._spec, self._key, self._bucket_keys, values)
 
 
 class SkeletonLabeler:

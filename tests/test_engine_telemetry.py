@@ -46,11 +46,16 @@ def test_telemetry_files_hold_every_engine_metric_with_type_and_labels(tmp_path)
                              kernel_sample_budget=1.0)) as engine:
         outs = _workload(engine)
         rejected = 0
-        for _ in range(60):  # overflow the queue while the engine is busy
+        # Overflow the queue while the engine is busy: its steps are held for 0.5 s, so
+        # the queue fills however many it admitted first.
+        engine.step_delay_seconds = 0.5
+        for _ in range(400):
             try:
                 engine.add_request([1] * 50, params=SamplingParams(max_tokens=64))
             except QueueFullError:
                 rejected += 1
+                if rejected == 5:
+                    break
         engine.close()
         stats = engine.block_manager.stats
         info = json.loads((tmp_path / "engine.json").read_text())
@@ -150,3 +155,25 @@ def test_the_engine_command_refuses_telemetry_without_instrumentation(tmp_path):
     assert out.returncode == 2
     assert "an engine without instrumentation writes no telemetry" in out.stderr
     assert not (tmp_path / "t").exists()
+
+
+def test_an_idle_engine_has_written_every_figure_of_its_steps(tmp_path):
+    """Steps hand their figures to the files in batches (at most every 50 ms); an engine
+    that goes idle writes what is left, so a daemon reading a quiet engine misses nothing."""
+    import time
+    with Engine(EngineConfig(telemetry_dir=str(tmp_path), engine_name="e1")) as engine:
+        out = engine.generate("hello", params=SamplingParams(max_tokens=5, ignore_eos=True),
+                              lane="low_latency")
+        assert out.num_output_tokens == 5
+        deadline = time.monotonic() + 5
+        while True:
+            families = _read_in_other_process(tmp_path)
+            tokens = _value(families, "ac_generation_tokens", "ac_generation_tokens_total")
+            if tokens == 5 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert tokens == 5
+        assert _value(families, "ac_inter_token_latency_seconds",
+                      "ac_inter_token_latency_seconds_count", stream="low_latency") == 4
+        assert _value(families, "ac_engine_steps", "ac_engine_steps_total",
+                      stream="low_latency", phase="decode") == 4

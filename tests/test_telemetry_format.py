@@ -140,6 +140,7 @@ def test_every_histogram_series_has_every_bucket_up_to_inf(tmp_path):
     # still exposes them all.
     _, keys = writer._sample_keys(m.KERNEL_SECONDS, {**labels, "class": "rope"})
     writer._add(HISTOGRAM, keys[2], 3.0)
+    writer.flush()
     bounds = sorted(float(b) for b in m.KERNEL_SECONDS.buckets) + [float("inf")]
     ours = _ours(directory.parent)
     for klass, count, first in (("gemm", 1.0, 0.0003), ("rope", 3.0, bounds[2])):
@@ -153,3 +154,69 @@ def test_every_histogram_series_has_every_bucket_up_to_inf(tmp_path):
     assert _buckets(theirs, "ac_kernel_seconds", ("class", "gemm")) == \
         _buckets(ours, "ac_kernel_seconds", ("class", "gemm"))
     writer.close()
+
+
+def _stamps(directory: Path, name: str) -> dict[str, float]:
+    """{key: timestamp} of the entries of one `.db` file whose key names `name`."""
+    from ac_observe.telemetry_format import scan_entries, used_size, value_at
+    (path,) = directory.glob(f"{name}_*.db")
+    data = path.read_bytes()
+    entries, _ = scan_entries(data, 8, used_size(data))
+    return {key: value_at(data, at + 8) for at, key in entries}
+
+
+def test_a_buffered_writer_writes_what_moved_at_each_flush_and_gauges_on_change(tmp_path):
+    """The engine's writer keeps a step's events in memory and writes each moved series
+    once per flush; a gauge set to the value it holds is not written again; the heartbeat
+    flushes what arrived while no step ran, and close flushes the rest."""
+    import time
+
+    from ac_observe import metrics as m
+    from ac_observe.engine.telemetry import TelemetryWriter
+    directory = tmp_path / "telemetry" / "e1"
+    writer = TelemetryWriter(directory, {"started_at": 0.0}, engine="e1", model="m1",
+                             heartbeat_seconds=60, buffered=True)
+    base = (("engine", "e1"), ("model", "m1"))
+    ok = ("ac_requests_total", base + (("status", "ok"), ("stream", "throughput")))
+    itl = base + (("stream", "throughput"),)
+    usage = ("ac_kv_cache_usage_ratio", base)
+    try:
+        assert _ours(directory.parent)[ok] == 0  # declared at start, before traffic
+        writer.inc(m.REQUESTS, 2, stream="throughput", status="ok")
+        writer.observe_many(m.INTER_TOKEN_LATENCY, [0.001, 0.002, 0.5], stream="throughput")
+        writer.set(m.KV_USAGE, 0.5)
+        assert _ours(directory.parent)[ok] == 0  # in memory until the flush
+        writer.flush()
+        ours = _ours(directory.parent)
+        assert ours[ok] == 2 and ours[usage] == 0.5
+        assert ours[("ac_inter_token_latency_seconds_count", itl)] == 3
+        assert ours[("ac_inter_token_latency_seconds_sum", itl)] == pytest.approx(0.503)
+        counters, gauges = _stamps(directory, "counter"), _stamps(directory, "gauge_livesum")
+        time.sleep(0.01)
+        writer.set(m.KV_USAGE, 0.5)  # unchanged: not written
+        writer.inc(m.REQUESTS, 1, stream="throughput", status="ok")
+        writer.flush()
+        moved = {k for k, t in _stamps(directory, "counter").items() if t != counters[k]}
+        assert len(moved) == 1 and '"ok"' in next(iter(moved))  # only the series that moved
+        assert _stamps(directory, "gauge_livesum") == gauges
+        writer.set(m.KV_USAGE, 0.75)
+        writer.flush()
+        assert _stamps(directory, "gauge_livesum") != gauges
+        assert _ours(directory.parent)[usage] == 0.75
+    finally:
+        writer.close()
+    beating = TelemetryWriter(tmp_path / "telemetry" / "e2", {"started_at": 0.0}, engine="e2",
+                              model="m1", heartbeat_seconds=0.05, buffered=True)
+    try:
+        beating.inc(m.REQUESTS, 1, stream="throughput", status="rejected")
+        key = ("ac_requests_total", (("engine", "e2"), ("model", "m1"), ("status", "rejected"),
+                                     ("stream", "throughput")))
+        deadline = time.monotonic() + 5
+        while _ours(tmp_path / "telemetry").get(key) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _ours(tmp_path / "telemetry").get(key) == 1  # the heartbeat's flush
+        beating.inc(m.REQUESTS, 1, stream="throughput", status="rejected")
+    finally:
+        beating.close()
+    assert _ours(tmp_path / "telemetry")[key] == 2  # close flushes
+
