@@ -9,7 +9,9 @@ alternate in --pairs pairs (on/off, then off/on), each process timing both batch
 (median of --repeats after a warm-up). The overhead of a pair is off/on - 1 on tokens/s;
 the row is the median over pairs with the spread (lowest, highest). A second estimate
 runs both engines in one process, taking turns a batch at a time (--blocks turns each),
-so the between-process noise of a shared machine hits both sides alike. One extra process
+so the between-process noise of a shared machine hits both sides alike. Another times
+every instrumentation hook where it runs, as a share of the step loop (the least noisy
+of the three figures: it does not difference two noisy totals). One extra process
 runs the instrumented side with its step loop under cProfile and reports the share of the
 loop's working time spent in the instrumentation's own modules (engine/stats.py,
 telemetry.py, kernel_sampler.py and the telemetry file format), and what skeleton parsing
@@ -136,6 +138,59 @@ def profile_share(batches: list[int], new_tokens: int) -> dict:
             "share": {m: (v / working if working else 0.0) for m, v in ours.items()}}
 
 
+def hooks_share(batches: list[int], new_tokens: int, repeats: int = 10) -> dict:
+    """The instrumentation timed where it runs: every EngineStats hook, the telemetry
+    flushes and the kernel sampler's begin/end on the engine thread, wrapped in
+    perf_counter, against the step loop's own time, per batch size. Unlike cProfile this
+    charges the hooks what they call (the mmap writes, the locks) and adds ~0.2 us a call,
+    not a tracer's overhead on every function. Kernel sampling is off here: its cost is
+    its budget (0.5 % of wall time by default), counted apart."""
+    from ac_observe.engine import kernel_sampler, llm_engine, stats
+    spent = [0.0]
+
+    def timed(cls, name):
+        real = getattr(cls, name)
+
+        def hook(self, *a, **k):
+            start = time.perf_counter()
+            try:
+                return real(self, *a, **k)
+            finally:
+                spent[0] += time.perf_counter() - start
+        setattr(cls, name, hook)
+    # Outermost hooks only (on_state calls on_gauges; flush_due calls flush).
+    for name in ("on_rejected", "on_accepted", "on_step", "on_kernel_sample",
+                 "on_first_scheduled", "on_tokens", "on_first_text", "on_finished",
+                 "on_state", "flush_due"):
+        timed(stats.EngineStats, name)
+    timed(kernel_sampler.KernelSampler, "begin")
+    timed(kernel_sampler.KernelSampler, "end")
+    loop = [0.0, 0]
+    real_step = llm_engine.Engine.step
+
+    def step(self):
+        start = time.perf_counter()
+        try:
+            return real_step(self)
+        finally:
+            loop[0] += time.perf_counter() - start
+            loop[1] += 1
+    llm_engine.Engine.step = step
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp, \
+            Engine(EngineConfig(instrumentation=True, telemetry_dir=f"{tmp}/e", seed=0,
+                                kernel_sample_steps=0)) as engine:
+        for batch in batches:
+            _run(engine, batch, new_tokens, 30_000 * batch)  # warm-up
+            spent[0], loop[0], loop[1] = 0.0, 0.0, 0
+            for r in range(repeats):
+                _run(engine, batch, new_tokens, 30_000 * batch + 100 * (r + 1))
+            out[str(batch)] = {"share": spent[0] / loop[0],
+                               "us_per_step": spent[0] / loop[1] * 1e6,
+                               "step_ms": loop[0] / loop[1] * 1e3}
+    return out
+
+
 def _spawn(args, *extra: str) -> dict:
     cmd = [sys.executable, __file__, "--batches", args.batches, "--new-tokens",
            str(args.new_tokens), "--repeats", str(args.repeats), *extra]
@@ -153,12 +208,15 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=20,
                         help="Turns of each engine in the one-process comparison.")
     parser.add_argument("--json", action="store_true", help="End with one JSON line.")
-    parser.add_argument("--worker", choices=["on", "off", "profile", "blocks"],
+    parser.add_argument("--worker", choices=["on", "off", "profile", "blocks", "hooks"],
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.worker == "profile":
         print(json.dumps(profile_share(batches, args.new_tokens)))
+        return
+    if args.worker == "hooks":
+        print(json.dumps(hooks_share(batches, args.new_tokens)))
         return
     if args.worker == "blocks":
         print(json.dumps(blocks(batches, args.new_tokens, args.blocks)))
@@ -173,6 +231,7 @@ def main() -> None:
             runs[side].append(_spawn(args, "--worker", side))
     profile = _spawn(args, "--worker", "profile")
     in_process = _spawn(args, "--worker", "blocks", "--blocks", str(args.blocks))
+    hooks = _spawn(args, "--worker", "hooks")
     result = {"pairs": args.pairs, "new_tokens": args.new_tokens, "batches": {}}
     print(f"instrumentation overhead: {args.pairs} alternating pairs, {args.new_tokens} new "
           f"tokens, chat requests (skeletons parsed), CPU threads as torch sets them")
@@ -195,6 +254,11 @@ def main() -> None:
         print(f"one process, {b['blocks']} alternating turns each, batch {batch}: overhead "
               f"{b['overhead'] * 100:.2f}% (turns p10..p90 {b['overhead_p10'] * 100:.2f}% .. "
               f"{b['overhead_p90'] * 100:.2f}%)")
+    result["hooks"] = hooks
+    for batch, h in hooks.items():
+        print(f"hooks timed in place, batch {batch}: {h['us_per_step']:.1f} us a step of "
+              f"{h['step_ms']:.2f} ms = {h['share'] * 100:.2f}% (kernel sampling apart: "
+              f"its budget)")
     share = {m: v for m, v in profile["share"].items() if v}
     result["profile_share"] = share
     result["skeleton_parse_us_per_request"] = profile["skeleton_parse_us_per_request"]

@@ -19,6 +19,7 @@ def test_bench_run_prints_the_table_of_the_rows_it_ran():
             for line in table[1:]}
     for name in ("1 instrumentation, batch 1", "1 instrumentation, batch 16",
                  "1 instrumentation, one process, batch 16",
+                 "1 instrumentation timed in place, batch 1",
                  "5 prefix cache, warm vs cold TTFT"):
         figure, aim, status = rows[name]
         assert aim and (status == "met" or status.startswith("missed")), (name, status)
