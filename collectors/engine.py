@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import stat
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_DB_BYTES, MAX_INF
                                          open_trusted_dir, parse_db_file_name,
                                          parse_engine_info, parse_sample_key, pid_alive,
                                          read_regular_file, remove_engine_dir, scan_entries,
-                                         used_size, value_at)
+                                         used_size)
 
 log = logging.getLogger("ac_observe.collectors.engine")
 
@@ -70,13 +71,16 @@ class _FileIndex:
     A cycle reads the used part of the file in one bounded `pread` and unpacks each known
     value in place: one unpack per series, not a JSON parse.
     """
-    __slots__ = ("identity", "used", "entries", "rejected")
+    __slots__ = ("identity", "used", "entries", "rejected", "unique", "_keys", "_values")
 
     def __init__(self):
         self.identity: tuple = ()
         self.used = 8
         self.entries: list[tuple[int, str]] = []  # (value offset, key)
         self.rejected: tuple | None = None        # (file version, reason): not re-read
+        self._keys: tuple[str, ...] = ()
+        self._values: struct.Struct | None = None  # unpacks every value in one call
+        self.unique = True  # no key twice (a hostile file may repeat one: those add up)
 
     def read(self, dir_fd: int, name: str) -> list[tuple[str, float]]:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
@@ -99,7 +103,12 @@ class _FileIndex:
         finally:
             os.close(fd)
         self.rejected = None
-        return [(key, value_at(data, at)) for at, key in self.entries]
+        if not data:
+            return ()
+        if self._values is None:  # entries were added, or the file started over
+            self._keys, self._values = _values_struct(self.entries)
+            self.unique = len(set(self._keys)) == len(self._keys)
+        return zip(self._keys, self._values.unpack_from(data)) if self._keys else ()
 
     def _read_used(self, fd: int, info: os.stat_result, header: bytes) -> bytes:
         if len(header) < 4 or header == b"\0\0\0\0":
@@ -114,9 +123,22 @@ class _FileIndex:
         identity = (info.st_dev, info.st_ino, bytes(data[8:8 + _FIRST_ENTRY_BYTES]))
         if identity != self.identity or used < self.used:
             self.identity, self.used, self.entries = identity, 8, []
+            self._values = None
         entries, self.used = scan_entries(data, self.used, len(data))
-        self.entries.extend(entries)
+        if entries:
+            self.entries.extend(entries)
+            self._values = None
         return data
+
+
+def _values_struct(entries: list[tuple[int, str]]) -> tuple[tuple, struct.Struct]:
+    """The keys of a file's entries and a Struct reading all their values at once (each
+    is a double in native byte order at its offset; the format skips the bytes between)."""
+    parts, pos = ["="], 0  # native order, as the writer packs ("d"), no alignment
+    for at, _ in entries:
+        parts.append(f"{at - pos}xd" if at > pos else "d")
+        pos = at + 8
+    return tuple(key for _, key in entries), struct.Struct("".join(parts))
 
 
 @dataclass(slots=True)
@@ -318,8 +340,11 @@ class EngineCollector(Collector):
                 entries = index.read(dir_fd, name)
             except FileNotFoundError:
                 continue  # removed under us (a dead pid's gauges)
-            for key, value in entries:
-                totals[key] = totals.get(key, 0.0) + value
+            if totals or not index.unique:
+                for key, value in entries:  # files of several pids: their series add up
+                    totals[key] = totals.get(key, 0.0) + value
+            else:
+                totals.update(entries)
             if len(totals) > MAX_SERIES_PER_ENGINE:
                 raise BadEngine(f"more than {MAX_SERIES_PER_ENGINE} series")
         reader.files = {n: i for n, i in reader.files.items() if n in names}

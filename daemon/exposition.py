@@ -21,26 +21,40 @@ def _escape_help(text: str) -> str:
 class Renderer:
     def __init__(self):
         self._prefixes: dict[tuple, str] = {}
+        # The last render's lines by the Sample they came from: a collector that hands
+        # over the same Sample object for a series that did not move (the engine
+        # collector) gets its line back with one lookup. The Sample is held with its line,
+        # so its id cannot be reused while the entry stands.
+        self._lines: dict[int, tuple] = {}
 
     def render(self, families: list[Metric]) -> bytes:
-        prefixes = self._prefixes
+        prefixes, lines = self._prefixes, self._lines
         if len(prefixes) > 200_000:  # label churn: start over rather than grow forever
             prefixes.clear()
+        kept: dict[int, tuple] = {}
         out: list[str] = []
         for family in families:
             name = family.name + "_total" if family.type == "counter" else family.name
             out.append(f"# HELP {name} {_escape_help(family.documentation)}\n"
                        f"# TYPE {name} {family.type}\n")
             for sample in family.samples:
-                key = (sample.name, tuple(sample.labels.items()))
-                prefix = prefixes.get(key)
-                if prefix is None:
-                    if sample.labels:
-                        labels = ",".join(f'{k}="{_escape_label(str(v))}"'
-                                          for k, v in sample.labels.items())
-                        prefix = f"{sample.name}{{{labels}}} "
-                    else:
-                        prefix = f"{sample.name} "
-                    prefixes[key] = prefix
-                out.append(prefix + floatToGoString(sample.value) + "\n")
+                made = lines.get(id(sample))
+                if made is not None and made[0] is sample:
+                    line = made[1]
+                else:
+                    key = (sample.name, tuple(sample.labels.items()))
+                    prefix = prefixes.get(key)
+                    if prefix is None:
+                        if sample.labels:
+                            labels = ",".join(f'{k}="{_escape_label(str(v))}"'
+                                              for k, v in sample.labels.items())
+                            prefix = f"{sample.name}{{{labels}}} "
+                        else:
+                            prefix = f"{sample.name} "
+                        prefixes[key] = prefix
+                    line = prefix + floatToGoString(sample.value) + "\n"
+                    made = (sample, line)
+                kept[id(sample)] = made
+                out.append(line)
+        self._lines = kept
         return "".join(out).encode("utf-8")

@@ -91,7 +91,7 @@ def parse_head(head: bytes) -> tuple[Request, bool]:
     return Request(method, unquote(path), query, headers), keep_alive
 
 
-def encode_response(response: Response, keep_alive: bool, head_only: bool) -> bytes:
+def encode_head(response: Response, keep_alive: bool) -> bytes:
     reason = HTTPStatus(response.status).phrase
     lines = [f"HTTP/1.1 {response.status} {reason}",
              f"Content-Type: {response.content_type}",
@@ -99,8 +99,7 @@ def encode_response(response: Response, keep_alive: bool, head_only: bool) -> by
              "Server: ac-observe",
              "Connection: " + ("keep-alive" if keep_alive else "close")]
     lines += [f"{name}: {value}" for name, value in response.headers.items()]
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    return head if head_only else head + response.body
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 class HttpServer:
@@ -109,6 +108,9 @@ class HttpServer:
                  read_timeout: float = 10.0, idle_timeout: float = 30.0,
                  queue_timeout: float = 10.0, write_timeout: float = 30.0):
         self.handler = handler
+        # handler.inline(request) -> Response | None, if it has one: answered on the event
+        # loop (it must not block), None sends the request to the handlers' pool.
+        self._inline = getattr(handler, "inline", None)
         self.host, self.port = host, port
         # Connections must never starve the collectors of descriptors: raise the soft
         # limit as far as allowed, and keep a reserve below it.
@@ -233,7 +235,14 @@ class HttpServer:
                     body = f'{{"error":"{exc}"}}'.encode()
                     await self._send(writer, Response(exc.status, body), False, False)
                     return
-                response = await self._dispatch(request)
+                response = None
+                if self._inline is not None:
+                    try:
+                        response = self._inline(request)
+                    except Exception:  # the pool's path answers it, and logs what failed
+                        response = None
+                if response is None:
+                    response = await self._dispatch(request)
                 if not await self._send(writer, response, keep_alive, request.method == "HEAD"):
                     return
                 if not keep_alive:
@@ -266,7 +275,9 @@ class HttpServer:
     async def _send(self, writer: asyncio.StreamWriter, response: Response, keep_alive: bool,
                     head_only: bool) -> bool:
         try:
-            writer.write(encode_response(response, keep_alive, head_only))
+            writer.write(encode_head(response, keep_alive))
+            if not head_only:
+                writer.write(response.body)  # not joined to the head: no copy of a big body
             await asyncio.wait_for(writer.drain(), self.write_timeout)
             return True
         except (asyncio.TimeoutError, ConnectionError):

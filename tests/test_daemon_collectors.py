@@ -217,3 +217,46 @@ def test_the_engine_collectors_watch_keys_are_the_samples_own(tmp_path):
         daemon.close()
         for writer in writers:
             writer.close()
+
+
+def test_metrics_text_is_prometheus_clients_own_over_cycles_that_move(tmp_path):
+    """/metrics says exactly what prometheus_client's generate_latest writes for the same
+    snapshot (families, help, types, samples and values, in order; labels in the
+    contract's order, which generate_latest sorts), cycle after cycle, while one engine's
+    series move and another's stand still (their lines come from the renderer's cache: a
+    stale line would differ here)."""
+    import random
+    import sys
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from daemon_cost import traffic, write_engine
+    writers = [write_engine(tmp_path / f"engine-{i}", f"engine-{i}", random.Random(i))
+               for i in range(2)]
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
+
+    class Snapshot:
+        def collect(self):
+            return daemon._snapshot
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Snapshot())
+    try:
+        rendered = set()
+        for cycle in range(4):
+            traffic(writers[1], random.Random(cycle), 3)
+            daemon.run_cycle()
+            ours = daemon.render_metrics()
+            assert _parsed(ours) == _parsed(generate_latest(registry)), cycle
+            rendered.add(ours)
+        assert len(rendered) == 4  # every cycle moved something
+    finally:
+        daemon.close()
+        for writer in writers:
+            writer.close()
+
+
+def _parsed(text: bytes) -> list:
+    from prometheus_client.parser import text_string_to_metric_families
+    return [(f.name, f.type, f.documentation,
+             [(s.name, sorted(s.labels.items()), s.value) for s in f.samples])
+            for f in text_string_to_metric_families(text.decode())]

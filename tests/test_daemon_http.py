@@ -99,6 +99,12 @@ def test_bearer_tokens_per_rfc_and_from_file_or_environment(tmp_path, start_daem
     assert httpx.get(url, headers={"Authorization": b"Bearer " + raw[:-1]}).status_code == 401
     assert httpx.get(url, headers={"Authorization": b"Basic " + raw}).status_code == 401
     assert httpx.get(daemon.url + "/healthz").status_code == 200  # liveness needs no token
+    # /metrics: rendered once, then answered from the event loop, and still guarded there.
+    metrics = daemon.url + "/metrics"
+    for _ in range(3):
+        assert httpx.get(metrics, headers={"Authorization": b"Bearer " + raw}).status_code == 200
+    assert httpx.get(metrics).status_code == 401
+    assert httpx.get(metrics, headers={"Authorization": b"Bearer " + raw[:-1]}).status_code == 401
 
     # The CLI, through the same token in the environment.
     ok = run_cli("--daemon", daemon.url, "status", "--json",
@@ -191,3 +197,30 @@ def test_clients_that_never_read_are_cut_off_and_connections_stay_bounded():
         for sock in clients:
             sock.close()
         stop()
+
+
+def test_a_rendered_scrape_is_answered_on_the_event_loop_and_nothing_else_is(tmp_path):
+    """`inline` answers GET or HEAD of /metrics with the render of the latest cycle only;
+    before that render, with a query string, or for any other route it hands the request
+    to the pool (None), where every check runs."""
+    from ac_observe.daemon.config import DaemonConfig
+    from ac_observe.daemon.http_api import make_handler
+    from ac_observe.daemon.http_server import Request
+    from ac_observe.daemon.service import Daemon
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
+    inline = make_handler(daemon, None).inline
+
+    def request(path="/metrics", query="", method="GET"):
+        return Request(method, path, query, {})
+    daemon.run_cycle()
+    assert inline(request()) is None  # not rendered yet: the pool renders it
+    body = daemon.render_metrics()
+    answer = inline(request())
+    assert answer.status == 200 and answer.body == body and b"ac_collector_up" in body
+    assert inline(request(method="HEAD")).body == body  # (the server sends the head only)
+    for other in (request(query="x=1"), request("/api/v1/status"), request(method="POST")):
+        assert inline(other) is None
+    daemon.run_cycle()
+    fresh = inline(request())
+    assert fresh is not None  # scraped lately: the cycle rendered ahead
+    assert fresh.body != body  # the new cycle's (its collector duration moved)

@@ -220,3 +220,29 @@ def test_a_buffered_writer_writes_what_moved_at_each_flush_and_gauges_on_change(
         beating.close()
     assert _ours(tmp_path / "telemetry")[key] == 2  # close flushes
 
+
+
+def test_the_reader_follows_a_file_rewritten_with_as_many_entries_and_one_appended_to(
+        tmp_path):
+    """The daemon unpacks a file's values in one call, laid out from its entries: a file
+    replaced by another of the same size, and entries appended, are read by their own
+    keys and values, never by the layout of the file before."""
+    from ac_observe.collectors.engine import _FileIndex
+    from ac_observe.telemetry_format import ValueFile
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        def write(pairs):
+            value_file = ValueFile(fd, "counter_1.db")
+            for key, value in pairs:
+                value_file.write(key, value, 0.0)
+            value_file.close()
+        write([("a-key", 1.0), ("b", 2.0)])
+        index = _FileIndex()
+        assert dict(index.read(fd, "counter_1.db")) == {"a-key": 1.0, "b": 2.0}
+        os.unlink("counter_1.db", dir_fd=fd)
+        write([("c-longer-key", 3.0), ("d", 4.0)])
+        assert dict(index.read(fd, "counter_1.db")) == {"c-longer-key": 3.0, "d": 4.0}
+        write([("e", 5.0), ("d", 6.0)])
+        assert dict(index.read(fd, "counter_1.db")) == {"c-longer-key": 3.0, "d": 6.0, "e": 5.0}
+    finally:
+        os.close(fd)
