@@ -10,6 +10,7 @@ Between two cycles each engine finishes `--load` requests (20: one engine's demo
 a few a second, so this is a busy node), written untimed: a cycle meets series that
 changed, not only still ones.
 Usage: python bench/daemon_cost.py [--cycles 60] [--scrapes 300] [--load 20] [--json]
+       python bench/daemon_cost.py --phases 12 --cycles 20   (where a cycle's CPU goes)
 """
 from __future__ import annotations
 
@@ -104,6 +105,51 @@ def measure(num_engines: int, cycles: int, scrapes: int,
     return result
 
 
+def phases(num_engines: int, cycles: int, load: int) -> dict:
+    """Where a loaded, scraped cycle goes: thread CPU time of each of its phases (the
+    collector reading and merging the files on its own thread, the windows, the minute
+    history, the render), ms a cycle."""
+    import collections
+
+    from ac_observe.collectors import engine as collector
+    from ac_observe.daemon import exposition, history, windows
+    spent: collections.Counter = collections.Counter()
+
+    def timed(owner, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        def run(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                spent[label] += time.thread_time() - start
+        setattr(owner, name, run)
+    timed(collector, "_merge", "merge the files into families")
+    timed(collector.EngineCollector, "_read_samples", "read the files")
+    timed(windows.Windows, "append", "windows")
+    timed(history.MinuteAggregator, "add", "minute history")
+    timed(exposition.Renderer, "render", "render")
+    rng = random.Random(num_engines)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        writers = [write_engine(root / f"engine-{i}", f"engine-{i}", rng)
+                   for i in range(num_engines)]
+        daemon = Daemon(DaemonConfig(telemetry_root=root, collectors=("engine",)))
+        for _ in range(4):
+            daemon.run_cycle()
+        daemon.render_metrics()
+        spent.clear()
+        for _ in range(cycles):
+            for writer in writers:
+                traffic(writer, rng, load)
+            daemon.run_cycle()
+        daemon.close()
+        for writer in writers:
+            writer.close()
+    return {label: seconds / cycles * 1e3 for label, seconds in spent.most_common()}
+
+
 def _scrape(port: int, clients: int, scrapes: int) -> tuple[list[float], int]:
     """`scrapes` GETs of /metrics spread over `clients` scrapers at once, run in another
     process (the scrapers' own Python work must not share the daemon's GIL)."""
@@ -157,7 +203,13 @@ def main() -> None:
                         help="Requests each engine finishes between two cycles.")
     parser.add_argument("--json", action="store_true", help="End with one JSON line.")
     parser.add_argument("--scrape-worker", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--phases", type=int, metavar="ENGINES",
+                        help="Only time the phases of a loaded cycle at this many engines.")
     args = parser.parse_args()
+    if args.phases:
+        for label, ms in phases(args.phases, args.cycles, args.load).items():
+            print(f"{label:>30} {ms:8.1f} ms a cycle")
+        return
     if args.scrape_worker:
         latencies, size = scrape_worker(*args.scrape_worker)
         print(json.dumps({"latencies": latencies, "size": size}))
