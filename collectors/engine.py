@@ -68,8 +68,9 @@ class _Entry:
 class _FileIndex:
     """Where the entries of one `.db` file sit, parsed once (the format only appends).
 
-    A cycle reads the used part of the file in one bounded `pread` and unpacks each known
-    value in place: one unpack per series, not a JSON parse.
+    A cycle reads the used part of the file in one bounded `pread` and unpacks every known
+    value with one `struct` call laid out from the entries (no JSON parse, no Python per
+    value); `read` gives (key, value) pairs.
     """
     __slots__ = ("identity", "used", "entries", "rejected", "unique", "_keys", "_values")
 
@@ -82,7 +83,7 @@ class _FileIndex:
         self._values: struct.Struct | None = None  # unpacks every value in one call
         self.unique = True  # no key twice (a hostile file may repeat one: those add up)
 
-    def read(self, dir_fd: int, name: str) -> list[tuple[str, float]]:
+    def read(self, dir_fd: int, name: str):
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      dir_fd=dir_fd)
         try:
@@ -105,6 +106,8 @@ class _FileIndex:
         self.rejected = None
         if not data:
             return ()
+        if len(self.entries) > MAX_SERIES_PER_ENGINE:
+            raise BadEngine(f"{name} holds more than {MAX_SERIES_PER_ENGINE} series")
         if self._values is None:  # entries were added, or the file started over
             self._keys, self._values = _values_struct(self.entries)
             self.unique = len(set(self._keys)) == len(self._keys)
@@ -118,6 +121,8 @@ class _FileIndex:
             raise ValueError(f"claims {used} bytes; it holds {info.st_size} (limit "
                              f"{MAX_DB_BYTES})")
         data = os.pread(fd, used, 0)
+        if len(data) < used:  # truncated between fstat and pread
+            raise ValueError(f"claims {used} bytes; {len(data)} could be read")
         # A new file under that name starts over (an inode number can be reused, so
         # another engine's file is also told apart by its first key).
         identity = (info.st_dev, info.st_ino, bytes(data[8:8 + _FIRST_ENTRY_BYTES]))

@@ -1,6 +1,6 @@
 """The daemon's HTTP routes (served by `daemon/http_server.py`).
 
-GET /metrics            Prometheus text of the latest snapshot
+GET /metrics            Prometheus text of the latest snapshot (gzipped when asked)
 GET /api/v1/query       ?metric=NAME&window=60s&labels=k=v,k=v[&at=UNIX]  -> stats per
                         series, as of the newest cycle at or before `at` (default: now)
 GET /api/v1/metrics     the friendly names
@@ -27,6 +27,27 @@ from ac_observe.metrics import FRIENDLY
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOWED_METHODS = "GET, HEAD"
+
+
+VARY = {"Vary": "Accept-Encoding"}
+GZIP_HEADERS = {"Content-Encoding": "gzip", **VARY}
+
+
+def accepts_gzip(request: Request) -> bool:
+    """Whether Accept-Encoding lists gzip (Prometheus sends `gzip`), not at q=0."""
+    for part in request.headers.get("accept-encoding", "").split(","):
+        coding, *params = part.split(";")
+        if coding.strip().lower() != "gzip":
+            continue
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    return float(value) > 0
+                except ValueError:
+                    return False
+        return True
+    return False
 
 
 def json_response(status: int, body, headers: dict | None = None) -> Response:
@@ -78,13 +99,19 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
                                    "rules": len(daemon.alerts.rules),
                                    "history": daemon.alerts.history() if history else []})
 
-    routes = {
-        "/metrics": lambda params: Response(200, daemon.render_metrics(),
-                                            PROMETHEUS_CONTENT_TYPE),
-        "/api/v1/query": query,
-        "/api/v1/metrics": lambda params: json_response(200, {"metrics": describe_friendly()}),
-        "/api/v1/status": lambda params: json_response(200, daemon.status()),
-        "/api/v1/alerts": alerts,
+    def metrics(request: Request) -> Response:
+        if accepts_gzip(request):
+            return Response(200, daemon.render_metrics_gzip(), PROMETHEUS_CONTENT_TYPE,
+                            dict(GZIP_HEADERS))
+        return Response(200, daemon.render_metrics(), PROMETHEUS_CONTENT_TYPE, dict(VARY))
+
+    routes = {  # path -> (request, its query parameters) -> Response
+        "/metrics": lambda request, params: metrics(request),
+        "/api/v1/query": lambda request, params: query(params),
+        "/api/v1/metrics": lambda request, params: json_response(
+            200, {"metrics": describe_friendly()}),
+        "/api/v1/status": lambda request, params: json_response(200, daemon.status()),
+        "/api/v1/alerts": lambda request, params: alerts(params),
     }
 
     def inline(request: Request) -> Response | None:
@@ -93,8 +120,12 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
         if request.path != "/metrics" or request.method not in ("GET", "HEAD") or \
                 request.query or (expected is not None and not authorized(request)):
             return None
-        body = daemon.rendered_metrics()
-        return None if body is None else Response(200, body, PROMETHEUS_CONTENT_TYPE)
+        gzipped = accepts_gzip(request)
+        body = daemon.rendered_metrics(gzipped)
+        if body is None:
+            return None
+        return Response(200, body, PROMETHEUS_CONTENT_TYPE,
+                        dict(GZIP_HEADERS if gzipped else VARY))
 
     def handle(request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
@@ -112,7 +143,7 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
             params = parse_qs(request.query, max_num_fields=20)
         except ValueError:
             return json_response(400, {"error": "too many query parameters"})
-        return route(params)
+        return route(request, params)
 
     handle.inline = inline
     return handle

@@ -14,6 +14,7 @@ without a web stack), built to stay up under careless or hostile clients.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import signal
@@ -157,6 +158,10 @@ class HttpServer:
 
     async def _serve_socket(self, conn: socket.socket) -> None:
         try:
+            # An answer is one write; never hold its tail back for the client's ACK
+            # (asyncio sets this only for sockets whose proto says TCP; accepted ones say 0).
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_HEAD_BYTES)
             await self._connection(reader, writer)
         except OSError:
@@ -239,7 +244,8 @@ class HttpServer:
                 if self._inline is not None:
                     try:
                         response = self._inline(request)
-                    except Exception:  # the pool's path answers it, and logs what failed
+                    except Exception:  # the pool's path answers it
+                        log.debug("inline answer to %s failed", request.path, exc_info=True)
                         response = None
                 if response is None:
                     response = await self._dispatch(request)
@@ -277,7 +283,7 @@ class HttpServer:
         try:
             writer.write(encode_head(response, keep_alive))
             if not head_only:
-                writer.write(response.body)  # not joined to the head: no copy of a big body
+                writer.write(response.body)  # not joined: no copy of a MiB body (NODELAY)
             await asyncio.wait_for(writer.drain(), self.write_timeout)
             return True
         except (asyncio.TimeoutError, ConnectionError):

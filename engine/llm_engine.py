@@ -442,29 +442,31 @@ class Engine:
     def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int | None],
                      device_seconds: float, now_ns: int) -> None:
         first_token_seconds, gap_seconds = [], []
-        for seq, token_id in zip(batch.seqs, next_tokens):
-            request = self._requests[seq.request_id]
-            seq.num_computed_tokens = len(seq)
-            self.block_manager.commit(seq)
-            if token_id is None:  # its own sampling failed; the batch goes on
-                self._finish(request, FinishReason.ERROR)
-                continue
-            if batch.is_prefill:
-                seq.timeline.prefill_seconds += device_seconds
-            else:
-                seq.timeline.decode_seconds += device_seconds
-            seq.token_ids.append(token_id)
-            timeline = seq.timeline
-            previous_ns = timeline.last_token_ns
-            timeline.last_token_ns = now_ns
-            if not timeline.first_token_ns:
-                timeline.first_token_ns = now_ns
-            if previous_ns:
-                gap_seconds.append((now_ns - previous_ns) * 1e-9)
-            else:
-                first_token_seconds.append(timeline.ttft_ns * 1e-9)
-            self._emit(request, token_id, previous_ns == 0)
-        self.stats.on_tokens(batch.lane, first_token_seconds, gap_seconds)
+        try:
+            for seq, token_id in zip(batch.seqs, next_tokens):
+                request = self._requests[seq.request_id]
+                seq.num_computed_tokens = len(seq)
+                self.block_manager.commit(seq)
+                if token_id is None:  # its own sampling failed; the batch goes on
+                    self._finish(request, FinishReason.ERROR)
+                    continue
+                if batch.is_prefill:
+                    seq.timeline.prefill_seconds += device_seconds
+                else:
+                    seq.timeline.decode_seconds += device_seconds
+                seq.token_ids.append(token_id)
+                timeline = seq.timeline
+                previous_ns = timeline.last_token_ns
+                timeline.last_token_ns = now_ns
+                if not timeline.first_token_ns:
+                    timeline.first_token_ns = now_ns
+                if previous_ns:
+                    gap_seconds.append((now_ns - previous_ns) * 1e-9)
+                else:
+                    first_token_seconds.append(timeline.ttft_ns * 1e-9)
+                self._emit(request, token_id, previous_ns == 0)
+        finally:  # the tokens made so far are counted even if a delivery raised
+            self.stats.on_tokens(batch.lane, first_token_seconds, gap_seconds)
 
     def _emit(self, request: _Request, token_id: int, first: bool) -> None:
         seq, params = request.seq, request.seq.params

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,9 +16,13 @@ from ac_observe.engine.scheduler import Scheduler
 from ac_observe.engine.sequence import FinishReason, Sequence
 from ac_observe.engine.telemetry import Series, SkeletonLabeler, TelemetryWriter
 
+log = logging.getLogger("ac_observe.engine")
+
 NS = 1e-9
 # Per-step figures are kept in lists and handed to the writer at most this often (and
-# whenever the engine goes idle or admits a request): the daemon reads once a second.
+# whenever the engine goes idle, admits or rejects a request, and at close): the daemon
+# reads once a second. Only `flush` writes the files, so what a reader sees was written
+# together (a step's count with its sampled-step count, a request's with its latencies).
 FLUSH_SECONDS = 0.05
 
 @dataclass(slots=True)
@@ -79,6 +84,7 @@ class EngineStats:
     _pending_tokens: int = 0
     _gauges: tuple = ()
     _flushed: float = 0.0
+    _flush_failed: bool = False
 
     def _lane_series(self, lane: str) -> _LaneSeries:
         series = self._by_lane.get(lane)
@@ -200,12 +206,19 @@ class EngineStats:
         if not self.writer:
             return
         self._flushed = time.monotonic()
-        for series in self._by_lane.values():
-            series.commit()
-        if self._pending_tokens:
-            self._tokens.inc(self._pending_tokens)
-            self._pending_tokens = 0
-        self.writer.flush()
+        try:
+            for series in self._by_lane.values():
+                series.commit()
+            if self._pending_tokens:
+                self._tokens.inc(self._pending_tokens)
+                self._pending_tokens = 0
+            self.writer.flush()
+        except Exception:  # a full disk costs figures, never a request or the engine
+            if not self._flush_failed:
+                log.exception("telemetry flush failed; figures are kept and retried")
+            self._flush_failed = True
+        else:
+            self._flush_failed = False
 
     def flush_due(self) -> None:
         """After a step: flush if FLUSH_SECONDS passed since the last flush."""

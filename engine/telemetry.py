@@ -7,8 +7,9 @@ are named by pid, so a restarted engine's counters add onto its predecessor's an
 monotonic; a dead pid's live gauges are removed when the next engine starts in the directory
 (prometheus_client's `mark_process_dead`). The format itself is `ac_observe.telemetry_format`.
 
-Events update the writer's memory; `TelemetryWriter.flush` writes what moved: the engine
-flushes after every step and every admission, and the heartbeat thread once a second.
+The engine's writer is buffered: events update its memory and `TelemetryWriter.flush`
+writes what moved (the engine flushes at most every 50 ms after a step, on admission,
+when idle and at close: engine/stats.py).
 
 NOTE: torch-free; the writer is thread-safe (one lock), the engine is single-process.
 """
@@ -61,11 +62,12 @@ class TelemetryWriter:
                                           **self._files[HISTOGRAM].read_all()}
         self._keys: dict[tuple, tuple] = {}
         # What moved since the last write, per file: {key: value}. Buffered (the engine),
-        # events only touch memory and `flush` (after every engine step and admission, and
-        # from the heartbeat) writes each moved series once, so a step costs one mmap write
-        # per series it moved, not one per token and bucket; unbuffered, every event is
-        # written at once. Either way a gauge set to the value it holds writes nothing.
+        # events only touch memory and the owner's `flush` (engine/stats.py says when)
+        # writes each moved series once, so a step costs one mmap write per series it
+        # moved, not one per token and bucket; unbuffered, every event is written at once.
+        # Either way a gauge set to the value it holds writes nothing.
         self._buffered = buffered
+        self._sum_keys: set[str] = set()
         self._dirty: dict[str, dict[str, float]] = {typ: {} for typ in _FILE_KINDS}
         self._lock = threading.Lock()
         self._declare_series()
@@ -81,7 +83,6 @@ class TelemetryWriter:
 
     def _beat(self, period: float) -> None:
         while not self._closed.wait(period):
-            self.flush()  # what arrived while no step ran (a rejection, an idle engine)
             try:
                 os.utime(ENGINE_INFO_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
             except OSError:
@@ -141,6 +142,7 @@ class TelemetryWriter:
             family = spec.family
             if spec.type == HISTOGRAM:
                 bounds = list(spec.buckets) + [float("inf")]
+                self._sum_keys.add(sample_key(family, f"{family}_sum", labels, spec.help))
                 keys = (
                     sample_key(family, f"{family}_sum", labels, spec.help),
                     [sample_key(family, f"{family}_bucket", {**labels, "le": _float_text(b)},
@@ -171,13 +173,21 @@ class TelemetryWriter:
             self._write_moved()
 
     def _write_moved(self) -> None:
+        """(A write that fails, e.g. a full disk, raises with what moved still kept.)"""
         if self._dir_fd < 0:
             return
         now = time.time()
+        sums = self._sum_keys
         for typ, dirty in self._dirty.items():
             if dirty:
                 value_file = self._files[typ]
+                last = []  # a histogram's _sum after its buckets, as one observe writes
                 for key, value in dirty.items():
+                    if key in sums:
+                        last.append((key, value))
+                    else:
+                        value_file.write(key, value, now)
+                for key, value in last:
                     value_file.write(key, value, now)
                 dirty.clear()
 

@@ -260,3 +260,40 @@ def _parsed(text: bytes) -> list:
     return [(f.name, f.type, f.documentation,
              [(s.name, sorted(s.labels.items()), s.value) for s in f.samples])
             for f in text_string_to_metric_families(text.decode())]
+
+
+def test_a_cycle_renders_ahead_only_when_a_scrape_is_due(tmp_path):
+    """Scraped every 15th cycle (Prometheus at 15 s), the daemon learns the pace and renders
+    ahead in the two cycles before a scrape is due, not in all 15: every scrape still
+    finds its snapshot rendered (nothing made on demand), and a daemon no one scrapes
+    renders nothing."""
+    from ac_observe.daemon import service
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
+    renders = []
+    real = daemon._renderer.render
+    daemon._renderer.render = lambda families: renders.append(daemon._generation) or \
+        real(families)
+    try:
+        for _ in range(5):
+            daemon.run_cycle()
+        assert renders == []  # not scraped: nothing rendered
+        on_demand = 0
+        for cycle in range(1, 91):
+            daemon.run_cycle()
+            if cycle % 15 == 0:
+                before = len(renders)
+                assert daemon.rendered_metrics(gzipped=False) is not None or cycle <= 15
+                daemon.render_metrics()
+                on_demand += len(renders) - before
+        generations = [g for g in renders if g > 5 + 45]  # once three scrapes were seen
+        assert len(generations) == 6  # two cycles before each of the last three scrapes
+        assert all((g - 5) % 15 in (14, 0) for g in generations), generations
+        assert on_demand == 1  # the first scrape only
+        pace = service.ScrapePace()
+        for cycle in (3, 18, 33):
+            pace.scraped(cycle)
+        assert [c for c in range(34, 50) if pace.due(c)] == [47, 48, 49]
+        pace._last -= service.RENDER_AHEAD_SECONDS
+        assert not pace.due(48)  # no scrape for five minutes: nobody to render for
+    finally:
+        daemon.close()

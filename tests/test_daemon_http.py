@@ -3,6 +3,7 @@ the daemon cannot give one."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import socket
@@ -54,6 +55,10 @@ def test_methods_heads_and_absurd_queries_get_clear_answers(start_daemon):
     post = httpx.post(daemon.url + "/metrics", content=b"")
     assert post.status_code == 405 and post.headers["allow"] == "GET, HEAD"
     assert "not allowed" in post.json()["error"]
+    scrape = httpx.get(daemon.url + "/metrics")  # httpx asks for gzip, as Prometheus does
+    assert scrape.headers["content-encoding"] == "gzip" and b"ac_collector_up" in scrape.content
+    plain = httpx.get(daemon.url + "/metrics", headers={"Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain.headers and b"ac_collector_up" in plain.content
     head = httpx.head(daemon.url + "/metrics")
     assert head.status_code == 200 and head.content == b""
     assert int(head.headers["content-length"]) > 0
@@ -200,18 +205,25 @@ def test_clients_that_never_read_are_cut_off_and_connections_stay_bounded():
 
 
 def test_a_rendered_scrape_is_answered_on_the_event_loop_and_nothing_else_is(tmp_path):
-    """`inline` answers GET or HEAD of /metrics with the render of the latest cycle only;
-    before that render, with a query string, or for any other route it hands the request
-    to the pool (None), where every check runs."""
+    """`inline` answers GET or HEAD of /metrics with the render of the latest cycle only
+    (or its gzip, once made); before that, with a query string, or for any other route it
+    hands the request to the pool (None), where every check runs."""
     from ac_observe.daemon.config import DaemonConfig
     from ac_observe.daemon.http_api import make_handler
     from ac_observe.daemon.http_server import Request
     from ac_observe.daemon.service import Daemon
     daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
-    inline = make_handler(daemon, None).inline
+    handle = make_handler(daemon, None)
+    inline = handle.inline
 
     def request(path="/metrics", query="", method="GET"):
         return Request(method, path, query, {})
+    zipped = Request("GET", "/metrics", "", {"accept-encoding": "deflate, gzip;q=0.9"})
+    unstarted = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
+    # Before the first cycle (the server listens already): an empty body, still gzip.
+    empty = make_handler(unstarted, None)(zipped).body
+    assert empty[:2] == b"\x1f\x8b" and gzip.decompress(empty) == b""
+    unstarted.close()
     daemon.run_cycle()
     assert inline(request()) is None  # not rendered yet: the pool renders it
     body = daemon.render_metrics()
@@ -220,7 +232,17 @@ def test_a_rendered_scrape_is_answered_on_the_event_loop_and_nothing_else_is(tmp
     assert inline(request(method="HEAD")).body == body  # (the server sends the head only)
     for other in (request(query="x=1"), request("/api/v1/status"), request(method="POST")):
         assert inline(other) is None
+    # gzip, as Prometheus asks: made by the pool once a snapshot, then answered inline.
+    assert inline(zipped) is None
+    pooled = handle(zipped)
+    assert pooled.headers["Content-Encoding"] == "gzip" and gzip.decompress(pooled.body) == body
+    assert inline(zipped).body == pooled.body
+    for refusing in ("gzip;q=0, br", "gzip;level=1;q=0", "identity"):
+        refused = Request("GET", "/metrics", "", {"accept-encoding": refusing})
+        assert "Content-Encoding" not in handle(refused).headers
+        assert handle(refused).body == body
     daemon.run_cycle()
     fresh = inline(request())
     assert fresh is not None  # scraped lately: the cycle rendered ahead
     assert fresh.body != body  # the new cycle's (its collector duration moved)
+    assert gzip.decompress(inline(zipped).body) == fresh.body  # and compressed ahead

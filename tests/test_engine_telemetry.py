@@ -177,3 +177,31 @@ def test_an_idle_engine_has_written_every_figure_of_its_steps(tmp_path):
                       "ac_inter_token_latency_seconds_count", stream="low_latency") == 4
         assert _value(families, "ac_engine_steps", "ac_engine_steps_total",
                       stream="low_latency", phase="decode") == 4
+
+
+def test_a_decode_step_that_takes_a_block_moves_the_usage_gauge_and_close_writes_it_all(
+        tmp_path, monkeypatch):
+    """KV usage moves in a decode step that admits and finishes nothing (a new block), and
+    that step's figures reach the files at the next flush; close writes the rest."""
+    with Engine(EngineConfig(telemetry_dir=str(tmp_path), engine_name="e1", num_kv_blocks=8,
+                             block_size=16), start=False) as engine:
+        engine.add_request(list(range(1, 16)), params=SamplingParams(max_tokens=8,
+                                                                      ignore_eos=True))
+        usages = []
+        for _ in range(4):  # prefill (15 tokens: one block), then decode into a second
+            engine.step()
+            usages.append(engine.block_manager.usage)
+        assert usages[0] < usages[-1]  # no admission or finish in between
+        with engine._lock:
+            engine.stats.flush()
+        families = _read_in_other_process(tmp_path)
+        assert _value(families, "ac_kv_cache_usage_ratio", "ac_kv_cache_usage_ratio") == \
+            usages[-1]
+        monkeypatch.setattr("ac_observe.engine.stats.FLUSH_SECONDS", 3600.0)
+        engine.step()  # no flush due after it: its figures wait in memory
+        assert _value(_read_in_other_process(tmp_path), "ac_generation_tokens",
+                      "ac_generation_tokens_total") == 4
+        engine.close()
+    families = _read_in_other_process(tmp_path)
+    assert _value(families, "ac_engine_steps", "ac_engine_steps_total", phase="decode") == 4
+    assert _value(families, "ac_generation_tokens", "ac_generation_tokens_total") == 5

@@ -167,8 +167,8 @@ def _stamps(directory: Path, name: str) -> dict[str, float]:
 
 def test_a_buffered_writer_writes_what_moved_at_each_flush_and_gauges_on_change(tmp_path):
     """The engine's writer keeps a step's events in memory and writes each moved series
-    once per flush; a gauge set to the value it holds is not written again; the heartbeat
-    flushes what arrived while no step ran, and close flushes the rest."""
+    once per flush; a gauge set to the value it holds is not written again; only the
+    owner's flush writes (not the heartbeat), and close flushes the rest."""
     import time
 
     from ac_observe import metrics as m
@@ -205,19 +205,16 @@ def test_a_buffered_writer_writes_what_moved_at_each_flush_and_gauges_on_change(
         assert _ours(directory.parent)[usage] == 0.75
     finally:
         writer.close()
-    beating = TelemetryWriter(tmp_path / "telemetry" / "e2", {"started_at": 0.0}, engine="e2",
+    closing = TelemetryWriter(tmp_path / "telemetry" / "e2", {"started_at": 0.0}, engine="e2",
                               model="m1", heartbeat_seconds=0.05, buffered=True)
+    key = ("ac_requests_total", (("engine", "e2"), ("model", "m1"), ("status", "rejected"),
+                                 ("stream", "throughput")))
     try:
-        beating.inc(m.REQUESTS, 1, stream="throughput", status="rejected")
-        key = ("ac_requests_total", (("engine", "e2"), ("model", "m1"), ("status", "rejected"),
-                                     ("stream", "throughput")))
-        deadline = time.monotonic() + 5
-        while _ours(tmp_path / "telemetry").get(key) != 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert _ours(tmp_path / "telemetry").get(key) == 1  # the heartbeat's flush
-        beating.inc(m.REQUESTS, 1, stream="throughput", status="rejected")
+        closing.inc(m.REQUESTS, 2, stream="throughput", status="rejected")
+        time.sleep(0.2)  # heartbeats write no figures: only the owner's flush does
+        assert _ours(tmp_path / "telemetry")[key] == 0
     finally:
-        beating.close()
+        closing.close()
     assert _ours(tmp_path / "telemetry")[key] == 2  # close flushes
 
 
@@ -244,5 +241,35 @@ def test_the_reader_follows_a_file_rewritten_with_as_many_entries_and_one_append
         assert dict(index.read(fd, "counter_1.db")) == {"c-longer-key": 3.0, "d": 4.0}
         write([("e", 5.0), ("d", 6.0)])
         assert dict(index.read(fd, "counter_1.db")) == {"c-longer-key": 3.0, "d": 6.0, "e": 5.0}
+        os.unlink("counter_1.db", dir_fd=fd)
+        write([])  # started over, no entry yet
+        assert dict(index.read(fd, "counter_1.db")) == {}
     finally:
         os.close(fd)
+
+
+def test_a_key_written_twice_in_one_file_adds_up_as_multiprocess_collector_adds_it(tmp_path):
+    from ac_observe import metrics as m
+    from ac_observe.engine.telemetry import TelemetryWriter
+    from ac_observe.telemetry_format import ValueFile, open_dir_nofollow
+    directory = tmp_path / "telemetry" / "e1"
+    writer = TelemetryWriter(directory, {"started_at": 0.0}, engine="e1", model="m1",
+                             heartbeat_seconds=60)
+    writer.inc(m.REQUESTS, 2, stream="throughput", status="ok")
+    writer.close()
+    (name,) = [p.name for p in directory.glob("counter_*.db")]
+    fd = open_dir_nofollow(directory)
+    try:
+        again = ValueFile(fd, name)
+        (key,) = [k for k in again._positions if '"ok"' in k and "throughput" in k]
+        again._positions.clear()  # a hostile or broken writer appends the key once more
+        again.write(key, 5.0, 0.0)
+        again.close()
+    finally:
+        os.close(fd)
+    ours = _ours(directory.parent)
+    labels = (("engine", "e1"), ("model", "m1"), ("status", "ok"), ("stream", "throughput"))
+    assert ours[("ac_requests_total", labels)] == 7
+    theirs = _multiprocess_collector(sorted(COMPAT_WHEELS.glob("prometheus_client-*.whl"))[-1],
+                                     directory)
+    assert theirs[("ac_requests_total", labels)] == 7
