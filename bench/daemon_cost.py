@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import json
 import subprocess
@@ -85,30 +86,40 @@ def loaded_cycles(daemon: Daemon, writers: list, rng: random.Random, cycles: int
     return spent
 
 
-def measure(num_engines: int, cycles: int, scrapes: int,
-            concurrency: tuple[int, ...] = (1, 50), load: int = 20) -> dict:
-    """`load`: requests each engine finishes between two cycles (written untimed), so a
-    cycle meets series that changed, as under traffic, not only still ones."""
+@contextlib.contextmanager
+def paced_daemon(num_engines: int, load: int):
+    """(daemon, writers, rng): `num_engines` engines' files under a daemon that ran four
+    cycles and then 3 x SCRAPE_EVERY loaded, scraped ones (untimed: its pace learnt);
+    the daemon and the writers are closed on the way out."""
     rng = random.Random(num_engines)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         writers = [write_engine(root / f"engine-{i}", f"engine-{i}", rng)
                    for i in range(num_engines)]
         daemon = Daemon(DaemonConfig(telemetry_root=root, collectors=("engine",)))
-        daemon.run_cycle()
+        try:
+            for _ in range(4):
+                daemon.run_cycle()
+            loaded_cycles(daemon, writers, rng, 3 * SCRAPE_EVERY, load)
+            yield daemon, writers, rng
+        finally:
+            daemon.close()
+            for writer in writers:
+                writer.close()
+
+
+def measure(num_engines: int, cycles: int, scrapes: int,
+            concurrency: tuple[int, ...] = (1, 50), load: int = 20) -> dict:
+    """`load`: requests each engine finishes between two cycles (written untimed), so a
+    cycle meets series that changed, as under traffic, not only still ones."""
+    with paced_daemon(num_engines, load) as (daemon, writers, rng):
         series = sum(len(f.samples) for f in daemon._snapshot)
-        for _ in range(3):
-            daemon.run_cycle()
-        loaded_cycles(daemon, writers, rng, 3 * SCRAPE_EVERY, load)  # its pace learnt
         per_cycle = loaded_cycles(daemon, writers, rng, cycles, load) / cycles
         server = make_server(daemon, "127.0.0.1", 0, None)
         stop_server = server.start_in_thread()
         daemon.start()  # scrapes race real cycles, so rendering is not always cached
         scraping = {c: _scrape(server.port, c, scrapes) for c in concurrency}
-        daemon.close()
         stop_server()
-        for writer in writers:
-            writer.close()
     result = {"engines": num_engines, "series": series, "cpu_ms_per_cycle": per_cycle * 1e3,
               "core_percent_at_1s": per_cycle * 100}
     for c, (latencies, body) in scraping.items():
@@ -145,20 +156,9 @@ def phases(num_engines: int, cycles: int, load: int) -> dict:
     timed(history.MinuteAggregator, "add", "minute history")
     timed(exposition.Renderer, "render", "render")
     timed(Daemon, "render_metrics_gzip", "render and gzip")
-    rng = random.Random(num_engines)
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        writers = [write_engine(root / f"engine-{i}", f"engine-{i}", rng)
-                   for i in range(num_engines)]
-        daemon = Daemon(DaemonConfig(telemetry_root=root, collectors=("engine",)))
-        for _ in range(4):
-            daemon.run_cycle()
-        loaded_cycles(daemon, writers, rng, 3 * SCRAPE_EVERY, load)
+    with paced_daemon(num_engines, load) as (daemon, writers, rng):
         spent.clear()
         loaded_cycles(daemon, writers, rng, cycles, load)
-        daemon.close()
-        for writer in writers:
-            writer.close()
     return {label: seconds / cycles * 1e3 for label, seconds in spent.most_common()}
 
 

@@ -29,8 +29,11 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOWED_METHODS = "GET, HEAD"
 
 
-VARY = {"Vary": "Accept-Encoding"}
-GZIP_HEADERS = {"Content-Encoding": "gzip", **VARY}
+def metrics_response(body: bytes, gzipped: bool) -> Response:
+    headers = {"Vary": "Accept-Encoding"}
+    if gzipped:
+        headers["Content-Encoding"] = "gzip"
+    return Response(200, body, PROMETHEUS_CONTENT_TYPE, headers)
 
 
 def accepts_gzip(request: Request) -> bool:
@@ -100,10 +103,9 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
                                    "history": daemon.alerts.history() if history else []})
 
     def metrics(request: Request) -> Response:
-        if accepts_gzip(request):
-            return Response(200, daemon.render_metrics_gzip(), PROMETHEUS_CONTENT_TYPE,
-                            dict(GZIP_HEADERS))
-        return Response(200, daemon.render_metrics(), PROMETHEUS_CONTENT_TYPE, dict(VARY))
+        gzipped = accepts_gzip(request)
+        return metrics_response(daemon.render_metrics_gzip() if gzipped
+                                else daemon.render_metrics(), gzipped)
 
     routes = {  # path -> (request, its query parameters) -> Response
         "/metrics": lambda request, params: metrics(request),
@@ -122,10 +124,7 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
             return None
         gzipped = accepts_gzip(request)
         body = daemon.rendered_metrics(gzipped)
-        if body is None:
-            return None
-        return Response(200, body, PROMETHEUS_CONTENT_TYPE,
-                        dict(GZIP_HEADERS if gzipped else VARY))
+        return None if body is None else metrics_response(body, gzipped)
 
     def handle(request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):

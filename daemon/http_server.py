@@ -158,8 +158,9 @@ class HttpServer:
 
     async def _serve_socket(self, conn: socket.socket) -> None:
         try:
-            # An answer is one write; never hold its tail back for the client's ACK
-            # (asyncio sets this only for sockets whose proto says TCP; accepted ones say 0).
+            # An answer is its head and its body, two writes: never hold the body back for
+            # the ACK of the head (Nagle; asyncio sets TCP_NODELAY only for sockets whose
+            # proto says TCP, and accepted ones say 0).
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_HEAD_BYTES)

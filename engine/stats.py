@@ -25,6 +25,7 @@ NS = 1e-9
 # together (a step's count with its sampled-step count, a request's with its latencies).
 FLUSH_SECONDS = 0.05
 
+
 @dataclass(slots=True)
 class LaneTotals:
     """Per-lane device time and the host window it fell in (for busy <= elapsed checks)."""
@@ -90,9 +91,10 @@ class EngineStats:
         series = self._by_lane.get(lane)
         if series is None:
             series = self._by_lane[lane] = _LaneSeries(self.writer, lane)
-            self._tokens = self.writer.series(m.GENERATION_TOKENS)
-            self._kv_usage = self.writer.series(m.KV_USAGE)
-            self._kv_blocks = self.writer.series(m.KV_BLOCKS)
+            if self._tokens is None:  # the engine-wide ones, with the first lane's
+                self._tokens = self.writer.series(m.GENERATION_TOKENS)
+                self._kv_usage = self.writer.series(m.KV_USAGE)
+                self._kv_blocks = self.writer.series(m.KV_BLOCKS)
         return series
 
     def lane(self, name: str) -> LaneTotals:

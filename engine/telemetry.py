@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import logging
 import os
 import secrets
 import threading
@@ -28,6 +29,8 @@ from ac_observe.metrics import (COUNTER, ENGINE_METRICS, GAUGE, HISTOGRAM, LABEL
 from ac_observe.telemetry_format import (ENGINE_INFO_FILE, TELEMETRY_FORMAT, ValueFile,
                                          db_file_name, open_engine_dir, remove_dead_gauges,
                                          sample_key)
+
+log = logging.getLogger("ac_observe.engine")
 
 _FILE_KINDS = {COUNTER: "counter", HISTOGRAM: "histogram", GAUGE: "gauge_livesum"}
 
@@ -142,12 +145,12 @@ class TelemetryWriter:
             family = spec.family
             if spec.type == HISTOGRAM:
                 bounds = list(spec.buckets) + [float("inf")]
-                self._sum_keys.add(sample_key(family, f"{family}_sum", labels, spec.help))
                 keys = (
                     sample_key(family, f"{family}_sum", labels, spec.help),
                     [sample_key(family, f"{family}_bucket", {**labels, "le": _float_text(b)},
                                 spec.help) for b in bounds],
                 )
+                self._sum_keys.add(keys[0])
             else:
                 keys = (sample_key(family, spec.name, labels, spec.help),)
             self._keys[cache_key] = keys
@@ -258,7 +261,10 @@ class TelemetryWriter:
     def close(self) -> None:
         self._closed.set()
         self._heartbeat.join()  # it uses the directory's descriptor, closed below
-        self.flush()
+        try:
+            self.flush()
+        except OSError as exc:  # a full disk: the last figures are lost, the files closed
+            log.warning("telemetry: the last flush failed: %s", exc)
         with self._lock:
             for value_file in self._files.values():
                 value_file.close()
@@ -281,10 +287,6 @@ class Series:
     def set(self, value: float) -> None:
         with self._writer._lock:
             self._writer._set(self._key, value)
-
-    def observe(self, value: float) -> None:
-        with self._writer._lock:
-            self._writer._observe(self._spec, self._key, self._bucket_keys, (value,))
 
     def observe_many(self, values) -> None:
         with self._writer._lock:

@@ -22,7 +22,8 @@ def test_bench_run_prints_the_table_of_the_rows_it_ran():
                  "1 instrumentation timed in place, batch 1",
                  "5 prefix cache, warm vs cold TTFT"):
         figure, aim, status = rows[name]
-        assert aim and (status == "met" or status.startswith("missed")), (name, status)
+        assert aim and (status == "met" or status.startswith("missed")
+                        or status.startswith("not resolved: the pairs spread")), (name, status)
     assert "of the step loop's working time" in rows["1 profile: instrumentation"][0]
     figure, aim, status = rows["6 low_latency TTFT p99, 8 clients, throughput flooded"]
     assert figure.startswith("lanes ") and "unloaded" in figure and "one lane" in figure
