@@ -37,6 +37,7 @@ from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.http_api import make_server
 from ac_observe.daemon.service import Daemon, tune_interpreter
 from ac_observe.engine.telemetry import TelemetryWriter
+from timed_calls import time_calls
 
 
 SCALE_SERIES = 10_000  # the second size
@@ -139,27 +140,19 @@ def phases(num_engines: int, cycles: int, load: int) -> dict:
     from ac_observe.collectors import engine as collector
     from ac_observe.daemon import exposition, history, windows
     spent: collections.Counter = collections.Counter()
-
-    def timed(owner, name: str, label: str) -> None:
-        real = getattr(owner, name)
-
-        def run(*args, **kwargs):
-            start = time.thread_time()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                spent[label] += time.thread_time() - start
-        setattr(owner, name, run)
-    timed(collector, "_merge", "merge the files into families")
-    timed(collector.EngineCollector, "_read_samples", "read the files")
-    timed(windows.Windows, "append", "windows")
-    timed(history.MinuteAggregator, "add", "minute history")
-    timed(exposition.Renderer, "render", "render")
-    timed(Daemon, "render_metrics_gzip", "render and gzip")
+    for owner, name, label in (
+            (collector, "_merge", "merge the files into families"),
+            (collector.EngineCollector, "_read_samples", "read the files"),
+            (windows.Windows, "append", "windows"),
+            (history.MinuteAggregator, "add", "minute history"),
+            (exposition.Renderer, "render", "render"),
+            (Daemon, "render_metrics_gzip", "render and gzip")):
+        time_calls(owner, name, spent, label, clock=time.thread_time)
     with paced_daemon(num_engines, load) as (daemon, writers, rng):
         spent.clear()
         loaded_cycles(daemon, writers, rng, cycles, load)
-    return {label: seconds / cycles * 1e3 for label, seconds in spent.most_common()}
+    return {label: seconds / cycles * 1e3 for label, seconds in spent.most_common()
+            if not label.endswith(" calls")}
 
 
 def _scrape(port: int, clients: int, scrapes: int) -> tuple[list[float], int]:

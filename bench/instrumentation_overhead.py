@@ -22,6 +22,7 @@ Usage: python bench/instrumentation_overhead.py [--pairs 10] [--new-tokens 64] [
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import subprocess
@@ -31,6 +32,7 @@ import time
 
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.llm_engine import Engine, SamplingParams
+from timed_calls import time_calls
 
 SYSTEM = "You are a careful assistant. Answer in short markdown.\n" * 8
 MODULES = ("engine/stats.py", "engine/telemetry.py", "engine/kernel_sampler.py",
@@ -146,48 +148,28 @@ def hooks_share(batches: list[int], new_tokens: int, repeats: int = 10) -> dict:
     not a tracer's overhead on every function. Kernel sampling is off here: its cost is
     its budget (0.5 % of wall time by default), counted apart."""
     from ac_observe.engine import kernel_sampler, llm_engine, stats
-    spent = [0.0]
-
-    def timed(cls, name):
-        real = getattr(cls, name)
-
-        def hook(self, *a, **k):
-            start = time.perf_counter()
-            try:
-                return real(self, *a, **k)
-            finally:
-                spent[0] += time.perf_counter() - start
-        setattr(cls, name, hook)
+    spent: collections.Counter = collections.Counter()
     # Outermost hooks only (on_state calls on_gauges; flush_due calls flush).
     for name in ("on_rejected", "on_accepted", "on_step", "on_kernel_sample",
                  "on_first_scheduled", "on_tokens", "on_first_text", "on_finished",
                  "on_state", "flush_due"):
-        timed(stats.EngineStats, name)
-    timed(kernel_sampler.KernelSampler, "begin")
-    timed(kernel_sampler.KernelSampler, "end")
-    loop = [0.0, 0]
-    real_step = llm_engine.Engine.step
-
-    def step(self):
-        start = time.perf_counter()
-        try:
-            return real_step(self)
-        finally:
-            loop[0] += time.perf_counter() - start
-            loop[1] += 1
-    llm_engine.Engine.step = step
+        time_calls(stats.EngineStats, name, spent, "hooks")
+    time_calls(kernel_sampler.KernelSampler, "begin", spent, "hooks")
+    time_calls(kernel_sampler.KernelSampler, "end", spent, "hooks")
+    time_calls(llm_engine.Engine, "step", spent, "steps")
     out = {}
     with tempfile.TemporaryDirectory() as tmp, \
             Engine(EngineConfig(instrumentation=True, telemetry_dir=f"{tmp}/e", seed=0,
                                 kernel_sample_steps=0)) as engine:
         for batch in batches:
             _run(engine, batch, new_tokens, 30_000 * batch)  # warm-up
-            spent[0], loop[0], loop[1] = 0.0, 0.0, 0
+            spent.clear()
             for r in range(repeats):
                 _run(engine, batch, new_tokens, 30_000 * batch + 100 * (r + 1))
-            out[str(batch)] = {"share": spent[0] / loop[0],
-                               "us_per_step": spent[0] / loop[1] * 1e6,
-                               "step_ms": loop[0] / loop[1] * 1e3}
+            steps = spent["steps calls"]
+            out[str(batch)] = {"share": spent["hooks"] / spent["steps"],
+                               "us_per_step": spent["hooks"] / steps * 1e6,
+                               "step_ms": spent["steps"] / steps * 1e3}
     return out
 
 

@@ -25,7 +25,7 @@ from ac_observe.engine.scheduler import (NeverFitsError, QueueFullError, Schedul
                                          Scheduler)
 from ac_observe.engine.sequence import FinishReason, SamplingParams, Sequence
 from ac_observe.engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
-from ac_observe.engine.stats import EngineStats, NullStats
+from ac_observe.engine.stats import NS, EngineStats, NullStats
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
 from ac_observe.metrics import DEFAULT_LANE, MISS_REASONS, PHASE_DECODE, PHASE_PREFILL
 from ac_observe.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -461,9 +461,9 @@ class Engine:
                 if not timeline.first_token_ns:
                     timeline.first_token_ns = now_ns
                 if previous_ns:
-                    gap_seconds.append((now_ns - previous_ns) * 1e-9)
+                    gap_seconds.append((now_ns - previous_ns) * NS)
                 else:
-                    first_token_seconds.append(timeline.ttft_ns * 1e-9)
+                    first_token_seconds.append(timeline.ttft_ns * NS)
                 self._emit(request, token_id, previous_ns == 0)
         finally:  # the tokens made so far are counted even if a delivery raised
             self.stats.on_tokens(batch.lane, first_token_seconds, gap_seconds)

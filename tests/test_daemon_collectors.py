@@ -295,5 +295,9 @@ def test_a_cycle_renders_ahead_only_when_a_scrape_is_due(tmp_path):
         assert [c for c in range(34, 50) if pace.due(c)] == [47, 48, 49]
         pace._last -= service.RENDER_AHEAD_SECONDS
         assert not pace.due(48)  # no scrape for five minutes: nobody to render for
+        two = service.ScrapePace()  # two scrapers at 15 cycles, 3 apart: gaps 3, 12, 3, 12
+        for cycle in (0, 3, 15, 18, 30):
+            two.scraped(cycle)
+        assert two.due(32)  # due by the closer pair's gap, not a median's 12
     finally:
         daemon.close()
