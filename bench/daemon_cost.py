@@ -133,16 +133,18 @@ def measure(num_engines: int, cycles: int, scrapes: int,
 
 def phases(num_engines: int, cycles: int, load: int) -> dict:
     """Where a loaded, scraped cycle goes: thread CPU time of each of its phases (the
-    collector reading and merging the files on its own thread, the windows, the minute
-    history, the render), ms a cycle."""
+    collector reading the files and summing them into series on its own thread, the
+    windows, the minute history, the render), ms a cycle."""
     import collections
 
     from ac_observe.collectors import engine as collector
     from ac_observe.daemon import exposition, history, windows
     spent: collections.Counter = collections.Counter()
     for owner, name, label in (
-            (collector, "_merge", "merge the files into families"),
-            (collector.EngineCollector, "_read_samples", "read the files"),
+            (Daemon, "run_cycle", "the whole cycle (not scrapes)"),
+            (collector.EngineCollector, "_read_samples", "read the files, all in"),
+            (collector._Plan, "evaluate", "  of which: sum into series"),
+            (collector._EngineSamples, "add_to", "add to the families"),
             (windows.Windows, "append", "windows"),
             (history.MinuteAggregator, "add", "minute history"),
             (exposition.Renderer, "render", "render"),

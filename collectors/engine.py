@@ -14,15 +14,17 @@ without bound.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import stat
-import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
@@ -62,28 +64,29 @@ class _Entry:
     le: float | None
     sample_labels: dict        # the sample's labels, le included for a bucket
     count_labels: dict         # a bucket's `_count` labels (its labels without le)
-    watch_key: tuple           # (sample, labels as the exposition orders them): see _merge
+    watch_key: tuple           # (sample, labels as the exposition orders them): the
+                               # series' key in the daemon's windows (one per series)
 
 
 class _FileIndex:
     """Where the entries of one `.db` file sit, parsed once (the format only appends).
 
-    A cycle reads the used part of the file in one bounded `pread` and unpacks every known
-    value with one `struct` call laid out from the entries (no JSON parse, no Python per
-    value); `read` gives (key, value) pairs.
+    A cycle reads the used part of the file in one bounded `pread` and takes every known
+    value out of it with one numpy gather (no JSON parse, no Python per value): `read`
+    gives the values in the order of `keys`.
     """
-    __slots__ = ("identity", "used", "entries", "rejected", "unique", "_keys", "_values")
+    __slots__ = ("identity", "used", "entries", "rejected", "keys", "layout", "_at")
 
     def __init__(self):
         self.identity: tuple = ()
         self.used = 8
         self.entries: list[tuple[int, str]] = []  # (value offset, key)
         self.rejected: tuple | None = None        # (file version, reason): not re-read
-        self._keys: tuple[str, ...] = ()
-        self._values: struct.Struct | None = None  # unpacks every value in one call
-        self.unique = True  # no key twice (a hostile file may repeat one: those add up)
+        self.keys: tuple[str, ...] = ()           # the entries' keys, as `read` gives values
+        self.layout = 0  # changes whenever `keys` does (numbers are never reused)
+        self._at: np.ndarray | None = None  # each value's index as a float64 of the file
 
-    def read(self, dir_fd: int, name: str):
+    def read(self, dir_fd: int, name: str) -> np.ndarray | None:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      dir_fd=dir_fd)
         try:
@@ -105,13 +108,17 @@ class _FileIndex:
             os.close(fd)
         self.rejected = None
         if not data:
-            return ()
+            return None
         if len(self.entries) > MAX_SERIES_PER_ENGINE:
             raise BadEngine(f"{name} holds more than {MAX_SERIES_PER_ENGINE} series")
-        if self._values is None:  # entries were added, or the file started over
-            self._keys, self._values = _values_struct(self.entries)
-            self.unique = len(set(self._keys)) == len(self._keys)
-        return zip(self._keys, self._values.unpack_from(data)) if self._keys else ()
+        if self._at is None:  # entries were added, or the file started over
+            # Every value sits at a multiple of 8 (scan_entries pads keys so), as a double
+            # in native byte order (the writer packs "d").
+            self.keys = tuple(key for _, key in self.entries)
+            self._at = np.fromiter((at >> 3 for at, _ in self.entries), dtype=np.intp,
+                                   count=len(self.entries))
+            self.layout = next(_LAYOUTS)
+        return np.frombuffer(data, dtype=np.float64, count=len(data) >> 3)[self._at]
 
     def _read_used(self, fd: int, info: os.stat_result, header: bytes) -> bytes:
         if len(header) < 4 or header == b"\0\0\0\0":
@@ -128,22 +135,15 @@ class _FileIndex:
         identity = (info.st_dev, info.st_ino, bytes(data[8:8 + _FIRST_ENTRY_BYTES]))
         if identity != self.identity or used < self.used:
             self.identity, self.used, self.entries = identity, 8, []
-            self._values = None
+            self._at = None
         entries, self.used = scan_entries(data, self.used, len(data))
         if entries:
             self.entries.extend(entries)
-            self._values = None
+            self._at = None
         return data
 
 
-def _values_struct(entries: list[tuple[int, str]]) -> tuple[tuple, struct.Struct]:
-    """The keys of a file's entries and a Struct reading all their values at once (each
-    is a double in native byte order at its offset; the format skips the bytes between)."""
-    parts, pos = ["="], 0  # native order, as the writer packs ("d"), no alignment
-    for at, _ in entries:
-        parts.append(f"{at - pos}xd" if at > pos else "d")
-        pos = at + 8
-    return tuple(key for _, key in entries), struct.Struct("".join(parts))
+_LAYOUTS = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -164,6 +164,8 @@ class _EngineReader:
     keys: dict[str, _Entry | str] = field(default_factory=dict)  # str: why it is skipped
     identity: tuple = ()   # (engine_id, engine, model) the checked keys were checked against
     restarts: int = 0
+    plan: "_Plan | None" = None  # how its files become series, while their keys hold
+    refused: tuple = ()  # (layout, why) of files too big to plan: not planned again
 
 
 GONE_KEEP_SECONDS = 3600.0  # a gone engine's ac_engine_up stays at 0 this long
@@ -181,7 +183,6 @@ class EngineCollector(Collector):
         self._exported: set[str] = set()     # engines whose series the last collect gave
         self._last_collect: float | None = None
         self._with_past: list[dict[str, str]] = []
-        self._samples: dict[tuple, Sample] = {}  # the last cycle's, by watch key
 
     def with_past(self) -> list[dict[str, str]]:
         return self._with_past
@@ -216,7 +217,6 @@ class EngineCollector(Collector):
         try:
             root_owner = os.fstat(root_fd).st_uid
             families: dict[str, Metric] = {}
-            current: dict[tuple, Sample] = {}  # this cycle's samples, reused next cycle
             seen: dict[str, EngineState] = {}
             served: dict[str, str] = {}  # engine label -> directory serving it
             for name in sorted(os.listdir(root_fd)):
@@ -241,8 +241,8 @@ class EngineCollector(Collector):
                     continue
                 served[engine] = name
                 seen[name] = state
-                _merge(families, samples, self._samples, current)
-            self.engines, self._samples = seen, current
+                samples.add_to(families)
+            self.engines = seen
             self._note_new_engines(served, seen, now)
             self._readers = {n: r for n, r in self._readers.items() if n in seen}
             restarts = new_family(ENGINE_RESTARTS)
@@ -306,6 +306,7 @@ class EngineCollector(Collector):
                     reader.restarts += 1  # a new engine in the same directory
                 reader.identity = identity
                 reader.keys.clear()  # keys are checked against engine.json's labels
+                reader.plan = None
             samples, warning = self._read_samples(dir_fd, info, reader)
         except OSError as exc:  # unreadable in any way: this engine's problem alone
             raise BadEngine(f"cannot read: {exc.strerror or exc}") from None
@@ -331,9 +332,9 @@ class EngineCollector(Collector):
         return info_stat
 
     def _read_samples(self, dir_fd: int, info: dict, reader: _EngineReader) -> tuple:
-        """(checked samples, why entries were skipped or "")."""
-        totals: dict[str, float] = {}  # summed over the files of all pids
-        names = set()
+        """(this cycle's values laid out by the engine's plan, why entries were skipped or
+        "")."""
+        names, indexes, values = set(), [], []
         for name in os.listdir(dir_fd):
             if parse_db_file_name(name) is None:
                 continue
@@ -342,30 +343,28 @@ class EngineCollector(Collector):
             if index is None:
                 index = reader.files[name] = _FileIndex()
             try:
-                entries = index.read(dir_fd, name)
+                read = index.read(dir_fd, name)
             except FileNotFoundError:
                 continue  # removed under us (a dead pid's gauges)
-            if totals or not index.unique:
-                for key, value in entries:  # files of several pids: their series add up
-                    totals[key] = totals.get(key, 0.0) + value
-            else:
-                totals.update(entries)
-            if len(totals) > MAX_SERIES_PER_ENGINE:
-                raise BadEngine(f"more than {MAX_SERIES_PER_ENGINE} series")
+            if read is not None:
+                indexes.append(index)
+                values.append(read)
         reader.files = {n: i for n, i in reader.files.items() if n in names}
-        expected = {"engine": info["engine"], "model": info["model"]}
-        if len(reader.keys) > 2 * MAX_SERIES_PER_ENGINE:
-            reader.keys.clear()  # churned by rewritten files: parse afresh
-        samples, skipped, why = [], 0, ""
-        for key, value in totals.items():
-            entry = reader.keys.get(key)
-            if entry is None:
-                entry = reader.keys[key] = _check_key(key, expected)
-            if isinstance(entry, str):
-                skipped, why = skipped + 1, why or entry
-            else:
-                samples.append((entry, value))
-        return samples, (f"{skipped} entries skipped, e.g. {why}" if skipped else "")
+        layout = tuple(index.layout for index in indexes)
+        plan = reader.plan
+        if plan is None or plan.layout != layout:
+            if reader.refused and reader.refused[0] == layout:
+                raise BadEngine(reader.refused[1])
+            if len(reader.keys) > 2 * MAX_SERIES_PER_ENGINE:
+                reader.keys.clear()  # churned by rewritten files: parse afresh
+            expected = {"engine": info["engine"], "model": info["model"]}
+            try:
+                plan = reader.plan = _Plan(layout, [index.keys for index in indexes],
+                                           reader.keys, expected)
+            except BadEngine as exc:
+                reader.plan, reader.refused = None, (layout, str(exc))
+                raise
+        return plan.evaluate(values), plan.warning
 
     def _forget(self, root_fd: int, name: str, info: dict | None) -> None:
         """Past the grace period: drop its series; remove its files once its process is
@@ -451,73 +450,175 @@ def _check_key(key: str, expected: dict[str, str]) -> _Entry | str:
 # for a series without its +Inf bucket).
 _BOUNDS = {spec.family: sorted({float(b) for b in spec.buckets} | {math.inf})
            for spec in ENGINE_METRICS if spec.type == HISTOGRAM}
-# (family, labels) -> ([(bound, its bucket's label dict, its watch key)], the _count's key)
-_BUCKET_LABELS: dict[tuple, tuple[list[tuple], tuple]] = {}
+_FAMILY_ORDER = {spec.family: i for i, spec in enumerate(ENGINE_METRICS)}
+_SAMPLE_REST = (None,) * (len(Sample._fields) - 3)  # timestamp, exemplar, ... all None
 
 
-def _bucket_labels(family: str, labels: tuple, count_labels: dict) -> tuple[list, tuple]:
-    key = (family, labels)
-    cached = _BUCKET_LABELS.get(key)
-    if cached is None:
-        if len(_BUCKET_LABELS) > 200_000:  # label churn: start over rather than grow
-            _BUCKET_LABELS.clear()
-        bounds = []
-        for bound in _BOUNDS[family]:
-            sample_labels = {**count_labels, "le": floatToGoString(bound)}
-            bounds.append((bound, sample_labels,
-                           (f"{family}_bucket", tuple(sample_labels.items()))))
-        cached = _BUCKET_LABELS[key] = (bounds, (f"{family}_count",
-                                                 tuple(count_labels.items())))
-    return cached
+class EngineFamily(Metric):
+    """A family of the engines' series, made from each engine's values of the cycle.
+
+    It carries them as `blocks`: one (keys, values) pair per engine, the keys a tuple of
+    the series' window keys (sample name, ((label, value), ...)) that stays the same
+    object while the engine's files keep their layout, the values a float64 array of
+    this cycle. The daemon's windows and history take a cycle from them with a few array
+    operations (see daemon.windows.Frame) instead of a tuple and a dict entry per sample.
+    `samples` are made on first use only (a render, not every cycle: under a Prometheus
+    at 15 s, 14 cycles in 15 are never rendered), reusing each series' last `Sample`
+    while its value holds (see _Plan.samples)."""
+
+    def __init__(self, spec):
+        self._parts: list[tuple[_Plan, np.ndarray, int, int]] = []
+        self._made: list | None = None
+        super().__init__(spec.family, spec.help, spec.type)
+        self.blocks: list[tuple[tuple, np.ndarray]] = []
+
+    @property
+    def samples(self) -> list:
+        made = self._made
+        if made is None:  # two threads may both make them: the same samples, either way
+            made = []
+            for plan, values, start, end in self._parts:
+                made += plan.samples(values, start, end)
+            self._made = made
+        return made
+
+    @samples.setter
+    def samples(self, value: list) -> None:  # Metric.__init__ sets an empty list
+        self._made = value or None
 
 
-class WatchedMetric(Metric):
-    """A family that also carries its samples keyed as the daemon's windows key them,
-    `watch`: {(sample name, ((label, value), ...)): value}, built from keys made once per
-    series, so the daemon takes a cycle's values with one dict update instead of a tuple
-    per sample (see Daemon._watched_samples). Every sample is added through `add`, which
-    reuses the last cycle's `Sample` of a series whose value has not changed (`previous`,
-    `current`: the collector's {watch key: Sample} of the last cycle and of this one)."""
+class _Plan:
+    """How one engine's files become its exposed series, laid out once for the keys its
+    files hold (rebuilt only when an entry or a file is added).
 
-    def __init__(self, name: str, documentation: str, typ: str, previous: dict,
-                 current: dict):
-        super().__init__(name, documentation, typ)
-        self.watch: dict[tuple, float] = {}
-        self._previous, self._current = previous, current
+    A cycle: the files' values, concatenated, are summed into one slot per series
+    (`np.bincount`: the files of several pids add up, as MultiProcessCollector adds them,
+    and so does a key written twice); a histogram's buckets are made cumulative, +Inf
+    and `_count` included, with one `cumsum` per bucket count. `Sample`s are made when
+    asked for, and only for series whose value moved since the last were made (the
+    exposition's renderer reuses the line of a Sample it has seen).
+    """
 
-    def add(self, sample: str, labels: dict, value: float, watch_key: tuple) -> None:
-        made = self._previous.get(watch_key)
-        if made is None or made.value != value:  # NaN != NaN: a new one, rightly
-            made = Sample(sample, labels, value)
-        self.samples.append(made)
-        self._current[watch_key] = made
-        self.watch[watch_key] = value
+    def __init__(self, layout: tuple, file_keys: list[tuple], checked: dict,
+                 expected: dict[str, str]):
+        self.layout = layout
+        slot_of: dict[tuple, int] = {}  # a series' watch key -> its slot in the totals
+        stored: list[_Entry] = []
+        skipped: dict[str, str] = {}
+        sources = []
+        for keys in file_keys:
+            for key in keys:
+                entry = checked.get(key)
+                if entry is None:
+                    entry = checked[key] = _check_key(key, expected)
+                if isinstance(entry, str):
+                    skipped[key] = entry
+                    sources.append(-1)
+                    continue
+                slot = slot_of.get(entry.watch_key)
+                if slot is None:
+                    slot = slot_of[entry.watch_key] = len(stored)
+                    stored.append(entry)
+                sources.append(slot)
+        if len(stored) > MAX_SERIES_PER_ENGINE:
+            raise BadEngine(f"more than {MAX_SERIES_PER_ENGINE} series")
+        zero = len(stored)  # a slot that is always 0.0 (skipped entries are summed there)
+        self._zero = zero
+        self._sources = np.array([zero if s < 0 else s for s in sources], dtype=np.intp)
+        self.warning = (f"{len(skipped)} entries skipped, e.g. {next(iter(skipped.values()))}"
+                        if skipped else "")
+        # The exposition, family by family (the contract's order): the family's own
+        # samples (a histogram's _sum), then each label set's buckets, bound by bound,
+        # and its _count.
+        by_family: dict[str, tuple[list, dict]] = {}
+        for slot, entry in enumerate(stored):
+            scalars, groups = by_family.setdefault(entry.family, ([], {}))
+            if entry.le is None:
+                scalars.append(slot)
+            else:
+                groups.setdefault(entry.labels, (entry, {}))[1][entry.le] = slot
+        scalar_slots, rows_by_length, order = [], {}, []  # order: where each exposed
+        names, labels, watch_keys = [], [], []            # value sits in the computed ones
+        self.segments: list[tuple[str, int, int, tuple]] = []
+        for family in sorted(by_family, key=_FAMILY_ORDER.__getitem__):
+            scalars, groups = by_family[family]
+            start = len(names)
+            for slot in scalars:
+                entry = stored[slot]
+                order.append(("scalar", len(scalar_slots)))
+                scalar_slots.append(slot)
+                names.append(entry.sample)
+                labels.append(entry.sample_labels)
+                watch_keys.append(entry.watch_key)
+            for entry, per_bound in groups.values():
+                bounds = _BOUNDS[family]
+                rows = rows_by_length.setdefault(len(bounds) + 1, [])
+                row = len(rows)
+                rows.append([per_bound.get(bound, zero) for bound in bounds] + [zero])
+                for column, bound in enumerate(bounds):
+                    sample_labels = {**entry.count_labels, "le": floatToGoString(bound)}
+                    order.append((len(bounds) + 1, row * (len(bounds) + 1) + column))
+                    names.append(f"{family}_bucket")
+                    labels.append(sample_labels)
+                    watch_keys.append((f"{family}_bucket", tuple(sample_labels.items())))
+                order.append((len(bounds) + 1, row * (len(bounds) + 1) + len(bounds)))
+                names.append(f"{family}_count")
+                labels.append(entry.count_labels)
+                watch_keys.append((f"{family}_count", tuple(entry.count_labels.items())))
+            self.segments.append((family, start, len(names), tuple(watch_keys[start:])))
+        self._scalars = np.array(scalar_slots, dtype=np.intp)
+        self._rows = [(length, np.array(rows, dtype=np.intp))
+                      for length, rows in rows_by_length.items()]
+        base, where = {"scalar": 0}, 0
+        where = len(scalar_slots)
+        for length, rows in self._rows:
+            base[length] = where
+            where += rows.size
+        self._order = np.array([base[part] + at for part, at in order], dtype=np.intp)
+        self._identity = bool(np.array_equal(self._order, np.arange(len(order))))
+        self._names, self._labels = names, labels
+        self._samples: list[Sample | None] = [None] * len(names)
+        self._held = np.full(len(names), np.nan)  # the values _samples hold (NaN: none)
+        self._lock = threading.Lock()  # samples are asked for by a render and a cycle
+
+    def evaluate(self, values: list[np.ndarray]) -> "_EngineSamples":
+        raw = values[0] if len(values) == 1 else np.concatenate(values) if values else \
+            np.zeros(0)
+        totals = np.bincount(self._sources, weights=raw, minlength=self._zero + 1)
+        totals[self._zero] = 0.0
+        parts = [totals[self._scalars]]
+        parts += [np.cumsum(totals[rows], axis=1).ravel() for _, rows in self._rows]
+        exposed = np.concatenate(parts)
+        if not self._identity:
+            exposed = exposed[self._order]
+        return _EngineSamples(self, exposed)
+
+    def samples(self, exposed: np.ndarray, start: int, end: int) -> list[Sample]:
+        """The Samples of exposed[start:end] (one cycle's values): each series' last one
+        while its value holds, a new one where it moved (NaN != NaN: made anew, rightly)."""
+        with self._lock:
+            samples, held = self._samples, self._held
+            moved = np.flatnonzero(exposed[start:end] != held[start:end]) + start
+            names, labels, make = self._names, self._labels, tuple.__new__
+            for i, value in zip(moved.tolist(), exposed[moved].tolist()):
+                # Sample(name, labels, value), without its Python __new__ (half the time)
+                samples[i] = make(Sample, (names[i], labels[i], value) + _SAMPLE_REST)
+            held[moved] = exposed[moved]
+            return samples[start:end]
 
 
-def _merge(families: dict[str, WatchedMetric], samples: list, previous: dict,
-           current: dict) -> None:
-    """Add one engine's checked samples to the exposition's families (`previous` and
-    `current`: see WatchedMetric)."""
-    buckets: dict[tuple, dict] = {}
-    for entry, value in samples:
-        metric = families.get(entry.family)
-        if metric is None:
-            spec = _SPECS[entry.family]
-            metric = families[entry.family] = WatchedMetric(spec.family, spec.help, spec.type,
-                                                            previous, current)
-        if entry.le is None:
-            metric.add(entry.sample, entry.sample_labels, value, entry.watch_key)
-        else:
-            per_bound = buckets.get((entry.family, entry.labels))
-            if per_bound is None:
-                per_bound = buckets[(entry.family, entry.labels)] = {None: entry}
-            per_bound[entry.le] = per_bound.get(entry.le, 0.0) + value
-    for (family, labels), per_bound in buckets.items():
-        metric = families[family]
-        entry = per_bound[None]
-        bounds, count_key = _bucket_labels(family, labels, entry.count_labels)
-        total = 0.0
-        for bound, sample_labels, watch_key in bounds:
-            total += per_bound.get(bound, 0.0)  # stored per bucket; exposed cumulative
-            metric.add(f"{family}_bucket", sample_labels, total, watch_key)
-        metric.add(f"{family}_count", entry.count_labels, total, count_key)
+class _EngineSamples:
+    """One engine's exposed values of one cycle, laid out by its plan."""
+    __slots__ = ("plan", "values")
+
+    def __init__(self, plan: _Plan, values: np.ndarray):
+        self.plan, self.values = plan, values
+
+    def add_to(self, families: dict[str, EngineFamily]) -> None:
+        plan, values = self.plan, self.values
+        for family, start, end, keys in plan.segments:
+            metric = families.get(family)
+            if metric is None:
+                metric = families[family] = EngineFamily(_SPECS[family])
+            metric._parts.append((plan, values, start, end))
+            metric.blocks.append((keys, values[start:end]))

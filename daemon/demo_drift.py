@@ -32,6 +32,8 @@ rules:
       summary: "TTFT p95 {{ value }} ns is {{ delta_percent }} % over its baseline {{ baseline }} ns"
 """
 STEP_DELAY_MS = 150
+DEMO_RULE = "DemoLatencyDrift"
+DRIFT_PATIENCE = 3  # a slowed phase waits for the alert up to this many times its length
 
 
 def write_demo_alerting() -> Path:
@@ -50,7 +52,9 @@ def _say(text: str) -> None:
 
 class DriftDriver:
     """Alternates calm (`calm_seconds`) and slowed (`drift_seconds`) phases on the engine,
-    and reports the daemon's alert transitions as they happen."""
+    and reports the daemon's alert transitions as they happen. A slowed phase lasts until
+    DemoLatencyDrift has fired, up to DRIFT_PATIENCE times its length (on a slow or busy
+    machine the alert needs longer: lifting the delay before it fires would show nothing)."""
 
     def __init__(self, engine_url: str, daemon_url: str, calm_seconds: float,
                  drift_seconds: float, poll_seconds: float = 1.0, fault_token: str = ""):
@@ -81,10 +85,17 @@ class DriftDriver:
                      f"{self.drift_seconds:g}s; DemoLatencyDrift should fire "
                      "(ac-observe alerts)")
                 stopped = self._watch(client, self.drift_seconds)
+                extra = (DRIFT_PATIENCE - 1) * self.drift_seconds
+                while not stopped and extra > 0 and not self._firing(DEMO_RULE):
+                    stopped = self._watch(client, min(self.poll_seconds, extra))
+                    extra -= self.poll_seconds
                 self._faults(client, 0)
                 if stopped:
                     return
                 _say("demo drift: the delay is removed; the alert should resolve")
+
+    def _firing(self, rule: str) -> bool:
+        return (rule, "firing") in self._states.values()
 
     def _faults(self, client: httpx.Client, delay_ms: int) -> bool:
         try:

@@ -35,7 +35,9 @@ import math
 import threading
 import time
 
-from ac_observe.daemon.windows import NAN, SeriesKey, WindowView
+import numpy as np
+
+from ac_observe.daemon.windows import NAN, Columns, Frame, SeriesKey, WindowView
 from ac_observe.metrics import FRIENDLY
 
 log = logging.getLogger("ac_observe.daemon.history")
@@ -67,6 +69,10 @@ def sample_kinds() -> dict[str, str]:
 class MinuteAggregator:
     """Folds each cycle's watched samples into the current minute's rows.
 
+    The rows are kept as columns (numpy arrays, one slot per series: see
+    windows.Columns), so a cycle of 10,000 series is a few array operations; a finished
+    minute is handed over as {key: row}.
+
     NOTE: called on the collection thread under the daemon's lock (queries read
     `current()` under the same lock)."""
 
@@ -74,71 +80,129 @@ class MinuteAggregator:
         self.kinds = sample_kinds() if kinds is None else kinds
         self.minute: int | None = None
         self.last_time = NAN  # the latest cycle's timestamp
-        self.rows: dict[SeriesKey, Row] = {}
-        self._previous: dict[SeriesKey, tuple[float, int]] = {}  # counter -> (value, minute)
+        self.columns = Columns()
+        self._kind = np.zeros(0, np.int8)     # _COUNTER, _GAUGE, or 0: not kept
+        self._n = np.zeros(0, np.int64)       # samples this minute (0: no row)
+        self._total = np.zeros(0)             # a counter's increase, a gauge's sum
+        self._min = np.zeros(0)
+        self._max = np.zeros(0)
+        self._last = np.zeros(0)
+        self._previous = np.zeros(0)          # a counter's last value (NaN: none known)
+        self._previous_minute = np.zeros(0, np.int64)  # the minute it was last seen in
+        self._seen_minute = np.zeros(0, np.int64)      # the minute a series was last in
         self._cycles = 0
 
-    def add(self, timestamp: float, samples: dict[SeriesKey, float],
-            preexisting=()) -> tuple | None:
-        """Fold one cycle in; returns the (minute, rows) it finished, if any. A counter
-        first seen in `preexisting` (its collector's first cycle up) is a base only."""
+    def _grow(self, width: int) -> None:
+        size = len(self._n)
+        if width <= size:
+            return
+        width = max(width, 2 * size, 64)
+        for name, fill in (("_kind", 0), ("_n", 0), ("_total", 0.0), ("_min", 0.0),
+                           ("_max", 0.0), ("_last", 0.0), ("_previous", NAN),
+                           ("_previous_minute", 0), ("_seen_minute", 0)):
+            old = getattr(self, name)
+            grown = np.full(width, fill, dtype=old.dtype)
+            grown[:size] = old
+            setattr(self, name, grown)
+
+    def add(self, timestamp: float, samples, preexisting=()) -> tuple | None:
+        """Fold one cycle in (a windows.Frame, or a dict {key: value}); returns the
+        (minute, rows) it finished, if any. A counter first seen in `preexisting` (its
+        collector's first cycle up) is a base only."""
         minute = int(timestamp // MINUTE)
         finished = None
         if self.minute is not None and minute != self.minute:
             finished = self.flush()
         self.minute, self.last_time = minute, timestamp
-        kinds, rows, previous = self.kinds, self.rows, self._previous
-        for key, value in samples.items():
-            kind = kinds.get(key[0])
-            if kind is None or not math.isfinite(value):
-                continue
-            row = rows.get(key)
-            if kind == COUNTER:
-                before = previous.get(key)
-                if before is not None and before[0] == value and row is not None:
-                    row[0] += 1  # unchanged this minute (most buckets): nothing else moves
-                    continue
-                previous[key] = (value, minute)
-                if before is None:
-                    if self._cycles == 0 or key in preexisting:
-                        continue  # its history before the daemon (or collector) came is unknown
-                    rise = value  # born while watched: it counted from zero
-                else:
-                    rise = value - before[0] if value >= before[0] else value
-                if row is None:
-                    rows[key] = [1, rise, None, None, None]
-                else:
-                    row[0] += 1
-                    row[1] += rise
-            elif row is None:
-                rows[key] = [1, value, value, value, value]
-            else:
-                row[0] += 1
-                row[1] += value
-                if value < row[2]:
-                    row[2] = value
-                if value > row[3]:
-                    row[3] = value
-                row[4] = value
+        columns, values, new = self.columns.place(Frame.of(samples))
+        self._grow(len(self.columns.key_of))
+        if new:
+            kinds, column = self.kinds, self.columns.column
+            at = np.fromiter((column[key] for key in new), np.intp, len(new))
+            # (a column given back had no row and nothing to remember: n 0, total 0, NaN)
+            self._kind[at] = [_KIND_CODES.get(kinds.get(key[0]), 0) for key in new]
+        self._seen_minute[columns] = minute
+        kind = self._kind[columns]
+        kept = (kind != 0) & np.isfinite(values)
+        columns, values, kind = columns[kept], values[kept], kind[kept]
+        n, total = self._n, self._total
+        # Counters: an unchanged one (most buckets) only counts the interval.
+        counter = kind == _COUNTER
+        at, value = columns[counter], values[counter]
+        before = self._previous[at]
+        known = ~np.isnan(before)
+        unchanged = known & (before == value) & (n[at] > 0)
+        n[at[unchanged]] += 1
+        moved = ~unchanged
+        at, value, before, known = at[moved], value[moved], before[moved], known[moved]
+        self._previous[at] = value
+        self._previous_minute[at] = minute
+        # One first seen counted from zero if born while watched; its history before the
+        # daemon (or its collector) came is unknown: then it is only a base.
+        counts = known.copy()
+        if self._cycles:
+            born = np.flatnonzero(~known)
+            if len(born):
+                key_of = self.columns.key_of
+                counts[born] = [key_of[a] not in preexisting for a in at[born].tolist()]
+        rise = np.where(known & (value < before), value, value - np.where(known, before, 0.0))
+        at = at[counts]
+        n[at] += 1
+        total[at] += rise[counts]
+        # Gauges: count, sum, min, max and last.
+        gauge = kind == _GAUGE
+        at, value = columns[gauge], values[gauge]
+        first = n[at] == 0
+        n[at] += 1
+        total[at] += value
+        self._min[at] = np.where(first, value, np.minimum(self._min[at], value))
+        self._max[at] = np.where(first, value, np.maximum(self._max[at], value))
+        self._last[at] = value
         self._cycles += 1
         return finished
 
+    def _rows(self) -> dict[SeriesKey, Row]:
+        at = np.flatnonzero(self._n > 0)
+        key_of = self.columns.key_of
+        rows = {}
+        for a, kind, n, total, low, high, last in zip(
+                at.tolist(), self._kind[at].tolist(), self._n[at].tolist(),
+                self._total[at].tolist(), self._min[at].tolist(), self._max[at].tolist(),
+                self._last[at].tolist()):
+            rows[key_of[a]] = [n, total, None, None, None] if kind == _COUNTER else \
+                [n, total, low, high, last]
+        return rows
+
     def flush(self) -> tuple | None:
         """Hand over the current minute (shutdown, or the minute turned)."""
-        if self.minute is None or not self.rows:
+        if self.minute is None or not self._n.any():
             return None
-        finished = (self.minute, self.rows)
-        horizon = self.minute - FORGET_AFTER_MINUTES
-        self._previous = {k: v for k, v in self._previous.items() if v[1] >= horizon}
-        self.rows = {}
+        finished = (self.minute, self._rows())
+        self._n[:] = 0
+        self._total[:] = 0.0
+        # A counter unseen for FORGET_AFTER_MINUTES is forgotten; a series absent all
+        # minute with nothing to remember gives its column back.
+        forgotten = self._previous_minute < self.minute - FORGET_AFTER_MINUTES
+        self._previous[forgotten] = NAN
+        key_of = self.columns.key_of
+        held = slice(0, len(key_of))
+        gone = np.flatnonzero((self._seen_minute[held] < self.minute) &
+                              np.isnan(self._previous[held]))
+        gone_keys = [key_of[a] for a in gone.tolist() if key_of[a] is not None]
+        if gone_keys:
+            self.columns.release(gone_keys)
         return finished
 
     def current(self) -> tuple | None:
         """(minute, a copy of its rows, the latest cycle's time) of the minute in progress,
         for queries."""
-        if self.minute is None or not self.rows:
+        if self.minute is None or not self._n.any():
             return None
-        return self.minute, {key: list(row) for key, row in self.rows.items()}, self.last_time
+        return self.minute, self._rows(), self.last_time
+
+
+_COUNTER, _GAUGE = 1, 2
+_KIND_CODES = {COUNTER: _COUNTER, GAUGE: _GAUGE}
 
 
 class HistoryWriter:

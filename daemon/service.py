@@ -24,7 +24,7 @@ from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.exposition import Renderer
 from ac_observe.daemon.query import QueryEngine, samples_read
 from ac_observe.daemon.runner import CollectorRunner
-from ac_observe.daemon.windows import Windows
+from ac_observe.daemon.windows import Frame, Windows
 
 log = logging.getLogger("ac_observe.daemon")
 
@@ -186,9 +186,9 @@ class Daemon:
         # A collector's first cycle up, and its first after an outage: the counters it
         # reports then have a past the daemon did not see (an engine up for days, found
         # now); a new one among them is a base, not an increase from zero.
-        preexisting = set(self._watched_samples(returning)) if returning else set()
+        preexisting = set(self._watched_samples(returning).keys()) if returning else set()
         for got, subsets in with_past:
-            for key in self._watched_samples(got):
+            for key in self._watched_samples(got).keys():
                 labels = dict(key[1])
                 if any(all(labels.get(k) == v for k, v in s.items()) for s in subsets):
                     preexisting.add(key)
@@ -216,7 +216,7 @@ class Daemon:
         elif self._pace.due(generation):
             self.render_metrics(scrape=False)
 
-    def _remember(self, now: float, watched: dict, preexisting=()) -> None:
+    def _remember(self, now: float, watched: Frame, preexisting=()) -> None:
         """The cycle into the windows and the minute's history (under the lock)."""
         self.windows.append(now, watched, preexisting)
         if self.history is not None:
@@ -275,18 +275,18 @@ class Daemon:
             oldest.add_metric([receiver], age)
         return families + [deliveries, depth, oldest]
 
-    def _watched_samples(self, families: list[Metric]) -> dict:
-        samples = {}
+    def _watched_samples(self, families: list[Metric]) -> Frame:
+        frame = Frame()
         for family in families:
             if family.name in self._watched:
-                watch = getattr(family, "watch", None)
-                if watch is not None:  # keyed by its collector (the engine collector's)
-                    samples.update(watch)
+                blocks = getattr(family, "blocks", None)
+                if blocks is not None:  # keyed and laid out by its collector (the engines')
+                    frame.blocks += blocks
                     continue
                 for sample in family.samples:
                     # Collectors emit each series' labels in one stable order.
-                    samples[(sample.name, tuple(sample.labels.items()))] = sample.value
-        return samples
+                    frame.loose[(sample.name, tuple(sample.labels.items()))] = sample.value
+        return frame
 
     # ----- reading ------------------------------------------------------------------------
 

@@ -1,8 +1,16 @@
 """In-memory windows: the last N collection cycles of every watched series.
 
-One ring of cycle timestamps is shared by all series; each series keeps a parallel ring
-of float64 values (NaN where it was absent), so a cycle costs one store per series and
-memory is 8 bytes x cycles x series. Only families a friendly name reads are kept.
+One ring of cycle timestamps is shared by all series; each series is a column of float64
+values (NaN where it was absent) in chunks of CHUNK columns x N cycles, so a cycle is
+stored row by row (one NaN fill and one indexed store a chunk, not a store per series)
+and memory is 8 bytes x cycles x series (rounded up to a chunk). Only families a friendly
+name reads are kept.
+
+A cycle arrives as a `Frame`: blocks of (keys, values) whose keys tuple a collector keeps
+from cycle to cycle while its series stay the same (the engine collector's, one block per
+engine and family), and loose samples (a dict, the other collectors'). `Columns` maps
+keys to columns and remembers each block's columns while its keys object lives, so a
+cycle of 10,000 series costs a few array operations, not a dict lookup each.
 
 NOTE: not thread-safe by itself; the daemon appends and takes views under one lock. A
 query computes on a `WindowView` (copies of the rings it needs, inside its window, made
@@ -14,8 +22,103 @@ import bisect
 import math
 from array import array
 
+import numpy as np
+
 NAN = float("nan")
 SeriesKey = tuple  # (sample name, ((label, value), ...))
+CHUNK = 256  # columns a chunk of the windows holds
+
+
+class Frame:
+    """One cycle's watched series: `blocks` of (keys tuple, float64 array) and `loose`
+    {key: value} samples. A key appears once in a frame."""
+    __slots__ = ("blocks", "loose")
+
+    def __init__(self, blocks: list | None = None, loose: dict | None = None):
+        self.blocks: list[tuple[tuple, np.ndarray]] = [] if blocks is None else blocks
+        self.loose: dict[SeriesKey, float] = {} if loose is None else loose
+
+    @classmethod
+    def of(cls, samples) -> "Frame":
+        return samples if isinstance(samples, Frame) else cls(loose=samples)
+
+    def keys(self):
+        for keys, _ in self.blocks:
+            yield from keys
+        yield from self.loose
+
+    def items(self):
+        for keys, values in self.blocks:
+            yield from zip(keys, values.tolist())
+        yield from self.loose.items()
+
+
+class Columns:
+    """Series key -> column number, numbers reused once released.
+
+    `place(frame)` gives the frame's columns and values as two arrays (blocks first, in
+    order, then the loose samples) and the keys that got a column just now. A block's
+    columns are remembered while its keys tuple is handed in cycle after cycle (the
+    tuple is held, so its id cannot be reused), for the blocks of the last frame only.
+    """
+
+    def __init__(self):
+        self.column: dict[SeriesKey, int] = {}
+        self.key_of: list[SeriesKey | None] = []
+        self._free: list[int] = []
+        self._blocks: dict[int, tuple[tuple, np.ndarray]] = {}
+        self._frame: tuple = ((), None)  # (ids of the last frame's block keys, columns)
+
+    def place(self, frame: Frame) -> tuple[np.ndarray, np.ndarray, list[SeriesKey]]:
+        new: list[SeriesKey] = []
+        layout = tuple(id(keys) for keys, _ in frame.blocks)
+        if layout == self._frame[0] and layout:
+            block_columns = self._frame[1]
+        else:
+            blocks = {}
+            parts = []
+            for keys, _ in frame.blocks:
+                made = self._blocks.get(id(keys))
+                if made is None or made[0] is not keys:
+                    made = (keys, self._assign(keys, new))
+                blocks[id(keys)] = made
+                parts.append(made[1])
+            self._blocks = blocks
+            block_columns = np.concatenate(parts) if parts else np.zeros(0, np.intp)
+            self._frame = (layout, block_columns)
+        values = [values for _, values in frame.blocks]
+        if frame.loose:
+            block_columns = np.concatenate([block_columns,
+                                            self._assign(frame.loose.keys(), new)])
+            values.append(np.fromiter(frame.loose.values(), np.float64, len(frame.loose)))
+        values = np.concatenate(values) if values else np.zeros(0)
+        return block_columns, values, new
+
+    def _assign(self, keys, new: list) -> np.ndarray:
+        column, key_of, free = self.column, self.key_of, self._free
+        out = []
+        for key in keys:
+            at = column.get(key)
+            if at is None:
+                if free:
+                    at = free.pop()
+                    key_of[at] = key
+                else:
+                    at = len(key_of)
+                    key_of.append(key)
+                column[key] = at
+                new.append(key)
+            out.append(at)
+        return np.array(out, dtype=np.intp)
+
+    def release(self, keys) -> None:
+        """Give the columns of `keys` back (their series are gone); remembered blocks are
+        forgotten, since one may hold them."""
+        for key in keys:
+            at = self.column.pop(key)
+            self.key_of[at] = None
+            self._free.append(at)
+        self._blocks, self._frame = {}, ((), None)
 
 
 class Windows:
@@ -25,39 +128,57 @@ class Windows:
         self.capacity = capacity
         self.times = array("d", [NAN]) * capacity
         self.cycle = 0  # cycles recorded so far
-        self.series: dict[SeriesKey, array] = {}
+        self.columns = Columns()
+        self._chunks: list[np.ndarray] = []  # [capacity, CHUNK] each
+        self._last_present = np.zeros(0, dtype=np.int64)  # each column's last cycle seen
         self.by_sample: dict[str, set[SeriesKey]] = {}
         self.first_seen: dict[SeriesKey, float] = {}
-        self._absent_since: dict[SeriesKey, int] = {}  # series missing since that cycle
 
-    def append(self, timestamp: float, samples: dict[SeriesKey, float],
-               preexisting=()) -> None:
-        """One cycle's samples. A new series in `preexisting` had a past before it was
-        watched: it is never taken as born inside a window (no zero before its first
-        point), so its first value is a base, not an increase."""
+    @property
+    def series(self) -> dict[SeriesKey, int]:
+        """The series held (key -> its column)."""
+        return self.columns.column
+
+    def append(self, timestamp: float, samples, preexisting=()) -> None:
+        """One cycle's samples (a Frame, or a dict {key: value}). A new series in
+        `preexisting` had a past before it was watched: it is never taken as born inside a
+        window (no zero before its first point), so its first value is a base, not an
+        increase."""
         index = self.cycle % self.capacity
         self.times[index] = timestamp
-        series, absent_since, cycle = self.series, self._absent_since, self.cycle
-        # Presence changes are set operations (in C); a series present now costs one store.
-        for key in series.keys() - samples.keys():  # absent this cycle
-            series[key][index] = NAN
-            absent_since.setdefault(key, cycle)
-        if absent_since:
-            for key in absent_since.keys() & samples.keys():  # back
-                del absent_since[key]
-        for key, value in samples.items():
-            ring = series.get(key)
-            if ring is None:
-                ring = series[key] = array("d", [NAN]) * self.capacity
-                self.by_sample.setdefault(key[0], set()).add(key)
-                self.first_seen[key] = -math.inf if key in preexisting else timestamp
-            ring[index] = value
+        columns, values, new = self.columns.place(Frame.of(samples))
+        for key in new:
+            self.by_sample.setdefault(key[0], set()).add(key)
+            self.first_seen[key] = -math.inf if key in preexisting else timestamp
+        width = len(self.columns.key_of)
+        while len(self._chunks) * CHUNK < width:
+            self._chunks.append(np.full((self.capacity, CHUNK), NAN))
+        if len(self._last_present) < len(self._chunks) * CHUNK:
+            grown = np.full(len(self._chunks) * CHUNK, -1, dtype=np.int64)
+            grown[:len(self._last_present)] = self._last_present
+            self._last_present = grown
+        self._last_present[columns] = self.cycle
+        chunks = self._chunks
+        if len(chunks) == 1:
+            chunks[0][index] = NAN
+            chunks[0][index, columns] = values
+        else:
+            row = np.full(len(chunks) * CHUNK, NAN)
+            row[columns] = values
+            for k, chunk in enumerate(chunks):
+                chunk[index] = row[k * CHUNK:(k + 1) * CHUNK]
         self.cycle += 1
         if self.cycle % self.capacity == 0:  # drop series absent for a whole window
             horizon = self.cycle - self.capacity
-            for key in [k for k, since in absent_since.items() if since <= horizon]:
-                del self.series[key], absent_since[key], self.first_seen[key]
-                self.by_sample[key[0]].discard(key)
+            stale = np.flatnonzero((self._last_present >= 0) &
+                                   (self._last_present < horizon))
+            gone = [self.columns.key_of[at] for at in stale.tolist()]
+            if gone:
+                self.columns.release(gone)
+                self._last_present[stale] = -1
+                for key in gone:
+                    del self.first_seen[key]
+                    self.by_sample[key[0]].discard(key)
 
     @property
     def earliest_time(self) -> float:
@@ -79,19 +200,27 @@ class Windows:
         first = start + bisect.bisect_left(ordered, since)
         last = self.cycle if until is None else start + bisect.bisect_right(ordered, until)
         times = self._slice(self.times, first, last)
-        series = {key: self._slice(self.series[key], first, last)
-                  for name in sample_names for key in self.by_sample.get(name, ())}
+        column = self.columns.column
+        series = {}
+        for name in sample_names:
+            for key in self.by_sample.get(name, ()):
+                at = column[key]
+                ring = self._chunks[at // CHUNK][:, at % CHUNK]
+                series[key] = array("d", self._slice(ring, first, last).tobytes()) \
+                    if first < last else array("d")
         return WindowView(times, series, {k: self.first_seen[k] for k in series},
                           self.earliest_time)
 
-    def _slice(self, ring: array, first: int, last: int) -> array:
+    def _slice(self, ring, first: int, last: int):
         """ring's values from cycle `first` up to `last` (excluded), oldest first (C-speed
         copies)."""
         if first >= last:
-            return array("d")
+            return ring[:0]
         begin, end = first % self.capacity, last % self.capacity
         if begin < end:
             return ring[begin:end]
+        if isinstance(ring, np.ndarray):
+            return np.concatenate([ring[begin:], ring[:end]])
         return ring[begin:] + ring[:end]
 
 

@@ -178,10 +178,10 @@ def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tm
 
 
 def test_the_engine_collectors_watch_keys_are_the_samples_own(tmp_path):
-    """The engine collector hands the daemon its samples already keyed (one dict update a
-    family): those keys and values are exactly each exposed sample's name, labels in
-    their order, and value, for counters, gauges and every cumulative histogram bucket,
-    two engines merged into one family."""
+    """The engine collector hands the daemon its samples as blocks of keys and values
+    (one block an engine and family): those keys and values are exactly each exposed
+    sample's name, labels in their order, and value, for counters, gauges and every
+    cumulative histogram bucket, two engines merged into one family."""
     import random
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -196,7 +196,9 @@ def test_the_engine_collectors_watch_keys_are_the_samples_own(tmp_path):
                 traffic(writers[1], random.Random(9), 5)
             daemon.run_cycle()
             families = daemon._snapshot
-            keyed = daemon._watched_samples(families)
+            frame = daemon._watched_samples(families)
+            keyed = dict(frame.items())
+            assert len(keyed) == len(list(frame.keys()))  # a key once in a frame
             plain = {(s.name, tuple(s.labels.items())): s.value for f in families
                      if f.name in daemon._watched for s in f.samples}
             assert keyed == plain
@@ -205,7 +207,8 @@ def test_the_engine_collectors_watch_keys_are_the_samples_own(tmp_path):
                        for s in f.samples}
             if cycle == 0:
                 first_objects = objects
-        assert any(getattr(f, "watch", None) for f in families)  # the fast path ran
+        assert frame.blocks  # the engines' series came as blocks, not one by one:
+        assert not [k for k in frame.loose if k[0].endswith("_bucket")]
         buckets = [k for k in keyed if k[0].endswith("_bucket")]
         assert len({dict(k[1])["engine"] for k in buckets}) == 2
         assert len(keyed) > 1000
@@ -301,3 +304,106 @@ def test_a_cycle_renders_ahead_only_when_a_scrape_is_due(tmp_path):
         assert two.due(32)  # due by the closer pair's gap, not a median's 12
     finally:
         daemon.close()
+
+
+def test_an_engine_over_the_series_limit_is_refused_alone_and_not_replanned(tmp_path,
+                                                                             monkeypatch):
+    """More series than MAX_SERIES_PER_ENGINE across an engine's files (each file under
+    it) make that engine an error with the reason; the other engine is exported whole,
+    and the refusal stands without re-reading every key while the files stay as they
+    are."""
+    import random
+    import sys
+
+    from ac_observe import metrics as m
+    from ac_observe.collectors import engine as collector
+    from ac_observe.engine.telemetry import TelemetryWriter
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from daemon_cost import write_engine
+    small = TelemetryWriter(tmp_path / "a", {"started_at": time.time()}, engine="a",
+                            model="m", heartbeat_seconds=0.5)
+    small.set(m.KV_BLOCKS, 64)
+    small.observe(m.INFERENCE_LATENCY, 0.1, stream="throughput")
+    writers = [small, write_engine(tmp_path / "big", "big", random.Random(1))]
+    config = DaemonConfig(telemetry_root=tmp_path, collectors=("engine",))
+    try:
+        reference = collector.EngineCollector(config)
+        reference.collect()
+        sizes = {name: [len(index.entries) for index in reader.files.values()]
+                 for name, reader in reference._readers.items()}
+        limit = sum(sizes["a"])  # every file of both under it, big's sum over it
+        assert max(sizes["big"]) <= limit < sum(sizes["big"])
+        monkeypatch.setattr(collector, "MAX_SERIES_PER_ENGINE", limit)
+        plans = []
+        monkeypatch.setattr(collector._Plan, "__init__", _counting(collector._Plan.__init__,
+                                                                   plans))
+        limited = collector.EngineCollector(config)
+        for _ in range(3):
+            families = limited.collect()
+        errors = {s["engine"] or s["directory"].rsplit("/", 1)[-1]: s["error"]
+                  for s in limited.status()}
+        assert errors["big"] == f"more than {limit} series"
+        assert errors["a"] == ""
+        exported = {(s.name, s.labels.get("engine")) for f in families for s in f.samples}
+        mine = {(s.name, s.labels.get("engine")) for f in reference.collect()
+                for s in f.samples if s.labels.get("engine") == "a"}
+        assert {e for e in exported if e[1] == "big"} <= {("ac_engine_up", "big")}
+        assert mine <= exported
+        assert len(plans) == 2  # one each, at the first cycle; the refusal is remembered
+    finally:
+        for writer in writers:
+            writer.close()
+
+
+def _counting(real, calls: list):
+    def counted(self, *args, **kwargs):
+        calls.append(args[0])
+        return real(self, *args, **kwargs)
+    return counted
+
+
+def test_a_skipped_entry_adds_to_no_series_and_missing_buckets_stay_zero(tmp_path):
+    """An entry the contract does not allow (a foreign family, a bound the histogram does
+    not have) is skipped with a warning and its value lands in no series: an engine's
+    histogram that was hit in one bucket only reads 0 below it and 1 from it up to +Inf
+    and its _count, whatever the skipped entries hold."""
+    import bisect
+    import math
+    import os
+
+    from ac_observe import metrics as m
+    from ac_observe.collectors.engine import EngineCollector
+    from ac_observe.engine.telemetry import TelemetryWriter
+    from ac_observe.telemetry_format import (ValueFile, db_file_name, open_dir_nofollow,
+                                             sample_key)
+    writer = TelemetryWriter(tmp_path / "e", {"started_at": time.time()}, engine="e",
+                             model="m", heartbeat_seconds=60)
+    family = m.INFERENCE_LATENCY.family
+    labels = {"engine": "e", "model": "m", "stream": "throughput"}
+    try:
+        writer.observe(m.INFERENCE_LATENCY, 0.003, stream="throughput")
+        fd = open_dir_nofollow(tmp_path / "e")
+        try:
+            foreign = ValueFile(fd, db_file_name("histogram", 424242))
+            foreign.write(sample_key("evil", "evil_total", labels, ""), 1e6, 0.0)
+            foreign.write(sample_key(family, f"{family}_bucket", {**labels, "le": "0.0042"},
+                                     ""), 1e6, 0.0)
+            foreign.close()
+        finally:
+            os.close(fd)
+        collector = EngineCollector(DaemonConfig(telemetry_root=tmp_path,
+                                                 collectors=("engine",)))
+        (latency,) = [f for f in collector.collect() if f.name == family]
+        buckets = {float(s.labels["le"]): s.value for s in latency.samples
+                   if s.name.endswith("_bucket") and s.labels["stream"] == "throughput"}
+        bounds = sorted(buckets)
+        assert bounds[-1] == math.inf and len(bounds) > 10
+        hit = bisect.bisect_left(bounds, 0.003)
+        assert [buckets[b] for b in bounds] == [0.0] * hit + [1.0] * (len(bounds) - hit)
+        (count,) = [s.value for s in latency.samples if s.name == f"{family}_count"
+                    and s.labels["stream"] == "throughput"]
+        assert count == 1.0
+        (state,) = collector.status()
+        assert state["warning"].startswith("2 entries skipped")
+    finally:
+        writer.close()

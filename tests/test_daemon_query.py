@@ -263,3 +263,49 @@ def test_a_series_absent_a_whole_window_is_dropped_and_one_back_in_time_is_kept(
     assert c not in windows.series  # gone since cycle 5: dropped after cycle 11
     assert windows.view({name}, 8.0).points(b) == [(8.0, 8.0), (9.0, 9.0), (10.0, 10.0),
                                                    (11.0, 11.0)]
+
+
+def test_windows_hold_blocks_and_loose_samples_alike_across_chunks_and_reuse_columns_clean():
+    """A cycle comes as blocks (a collector's keys tuple, kept while its series stay, and
+    an array of values) and loose samples; over several chunks of columns every series
+    reads back exactly its own values. A block that changes its keys leaves the dropped
+    series NaN; once they are gone for a whole window their columns go to new series,
+    which read back only their own values (nothing left from the old ones)."""
+    import numpy as np
+
+    from ac_observe.daemon.windows import CHUNK, Frame
+    name = "ac_kv_cache_usage_ratio"
+    keys = tuple((name, (("engine", f"b{i}"),)) for i in range(CHUNK + 100))
+    loose = [(name, (("engine", f"l{i}"),)) for i in range(CHUNK)]
+    windows = Windows(capacity=3)
+
+    def value(i, t):
+        return 1000.0 * t + i
+
+    for t in range(3):
+        block = np.array([value(i, t) for i in range(len(keys))])
+        windows.append(float(t), Frame([(keys, block)],
+                                       {k: -value(i, t) for i, k in enumerate(loose)}))
+    view = windows.view({name}, 0.0)
+    for i in (0, CHUNK - 1, CHUNK, len(keys) - 1):
+        assert view.points(keys[i]) == [(float(t), value(i, t)) for t in range(3)]
+    assert view.points(loose[CHUNK - 1]) == [(float(t), -value(CHUNK - 1, t))
+                                             for t in range(3)]
+    # The block loses its first 50 series and gains 50 new ones (a new keys tuple).
+    fresh = tuple((name, (("engine", f"n{i}"),)) for i in range(50))
+    changed = keys[50:] + fresh
+    for t in range(3, 6):
+        block = np.array([1e6 + 1000.0 * t + i for i in range(len(changed))])
+        windows.append(float(t), Frame([(changed, block)]))
+    assert keys[0] not in windows.series and loose[0] not in windows.series  # a window gone
+    view = windows.view({name}, 0.0)
+    assert view.points(keys[50]) == [(float(t), 1e6 + 1000.0 * t) for t in range(3, 6)]
+    for i, key in enumerate(fresh):
+        assert view.points(key) == [(float(t), 1e6 + 1000.0 * t + len(changed) - 50 + i)
+                                    for t in range(3, 6)]
+    # New series take the released columns, and start with nothing in them.
+    later = tuple((name, (("engine", f"z{i}"),)) for i in range(CHUNK))
+    windows.append(6.0, Frame([(later, np.arange(CHUNK, dtype=float))]))
+    assert max(windows.series[k] for k in later) < len(keys) + len(loose) + len(fresh)
+    view = windows.view({name}, 0.0)
+    assert all(view.points(k) == [(6.0, float(i))] for i, k in enumerate(later))

@@ -579,3 +579,47 @@ def test_retention_prunes_history_transitions_and_finished_deliveries_only(store
     assert store.read_minutes({"ac_requests_total"}, 0, 10 ** 9)[
         "ac_requests_total", REQ_LABELS] == [(int(NOW // 60), 1, 5.0, None, None, None)]
     assert store.delivery(old_done) is None and store.delivery(old_pending) is not None
+
+
+def test_minute_rows_from_blocks_equal_rows_from_a_dict_and_a_reused_column_starts_clean():
+    """The aggregator reads a cycle as a Frame of blocks as it reads a dict, to the same
+    rows. A gauge absent a whole minute gives its column back: the series that takes it
+    starts a row of its own (nothing of the old one's n, min, max or last). A counter
+    unseen for FORGET_AFTER_MINUTES is forgotten: back, it counts from zero (100), not
+    from its old value (100 - 12)."""
+    import numpy as np
+
+    from ac_observe.daemon.history import COUNTER, FORGET_AFTER_MINUTES, GAUGE
+    from ac_observe.daemon.windows import Frame
+
+    def key(name, engine):
+        return (name, (("engine", engine),))
+
+    a, b, d, e = (key("g", x) for x in "abde")
+    c = key("c", "c")
+    cycles = [(0, {a: 5.0, c: 10.0}), (20, {a: 1.0, c: 15.0}), (40, {a: 3.0, c: 12.0}),
+              (60, {b: 7.0, c: 12.0}), (80, {b: 2.0, c: 12.0}), (120, {d: 4.0, e: 0.0})]
+    cycles += [(60 * minute, {e: float(minute)})
+               for minute in range(3, FORGET_AFTER_MINUTES + 5)]
+    cycles += [(60 * (FORGET_AFTER_MINUTES + 5), {c: 100.0, e: 1.0}), (10 ** 6, {e: 0.0})]
+    finished = {"dict": {}, "frame": {}}
+    aggregators = {way: MinuteAggregator({"g": GAUGE, "c": COUNTER}) for way in finished}
+    blocks: dict[tuple, tuple] = {}
+    for t, samples in cycles:
+        keys = blocks.setdefault(tuple(samples), tuple(samples))  # the same tuple each time
+        frame = Frame([(keys, np.array(list(samples.values())))])
+        for way, cycle in (("dict", samples), ("frame", frame)):
+            done = aggregators[way].add(float(t), cycle)
+            if done:
+                finished[way][done[0]] = done[1]
+        if t == 120:
+            taken = aggregators["frame"].columns.column[d]
+    assert finished["dict"] == finished["frame"]
+    minutes = finished["frame"]
+    assert minutes[0] == {a: [3, 9.0, 1.0, 5.0, 3.0],
+                          c: [2, 5.0 + 12.0, None, None, None]}  # a base, then a reset
+    assert minutes[1] == {b: [2, 9.0, 2.0, 7.0, 2.0], c: [2, 0.0, None, None, None]}
+    assert minutes[2] == {d: [1, 4.0, 4.0, 4.0, 4.0], e: [1, 0.0, 0.0, 0.0, 0.0]}
+    assert taken == 0  # a's column, given back after a minute without it
+    back = minutes[FORGET_AFTER_MINUTES + 5]
+    assert back[c] == [1, 100.0, None, None, None]
