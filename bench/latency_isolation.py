@@ -15,7 +15,8 @@ streamed chunk (the engine sends it with the first token). The aim: the lanes ph
 within 2x the unloaded p99 at the same client count; the one-lane phase shows what the
 lanes buy. All clients are asyncio tasks of one process (httpx), apart from the engine's.
 
-Usage: python bench/latency_isolation.py [--clients 8,32,64] [--requests 4] [--json]
+Usage: python bench/latency_isolation.py [--clients 8,32,64] [--requests 4] [--rounds 3]
+       [--json]
 """
 from __future__ import annotations
 
@@ -83,8 +84,15 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+PHASES = (("unloaded", LOW_LATENCY, False), ("lanes", LOW_LATENCY, True),
+          ("one_lane", None, True))
+
+
 def measure(clients_list: list[int], requests: int, tokens: int, flood: int,
-            flood_tokens: int) -> dict:
+            flood_tokens: int, rounds: int = 1) -> dict:
+    """Per client count, the three phases `rounds` times (the order reversed every other
+    round, so a host getting busier or quieter weighs on all alike), each phase's TTFTs
+    pooled over the rounds before its p50 and p99 are taken."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "telemetry").mkdir()
         engine = EngineServer(Path(tmp) / "telemetry" / "e1", "--engine-name", "e1")
@@ -93,12 +101,15 @@ def measure(clients_list: list[int], requests: int, tokens: int, flood: int,
             asyncio.run(_phase(engine.url, 4, 2, tokens, LOW_LATENCY, 0, 0))  # warm-up
             out = {}
             for clients in clients_list:
+                pooled: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
+                for r in range(rounds):
+                    for name, lane, flooded in (PHASES if r % 2 == 0 else PHASES[::-1]):
+                        pooled[name] += asyncio.run(_phase(
+                            engine.url, clients, requests, tokens, lane,
+                            flood if flooded else 0, flood_tokens))
                 row = {}
-                for name, lane, flooders in (("unloaded", LOW_LATENCY, 0),
-                                             ("lanes", LOW_LATENCY, flood),
-                                             ("one_lane", None, flood)):
-                    ttfts = asyncio.run(_phase(engine.url, clients, requests, tokens, lane,
-                                               flooders, flood_tokens))
+                for name, ttfts in pooled.items():
+                    ttfts.sort()
                     row[name] = {"p50_ms": statistics.median(ttfts) * 1e3,
                                  "p99_ms": _p(ttfts, 0.99) * 1e3, "n": len(ttfts)}
                 row["lanes_p99_ratio"] = row["lanes"]["p99_ms"] / row["unloaded"]["p99_ms"]
@@ -118,12 +129,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="new tokens per latency request")
     parser.add_argument("--flood", type=int, default=32, help="throughput-lane clients")
     parser.add_argument("--flood-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Times each phase runs per client count (TTFTs pooled).")
     parser.add_argument("--json", action="store_true", help="End with one JSON line.")
     args = parser.parse_args()
     result = measure([int(c) for c in args.clients.split(",")], args.requests, args.tokens,
-                     args.flood, args.flood_tokens)
+                     args.flood, args.flood_tokens, args.rounds)
     print(f"low_latency TTFT (client-side), {args.flood} throughput clients flooding, "
-          f"{args.requests} requests per latency client")
+          f"{args.requests} requests per latency client, {args.rounds} round(s) pooled")
     print(f"{'clients':>7} {'unloaded p50/p99 ms':>20} {'lanes p50/p99 ms':>18} "
           f"{'one lane p50/p99 ms':>20} {'lanes/unl. p99':>15} {'one lane/unl.':>14}")
     for clients, row in result.items():

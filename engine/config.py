@@ -138,7 +138,7 @@ class EngineConfig:
     overlap_lanes: str = "auto"
     lanes: tuple[LaneConfig, ...] = field(default_factory=lambda: (
         LaneConfig(LANES[0], 4), LaneConfig(LANES[1], 64)))
-    throughput_share: int = 4         # every Nth step goes to throughput when both have work
+    throughput_share: int = 4         # throughput gets 1/N of the time while both have work
     # Sampled kernel time (engine/kernel_sampler.py): every Nth step of each lane and phase
     # runs under the profiler (0: never), within a budget of this share of wall time.
     kernel_sample_steps: int = 200

@@ -201,7 +201,8 @@ class Engine:
         self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k,
                                                           config.skeleton_min_count)) \
             if self.instrumented else NullStats()
-        self.stats.on_state(self.scheduler, self.block_manager)
+        self.stats.bind(self.scheduler, self.block_manager)
+        self.stats.flush()  # the gauges from the start
 
     # ----- public API -------------------------------------------------------------------
 
@@ -247,7 +248,6 @@ class Engine:
             self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
                                                   deliver)
             self.stats.on_accepted(seq)
-            self.stats.on_gauges(self.scheduler, self.block_manager)
             self.stats.flush()  # the queue's gauges move on admission, before any step
             self._wakeup.notify()
         return handle
@@ -389,8 +389,8 @@ class Engine:
                 completed.add(key)
                 with self._lock:  # the outputs first: no figure stands in their way
                     self._postprocess(batch, next_tokens, device_seconds, end_ns)
+                    self.scheduler.step_done(batch.lane, (end_ns - start_ns) * NS)
                     self.stats.on_step(batch.lane, key[1], device_seconds, start_ns, end_ns)
-                    self.stats.on_state(self.scheduler, self.block_manager)
         finally:
             found = self.kernel_sampler.end(completed)
             with self._lock:
@@ -404,7 +404,6 @@ class Engine:
         with self._lock:
             for seq in batch.seqs:
                 self._finish(self._requests[seq.request_id], FinishReason.ERROR)
-            self.stats.on_state(self.scheduler, self.block_manager)
 
     def run_until_idle(self) -> None:
         """Drive steps on the caller's thread (engines built with start=False)."""
@@ -437,7 +436,6 @@ class Engine:
             if request is not None:
                 self._finish(request, FinishReason.ABORTED)
         self._aborts.clear()
-        self.stats.on_gauges(self.scheduler, self.block_manager)
 
     def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int | None],
                      device_seconds: float, now_ns: int) -> None:

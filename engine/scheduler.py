@@ -2,8 +2,14 @@
 
 Each step serves one lane with either a prefill batch (admitting waiting requests) or a
 decode batch (one token for every running request of the lane). `low_latency` is served
-first, but every `throughput_share`-th step goes to `throughput` when it has work, so
-neither lane starves.
+first, but while both lanes have work `throughput` gets 1/`throughput_share` of the
+engine's time, so neither lane starves. The share is of time, not of steps: a throughput
+step (a batch of 32 or 64) takes several times a low_latency one, and one step in four
+would hand it over half the engine (deficit round robin: throughput earns credit while
+low_latency runs and spends it running; see `step_done`).
+
+With overlapping lanes (`schedule_lanes`, CUDA streams) both lanes run every step and no
+turn is taken.
 """
 from __future__ import annotations
 
@@ -56,7 +62,10 @@ class Scheduler:
         self.prefix_caching = config.enable_prefix_caching
         self.lanes = {lane.name: Lane(lane.name, lane.max_num_seqs) for lane in config.lanes}
         self.num_preemptions = 0
-        self._steps_since_throughput = 0
+        # Seconds of engine time throughput is owed (> 0: its turn) while both lanes have
+        # work; reset when they stop contending. `_contended`: the last scheduled step's.
+        self._throughput_credit = 0.0
+        self._contended = False
 
     @property
     def num_waiting(self) -> int:
@@ -98,19 +107,27 @@ class Scheduler:
         return batches
 
     def schedule(self) -> ScheduledBatch | None:
-        for lane in self._lane_order():
+        low, high = self.lanes[LOW_LATENCY], self.lanes[THROUGHPUT]
+        self._contended = low.has_work() and high.has_work()
+        if not self._contended:
+            self._throughput_credit = 0.0
+        order = [high, low] if high.has_work() and (
+            self.throughput_share == 1 or self._throughput_credit > 0) else [low, high]
+        for lane in order:
             batch = self._schedule_prefill(lane) or self._schedule_decode(lane)
             if batch is not None:
-                self._steps_since_throughput = (
-                    0 if lane.name == THROUGHPUT else self._steps_since_throughput + 1)
                 return batch
         return None
 
-    def _lane_order(self) -> list[Lane]:
-        low, high = self.lanes[LOW_LATENCY], self.lanes[THROUGHPUT]
-        if self._steps_since_throughput + 1 >= self.throughput_share and high.has_work():
-            return [high, low]
-        return [low, high]
+    def step_done(self, lane: str, seconds: float) -> None:
+        """A step `schedule` gave has run for `seconds`: while both lanes had work,
+        throughput earns 1/(share - 1) of low_latency's time and spends its own."""
+        if not self._contended or self.throughput_share == 1:
+            return
+        if lane == THROUGHPUT:
+            self._throughput_credit -= seconds
+        else:
+            self._throughput_credit += seconds / (self.throughput_share - 1)
 
     def _schedule_prefill(self, lane: Lane) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []

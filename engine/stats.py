@@ -86,6 +86,13 @@ class EngineStats:
     _gauges: tuple = ()
     _flushed: float = 0.0
     _flush_failed: bool = False
+    _scheduler: Scheduler | None = None
+    _block_manager: BlockManager | None = None
+
+    def bind(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
+        """The engine's scheduler and KV pool, whose state each flush writes (evictions,
+        preemptions, gauges: read when written, never per step)."""
+        self._scheduler, self._block_manager = scheduler, block_manager
 
     def _lane_series(self, lane: str) -> _LaneSeries:
         series = self._by_lane.get(lane)
@@ -183,10 +190,11 @@ class EngineStats:
             self.writer.observe(m.E2E_LATENCY, seq.timeline.e2e_ns * NS,
                                 stream=seq.lane)
 
-    def on_state(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
-        """After every step: evictions and their ages, preemptions, gauges."""
-        if not self.writer:
-            block_manager.eviction_ages.clear()
+    def _write_state(self) -> None:
+        """The scheduler's and the KV pool's state as it is now: evictions and their ages,
+        preemptions, and the gauges (written only when they changed)."""
+        scheduler, block_manager = self._scheduler, self._block_manager
+        if scheduler is None:
             return
         delta = block_manager.stats.evictions - self._evictions_exported
         if delta:
@@ -199,16 +207,30 @@ class EngineStats:
         if delta:
             self.writer.inc(m.PREEMPTIONS, delta)
             self._preemptions_exported = scheduler.num_preemptions
-        self.on_gauges(scheduler, block_manager)
+        lanes = scheduler.lanes.values()
+        gauges = (block_manager.usage, block_manager.num_blocks,
+                  *[(len(lane.running), len(lane.waiting)) for lane in lanes])
+        if gauges == self._gauges:
+            return  # nothing admitted, finished or freed since the last flush
+        self._gauges = gauges
+        for lane in lanes:
+            series = self._lane_series(lane.name)
+            series.running.set(len(lane.running))
+            series.waiting.set(len(lane.waiting))
+        self._kv_usage.set(block_manager.usage)
+        self._kv_blocks.set(block_manager.num_blocks)
 
     def flush(self) -> None:
-        """What the steps since the last flush added, into the telemetry files. Called under
-        the engine's lock (as every hook is): on admission, when the loop goes idle, and
-        from `flush_due`."""
-        if not self.writer:
-            return
+        """What the steps since the last flush added, and the state now, into the
+        telemetry files. Called under the engine's lock (as every hook is): on admission
+        and rejection, when the loop goes idle, at close, and from `flush_due`."""
         self._flushed = time.monotonic()
+        if not self.writer:
+            if self._block_manager is not None:
+                self._block_manager.eviction_ages.clear()  # not kept without telemetry
+            return
         try:
+            self._write_state()
             for series in self._by_lane.values():
                 series.commit()
             if self._pending_tokens:
@@ -224,26 +246,8 @@ class EngineStats:
 
     def flush_due(self) -> None:
         """After a step: flush if FLUSH_SECONDS passed since the last flush."""
-        if self.writer and time.monotonic() - self._flushed >= FLUSH_SECONDS:
+        if time.monotonic() - self._flushed >= FLUSH_SECONDS:
             self.flush()
-
-    def on_gauges(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
-        """On every change of who holds blocks or waits (admission, finish, abort, step)."""
-        if not self.writer:
-            return
-        lanes = scheduler.lanes.values()
-        gauges = (block_manager.usage, block_manager.num_blocks,
-                  *[(len(lane.running), len(lane.waiting)) for lane in lanes])
-        if gauges == self._gauges:
-            return  # a decode step that admitted, finished and freed nothing
-        self._gauges = gauges
-        for lane in lanes:
-            series = self._lane_series(lane.name)
-            series.running.set(len(lane.running))
-            series.waiting.set(len(lane.waiting))
-        self._kv_usage.set(block_manager.usage)
-        self._kv_blocks.set(block_manager.num_blocks)
-
 
 
 class NullStats(EngineStats):
@@ -260,8 +264,5 @@ class NullStats(EngineStats):
     def on_tokens(self, lane, first_token_seconds, gap_seconds): pass
     def on_first_text(self, seq): pass
     def on_finished(self, seq): pass
-    def on_state(self, scheduler, block_manager):
-        block_manager.eviction_ages.clear()  # (not kept without instrumentation; belt)
-    def on_gauges(self, scheduler, block_manager): pass
     def flush(self): pass
     def flush_due(self): pass

@@ -305,3 +305,49 @@ def test_throughput_never_preempts_low_latency_and_low_latency_preempts_throughp
     assert throughput.seqs == [bulk[0]] and bulk[1].status is SequenceStatus.WAITING
     urgent = scheduler._schedule_decode(scheduler.lanes["low_latency"])
     assert urgent.seqs == [low] and bulk[0].status is SequenceStatus.WAITING
+
+
+def test_throughput_gets_its_share_of_the_engines_time_not_of_its_steps():
+    """While both lanes have work, throughput gets 1/throughput_share of the time: with
+    its steps 8x as long as low_latency's, one step in four would hand it 73 % of the
+    engine. A lane alone takes every step and leaves no debt or credit behind: when
+    low_latency comes back it is served at once, and throughput right after one of its
+    steps."""
+    from ac_observe.engine.block_manager import BlockManager
+    from ac_observe.engine.scheduler import Scheduler
+    from ac_observe.engine.sequence import Sequence
+
+    scheduler = Scheduler(EngineConfig(throughput_share=4), BlockManager(4096, BLOCK),
+                          max_model_len=4096)
+    cost = {"low_latency": 0.001, "throughput": 0.008}
+
+    def add(name, lane):
+        scheduler.add(Sequence(name, list(range(1, 1 + BLOCK)),
+                               SamplingParams(max_tokens=1000), lane=lane))
+
+    def steps(n):
+        lanes = []
+        for _ in range(n):
+            batch = scheduler.schedule()
+            for seq in batch.seqs:  # as the engine's postprocess: one more token each
+                seq.num_computed_tokens = len(seq)
+                seq.token_ids.append(5)
+            scheduler.step_done(batch.lane, cost[batch.lane])
+            lanes.append(batch.lane)
+        return lanes
+
+    add("t0", "throughput")
+    assert set(steps(20)) == {"throughput"}  # alone: every step
+    add("l0", "low_latency")
+    assert steps(2) == ["low_latency", "throughput"]  # no debt from running alone
+    lanes = steps(400)
+    time = {lane: lanes.count(lane) * cost[lane] for lane in cost}
+    assert 0.22 < time["throughput"] / sum(time.values()) < 0.28
+    while lanes[-1] != "throughput":  # end the contention in debt: it just ran
+        lanes += steps(1)
+    from ac_observe.engine.sequence import FinishReason
+    (low,) = scheduler.lanes["low_latency"].running
+    scheduler.finish(low, FinishReason.LENGTH)
+    assert set(steps(5)) == {"throughput"}
+    add("l1", "low_latency")
+    assert steps(2) == ["low_latency", "throughput"]  # the old debt is not carried over
