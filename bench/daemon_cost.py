@@ -4,7 +4,7 @@ The cycles are scraped as Prometheus scrapes: with gzip, every SCRAPE_EVERY (15)
 and what the scrapes render and compress counts as the cycles' cost.
 
 Two sizes: one engine's worth of series (what the demo produces) and the fewest engines
-giving 10,000 series or more (12 of ~855 series each). Engines are stood in for by their
+giving 10,000 series or more (12 of ~857 series each). Engines are stood in for by their
 telemetry files, written with the engine's own TelemetryWriter and filled with
 observations, so the daemon reads the real format. /metrics is scraped by 1 client and by
 50 at once (keep-alive connections from a separate process, see scrape_worker; the daemon

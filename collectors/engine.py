@@ -43,6 +43,7 @@ from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_DB_BYTES, MAX_INF
 log = logging.getLogger("ac_observe.collectors.engine")
 
 MAX_SERIES_PER_ENGINE = 50_000
+MAX_ENTRIES_PER_ENGINE = 4 * MAX_SERIES_PER_ENGINE  # across the files of all its pids
 MAX_LABEL_VALUE_CHARS = 256
 MAX_ENGINE_DIRS = 1024
 _FIRST_ENTRY_BYTES = 64
@@ -165,7 +166,6 @@ class _EngineReader:
     identity: tuple = ()   # (engine_id, engine, model) the checked keys were checked against
     restarts: int = 0
     plan: "_Plan | None" = None  # how its files become series, while their keys hold
-    refused: tuple = ()  # (layout, why) of files too big to plan: not planned again
 
 
 GONE_KEEP_SECONDS = 3600.0  # a gone engine's ac_engine_up stays at 0 this long
@@ -334,7 +334,7 @@ class EngineCollector(Collector):
     def _read_samples(self, dir_fd: int, info: dict, reader: _EngineReader) -> tuple:
         """(this cycle's values laid out by the engine's plan, why entries were skipped or
         "")."""
-        names, indexes, values = set(), [], []
+        names, indexes, values, entries = set(), [], [], 0
         for name in os.listdir(dir_fd):
             if parse_db_file_name(name) is None:
                 continue
@@ -349,21 +349,28 @@ class EngineCollector(Collector):
             if read is not None:
                 indexes.append(index)
                 values.append(read)
+                entries += len(read)
+                if entries > MAX_ENTRIES_PER_ENGINE:  # many pids' files: stop reading
+                    raise BadEngine(f"more than {MAX_ENTRIES_PER_ENGINE} entries in its "
+                                    "files")
         reader.files = {n: i for n, i in reader.files.items() if n in names}
         layout = tuple(index.layout for index in indexes)
         plan = reader.plan
         if plan is None or plan.layout != layout:
-            if reader.refused and reader.refused[0] == layout:
-                raise BadEngine(reader.refused[1])
+            reader.plan = None
+            # Counted before a key is parsed (skipped ones too): a directory of foreign
+            # keys costs neither the parsing nor the memory of more than the limit.
+            keys = set()
+            for index in indexes:
+                keys.update(index.keys)
+                if len(keys) > MAX_SERIES_PER_ENGINE:
+                    reader.keys.clear()
+                    raise BadEngine(f"more than {MAX_SERIES_PER_ENGINE} series")
             if len(reader.keys) > 2 * MAX_SERIES_PER_ENGINE:
                 reader.keys.clear()  # churned by rewritten files: parse afresh
             expected = {"engine": info["engine"], "model": info["model"]}
-            try:
-                plan = reader.plan = _Plan(layout, [index.keys for index in indexes],
-                                           reader.keys, expected)
-            except BadEngine as exc:
-                reader.plan, reader.refused = None, (layout, str(exc))
-                raise
+            plan = reader.plan = _Plan(layout, [index.keys for index in indexes],
+                                       reader.keys, expected)
         return plan.evaluate(values), plan.warning
 
     def _forget(self, root_fd: int, name: str, info: dict | None) -> None:
@@ -520,8 +527,6 @@ class _Plan:
                     slot = slot_of[entry.watch_key] = len(stored)
                     stored.append(entry)
                 sources.append(slot)
-        if len(stored) > MAX_SERIES_PER_ENGINE:
-            raise BadEngine(f"more than {MAX_SERIES_PER_ENGINE} series")
         zero = len(stored)  # a slot that is always 0.0 (skipped entries are summed there)
         self._zero = zero
         self._sources = np.array([zero if s < 0 else s for s in sources], dtype=np.intp)

@@ -92,7 +92,12 @@ class DriftDriver:
                 self._faults(client, 0)
                 if stopped:
                     return
-                _say("demo drift: the delay is removed; the alert should resolve")
+                if self._firing(DEMO_RULE):
+                    _say("demo drift: the delay is removed; the alert should resolve")
+                else:
+                    _say(f"demo drift: the delay is removed; {DEMO_RULE} did not fire within "
+                         f"{DRIFT_PATIENCE * self.drift_seconds:g}s (is the daemon "
+                         "evaluating rules? see ac-observe alerts)")
 
     def _firing(self, rule: str) -> bool:
         return (rule, "firing") in self._states.values()

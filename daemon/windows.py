@@ -3,7 +3,8 @@
 One ring of cycle timestamps is shared by all series; each series is a column of float64
 values (NaN where it was absent) in chunks of CHUNK columns x N cycles, so a cycle is
 stored row by row (one NaN fill and one indexed store a chunk, not a store per series)
-and memory is 8 bytes x cycles x series (rounded up to a chunk). Only families a friendly
+and memory is 8 bytes x cycles x columns, up to the last live series' column rounded up
+to a chunk (new series take the lowest free columns). Only families a friendly
 name reads are kept.
 
 A cycle arrives as a `Frame`: blocks of (keys, values) whose keys tuple a collector keeps
@@ -19,6 +20,7 @@ with array slices) after the lock is released, so a long query never stalls a cy
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from array import array
 
@@ -54,7 +56,8 @@ class Frame:
 
 
 class Columns:
-    """Series key -> column number, numbers reused once released.
+    """Series key -> column number, the lowest free number reused first (so live series
+    gather at the low end and the columns past the last live one can be given back).
 
     `place(frame)` gives the frame's columns and values as two arrays (blocks first, in
     order, then the loose samples) and the keys that got a column just now. A block's
@@ -65,7 +68,7 @@ class Columns:
     def __init__(self):
         self.column: dict[SeriesKey, int] = {}
         self.key_of: list[SeriesKey | None] = []
-        self._free: list[int] = []
+        self._free: list[int] = []  # a heap
         self._blocks: dict[int, tuple[tuple, np.ndarray]] = {}
         self._frame: tuple = ((), None)  # (ids of the last frame's block keys, columns)
 
@@ -101,7 +104,7 @@ class Columns:
             at = column.get(key)
             if at is None:
                 if free:
-                    at = free.pop()
+                    at = heapq.heappop(free)
                     key_of[at] = key
                 else:
                     at = len(key_of)
@@ -113,11 +116,17 @@ class Columns:
 
     def release(self, keys) -> None:
         """Give the columns of `keys` back (their series are gone); remembered blocks are
-        forgotten, since one may hold them."""
+        forgotten, since one may hold them. Free columns at the end are dropped: `key_of`
+        ends with a live series' column."""
+        key_of, free = self.key_of, self._free
         for key in keys:
             at = self.column.pop(key)
-            self.key_of[at] = None
-            self._free.append(at)
+            key_of[at] = None
+            heapq.heappush(free, at)
+        while key_of and key_of[-1] is None:
+            key_of.pop()
+        self._free = [at for at in free if at < len(key_of)]  # none past the end
+        heapq.heapify(self._free)
         self._blocks, self._frame = {}, ((), None)
 
 
@@ -174,11 +183,16 @@ class Windows:
                                    (self._last_present < horizon))
             gone = [self.columns.key_of[at] for at in stale.tolist()]
             if gone:
-                self.columns.release(gone)
                 self._last_present[stale] = -1
                 for key in gone:
                     del self.first_seen[key]
                     self.by_sample[key[0]].discard(key)
+                self.columns.release(gone)
+                # Chunks past the last live column go back (a spike of series does not
+                # hold its memory for good).
+                kept = -(-len(self.columns.key_of) // CHUNK)
+                del self._chunks[kept:]
+                self._last_present = self._last_present[:kept * CHUNK]
 
     @property
     def earliest_time(self) -> float:

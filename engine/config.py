@@ -139,6 +139,7 @@ class EngineConfig:
     lanes: tuple[LaneConfig, ...] = field(default_factory=lambda: (
         LaneConfig(LANES[0], 4), LaneConfig(LANES[1], 64)))
     throughput_share: int = 4         # throughput gets 1/N of the time while both have work
+                                      # (1: throughput first, always)
     # Sampled kernel time (engine/kernel_sampler.py): every Nth step of each lane and phase
     # runs under the profiler (0: never), within a budget of this share of wall time.
     kernel_sample_steps: int = 200

@@ -3,10 +3,12 @@
 Each step serves one lane with either a prefill batch (admitting waiting requests) or a
 decode batch (one token for every running request of the lane). `low_latency` is served
 first, but while both lanes have work `throughput` gets 1/`throughput_share` of the
-engine's time, so neither lane starves. The share is of time, not of steps: a throughput
-step (a batch of 32 or 64) takes several times a low_latency one, and one step in four
-would hand it over half the engine (deficit round robin: throughput earns credit while
-low_latency runs and spends it running; see `step_done`).
+engine's time (over a sustained contention), so neither lane starves. The share is of
+time, not of steps: a throughput step (a batch of 32 or 64) takes several times a
+low_latency one, and one step in four would hand it over half the engine (deficit
+round robin: throughput earns credit while low_latency runs and spends it running; see
+`step_done`). `throughput_share` 1 gives throughput every step it has work for
+(low_latency only when it has none).
 
 With overlapping lanes (`schedule_lanes`, CUDA streams) both lanes run every step and no
 turn is taken.
@@ -21,6 +23,10 @@ from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
 from ac_observe.metrics import LOW_LATENCY, THROUGHPUT
 from ac_observe.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+# The most engine time either lane can be owed or owe in the lanes' time share.
+CREDIT_LIMIT_SECONDS = 0.5
 
 
 class QueueFullError(RuntimeError):
@@ -108,26 +114,36 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         low, high = self.lanes[LOW_LATENCY], self.lanes[THROUGHPUT]
-        self._contended = low.has_work() and high.has_work()
-        if not self._contended:
-            self._throughput_credit = 0.0
+        contended = low.has_work() and high.has_work()
+        if not contended:
+            # No credit is hoarded while low_latency is away; a debt stands (bounded), so
+            # throughput cannot take more than its share by contending in short bursts.
+            self._throughput_credit = min(self._throughput_credit, 0.0)
         order = [high, low] if high.has_work() and (
             self.throughput_share == 1 or self._throughput_credit > 0) else [low, high]
         for lane in order:
             batch = self._schedule_prefill(lane) or self._schedule_decode(lane)
             if batch is not None:
+                # Only a turn the share chose is accounted: a lane that ran because the
+                # other could not (its requests wait for KV blocks) earns or owes nothing.
+                self._contended = contended and lane is order[0]
                 return batch
+        self._contended = False
         return None
 
     def step_done(self, lane: str, seconds: float) -> None:
         """A step `schedule` gave has run for `seconds`: while both lanes had work,
-        throughput earns 1/(share - 1) of low_latency's time and spends its own."""
+        throughput earns 1/(share - 1) of low_latency's time and spends its own; over a
+        sustained contention it gets 1/share of the time. Credit and debt are bounded by
+        CREDIT_LIMIT_SECONDS, so neither lane waits longer than that for its turn."""
         if not self._contended or self.throughput_share == 1:
             return
+        seconds = max(seconds, 1e-6)  # a clock too coarse to see a step still turns
         if lane == THROUGHPUT:
-            self._throughput_credit -= seconds
+            credit = self._throughput_credit - seconds
         else:
-            self._throughput_credit += seconds / (self.throughput_share - 1)
+            credit = self._throughput_credit + seconds / (self.throughput_share - 1)
+        self._throughput_credit = min(max(credit, -CREDIT_LIMIT_SECONDS), CREDIT_LIMIT_SECONDS)
 
     def _schedule_prefill(self, lane: Lane) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []

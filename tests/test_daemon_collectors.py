@@ -306,12 +306,11 @@ def test_a_cycle_renders_ahead_only_when_a_scrape_is_due(tmp_path):
         daemon.close()
 
 
-def test_an_engine_over_the_series_limit_is_refused_alone_and_not_replanned(tmp_path,
-                                                                             monkeypatch):
-    """More series than MAX_SERIES_PER_ENGINE across an engine's files (each file under
-    it) make that engine an error with the reason; the other engine is exported whole,
-    and the refusal stands without re-reading every key while the files stay as they
-    are."""
+def test_an_engine_over_the_series_limit_is_refused_alone_before_its_keys_are_parsed(
+        tmp_path, monkeypatch):
+    """More keys than MAX_SERIES_PER_ENGINE across an engine's files (each file under it)
+    make that engine an error with the reason, before any of its keys is parsed or kept;
+    the other engine is exported whole."""
     import random
     import sys
 
@@ -349,7 +348,14 @@ def test_an_engine_over_the_series_limit_is_refused_alone_and_not_replanned(tmp_
                 for s in f.samples if s.labels.get("engine") == "a"}
         assert {e for e in exported if e[1] == "big"} <= {("ac_engine_up", "big")}
         assert mine <= exported
-        assert len(plans) == 2  # one each, at the first cycle; the refusal is remembered
+        assert len(plans) == 1  # a's, at the first cycle; never one for big
+        assert not limited._readers["big"].keys  # nothing of big's parsed or held
+        # Entries of many pids' files are bounded apart (read no further than that).
+        monkeypatch.setattr(collector, "MAX_ENTRIES_PER_ENGINE", limit - 1)
+        capped = collector.EngineCollector(config)
+        capped.collect()
+        assert {s["error"] for s in capped.status()} == {f"more than {limit - 1} entries "
+                                                         "in its files"}
     finally:
         for writer in writers:
             writer.close()

@@ -307,5 +307,30 @@ def test_windows_hold_blocks_and_loose_samples_alike_across_chunks_and_reuse_col
     later = tuple((name, (("engine", f"z{i}"),)) for i in range(CHUNK))
     windows.append(6.0, Frame([(later, np.arange(CHUNK, dtype=float))]))
     assert max(windows.series[k] for k in later) < len(keys) + len(loose) + len(fresh)
+    taken = sorted(windows.series[k] for k in later)  # the lowest free first: keys[:50]'s
+    assert taken[:50] == list(range(50))
     view = windows.view({name}, 0.0)
     assert all(view.points(k) == [(6.0, float(i))] for i, k in enumerate(later))
+
+
+def test_a_spike_of_series_gives_its_memory_back_once_gone_for_a_window():
+    """600 series for one cycle, then 10 of them: once the rest have been gone a whole
+    window the chunks past the last live column are freed (one left of three), and new
+    series take the lowest free columns."""
+    import numpy as np
+
+    from ac_observe.daemon.windows import CHUNK, Frame
+    name = "ac_kv_cache_usage_ratio"
+    keys = tuple((name, (("engine", f"e{i}"),)) for i in range(600))
+    assert 600 > 2 * CHUNK
+    windows = Windows(capacity=2)
+    windows.append(0.0, Frame([(keys, np.ones(600))]))
+    assert len(windows._chunks) == 3
+    for t in range(1, 5):
+        windows.append(float(t), Frame([(keys[:10], np.full(10, float(t)))]))
+    assert len(windows.series) == 10 and len(windows._chunks) == 1
+    fresh = (name, (("engine", "new"),))
+    windows.append(5.0, {fresh: 7.0})
+    assert windows.series[fresh] == 10  # the lowest free column
+    assert windows.view({name}, 5.0).points(fresh) == [(5.0, 7.0)]
+    assert windows.view({name}, 4.0).points(keys[9]) == [(4.0, 4.0)]
