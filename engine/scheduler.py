@@ -8,7 +8,9 @@ time, not of steps: a throughput step (a batch of 32 or 64) takes several times 
 low_latency one, and one step in four would hand it over half the engine (deficit
 round robin: throughput earns credit while low_latency runs and spends it running; see
 `step_done`). `throughput_share` 1 gives throughput every step it has work for
-(low_latency only when it has none).
+(low_latency only when it has none). Admission has the same priority: a low_latency
+request short of KV blocks takes them from throughput's newest running request (which is
+recomputed later), and while one waits for a seat throughput admits nothing new.
 
 With overlapping lanes (`schedule_lanes`, CUDA streams) both lanes run every step and no
 turn is taken.
@@ -146,6 +148,12 @@ class Scheduler:
         self._throughput_credit = min(max(credit, -CREDIT_LIMIT_SECONDS), CREDIT_LIMIT_SECONDS)
 
     def _schedule_prefill(self, lane: Lane) -> ScheduledBatch | None:
+        if lane.name == THROUGHPUT:
+            low = self.lanes[LOW_LATENCY]
+            if low.waiting and len(low.running) < low.max_num_seqs:
+                # low_latency has a request to admit (or it would have been admitted):
+                # blocks that free up go to it, not to new throughput requests.
+                return None
         scheduled: list[Sequence] = []
         first: list[Sequence] = []
         num_tokens = 0
@@ -154,7 +162,13 @@ class Scheduler:
             if scheduled and num_tokens + len(seq) > self.max_num_batched_tokens:
                 break
             if not self.block_manager.try_allocate(seq, self.prefix_caching):
-                break
+                # low_latency takes the blocks of throughput's newest request (it is
+                # recomputed later), as its decode does; throughput waits its turn.
+                victims = self.lanes[THROUGHPUT].running if lane.name == LOW_LATENCY else ()
+                if not victims:
+                    break
+                self._preempt(victims[-1])
+                continue
             num_tokens += len(seq) - seq.num_computed_tokens
             lane.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

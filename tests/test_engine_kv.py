@@ -380,3 +380,34 @@ def test_a_lane_that_cannot_run_earns_no_turns_to_spend_later():
     runs = "".join("T" if lane == "throughput" else "l" for lane in lanes).split("l")
     assert max(len(run) for run in runs) == 1
     assert lanes[0] == "throughput" and lanes.count("throughput") >= 2  # its share again
+
+
+def test_low_latency_admission_takes_blocks_from_throughput_which_admits_nothing_meanwhile():
+    """A low_latency request short of KV blocks takes them from throughput's newest running
+    request (preempted: recomputed later), as low_latency's decode does; while a
+    low_latency request waits for a seat, throughput admits nothing new."""
+    from ac_observe.engine.block_manager import BlockManager
+    from ac_observe.engine.scheduler import Scheduler
+    from ac_observe.engine.sequence import Sequence, SequenceStatus
+
+    scheduler = Scheduler(EngineConfig(), BlockManager(4, BLOCK), max_model_len=1024)
+
+    def request(name, lane, first):
+        seq = Sequence(name, list(range(first, first + BLOCK)), SamplingParams(max_tokens=8),
+                       lane=lane)
+        scheduler.add(seq)
+        return seq
+
+    throughput, low_latency = scheduler.lanes["throughput"], scheduler.lanes["low_latency"]
+    bulk = [request(f"t{i}", "throughput", 100 + 50 * i) for i in range(3)]
+    assert scheduler._schedule_prefill(throughput).seqs == bulk  # one block left
+    late = request("t3", "throughput", 400)
+    low = request("low", "low_latency", 500)
+    assert scheduler._schedule_prefill(throughput) is None  # the block is low's to take
+    assert scheduler._schedule_prefill(low_latency).seqs == [low]
+    assert scheduler.num_preemptions == 0
+    second = request("low2", "low_latency", 600)  # no block left: throughput's newest
+    assert scheduler._schedule_prefill(low_latency).seqs == [second]
+    assert bulk[2].status is SequenceStatus.WAITING and scheduler.num_preemptions == 1
+    assert list(throughput.waiting) == [bulk[2], late]
+    assert [s.status for s in bulk[:2]] == [SequenceStatus.RUNNING] * 2
