@@ -166,6 +166,7 @@ class _EngineReader:
     identity: tuple = ()   # (engine_id, engine, model) the checked keys were checked against
     restarts: int = 0
     plan: "_Plan | None" = None  # how its files become series, while their keys hold
+    refused: tuple = ()  # (layout, why) of files with too many keys: not counted again
 
 
 GONE_KEEP_SECONDS = 3600.0  # a gone engine's ac_engine_up stays at 0 this long
@@ -306,7 +307,7 @@ class EngineCollector(Collector):
                     reader.restarts += 1  # a new engine in the same directory
                 reader.identity = identity
                 reader.keys.clear()  # keys are checked against engine.json's labels
-                reader.plan = None
+                reader.plan, reader.refused = None, ()
             samples, warning = self._read_samples(dir_fd, info, reader)
         except OSError as exc:  # unreadable in any way: this engine's problem alone
             raise BadEngine(f"cannot read: {exc.strerror or exc}") from None
@@ -334,11 +335,10 @@ class EngineCollector(Collector):
     def _read_samples(self, dir_fd: int, info: dict, reader: _EngineReader) -> tuple:
         """(this cycle's values laid out by the engine's plan, why entries were skipped or
         "")."""
-        names, indexes, values, entries = set(), [], [], 0
-        for name in os.listdir(dir_fd):
-            if parse_db_file_name(name) is None:
-                continue
-            names.add(name)
+        names = [name for name in os.listdir(dir_fd) if parse_db_file_name(name)]
+        reader.files = {n: i for n, i in reader.files.items() if n in names}
+        indexes, values, entries = [], [], 0
+        for name in names:
             index = reader.files.get(name)
             if index is None:
                 index = reader.files[name] = _FileIndex()
@@ -353,19 +353,18 @@ class EngineCollector(Collector):
                 if entries > MAX_ENTRIES_PER_ENGINE:  # many pids' files: stop reading
                     raise BadEngine(f"more than {MAX_ENTRIES_PER_ENGINE} entries in its "
                                     "files")
-        reader.files = {n: i for n, i in reader.files.items() if n in names}
         layout = tuple(index.layout for index in indexes)
         plan = reader.plan
         if plan is None or plan.layout != layout:
             reader.plan = None
+            if reader.refused and reader.refused[0] == layout:  # files as they were
+                raise BadEngine(reader.refused[1])
             # Counted before a key is parsed (skipped ones too): a directory of foreign
             # keys costs neither the parsing nor the memory of more than the limit.
-            keys = set()
-            for index in indexes:
-                keys.update(index.keys)
-                if len(keys) > MAX_SERIES_PER_ENGINE:
-                    reader.keys.clear()
-                    raise BadEngine(f"more than {MAX_SERIES_PER_ENGINE} series")
+            if _too_many_keys(indexes):
+                reader.keys.clear()
+                reader.refused = (layout, f"more than {MAX_SERIES_PER_ENGINE} keys")
+                raise BadEngine(reader.refused[1])
             if len(reader.keys) > 2 * MAX_SERIES_PER_ENGINE:
                 reader.keys.clear()  # churned by rewritten files: parse afresh
             expected = {"engine": info["engine"], "model": info["model"]}
@@ -398,6 +397,16 @@ class EngineCollector(Collector):
                  if s.last_heartbeat else None,
                  "directory": str(self.root / s.name), "error": s.error, "warning": s.warning}
                 for s in self.engines.values()]
+
+
+def _too_many_keys(indexes: list[_FileIndex]) -> bool:
+    """More distinct keys across these files than an engine may have."""
+    keys: set[str] = set()
+    for index in indexes:
+        keys.update(index.keys)
+        if len(keys) > MAX_SERIES_PER_ENGINE:
+            return True
+    return False
 
 
 def _read_info_or_none(dir_fd: int) -> dict | None:

@@ -8,9 +8,7 @@ time, not of steps: a throughput step (a batch of 32 or 64) takes several times 
 low_latency one, and one step in four would hand it over half the engine (deficit
 round robin: throughput earns credit while low_latency runs and spends it running; see
 `step_done`). `throughput_share` 1 gives throughput every step it has work for
-(low_latency only when it has none). Admission has the same priority: a low_latency
-request short of KV blocks takes them from throughput's newest running request (which is
-recomputed later), and while one waits for a seat throughput admits nothing new.
+(low_latency only when it has none).
 
 With overlapping lanes (`schedule_lanes`, CUDA streams) both lanes run every step and no
 turn is taken.
@@ -25,10 +23,6 @@ from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
 from ac_observe.metrics import LOW_LATENCY, THROUGHPUT
 from ac_observe.engine.sequence import FinishReason, Sequence, SequenceStatus
-
-
-# The most engine time either lane can be owed or owe in the lanes' time share.
-CREDIT_LIMIT_SECONDS = 0.5
 
 
 class QueueFullError(RuntimeError):
@@ -71,7 +65,7 @@ class Scheduler:
         self.lanes = {lane.name: Lane(lane.name, lane.max_num_seqs) for lane in config.lanes}
         self.num_preemptions = 0
         # Seconds of engine time throughput is owed (> 0: its turn) while both lanes have
-        # work; reset when they stop contending. `_contended`: the last scheduled step's.
+        # work (see schedule and step_done). `_contended`: whether the last step counts.
         self._throughput_credit = 0.0
         self._contended = False
 
@@ -117,9 +111,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         low, high = self.lanes[LOW_LATENCY], self.lanes[THROUGHPUT]
         contended = low.has_work() and high.has_work()
-        if not contended:
-            # No credit is hoarded while low_latency is away; a debt stands (bounded), so
-            # throughput cannot take more than its share by contending in short bursts.
+        if not high.has_work():
+            self._throughput_credit = 0.0  # a lane that empties owes and is owed nothing
+        elif not low.has_work():
+            # No credit is hoarded while low_latency is away; a debt stands, so throughput
+            # cannot take more than its share by contending in short bursts.
             self._throughput_credit = min(self._throughput_credit, 0.0)
         order = [high, low] if high.has_work() and (
             self.throughput_share == 1 or self._throughput_credit > 0) else [low, high]
@@ -136,24 +132,18 @@ class Scheduler:
     def step_done(self, lane: str, seconds: float) -> None:
         """A step `schedule` gave has run for `seconds`: while both lanes had work,
         throughput earns 1/(share - 1) of low_latency's time and spends its own; over a
-        sustained contention it gets 1/share of the time. Credit and debt are bounded by
-        CREDIT_LIMIT_SECONDS, so neither lane waits longer than that for its turn."""
+        sustained contention it gets 1/share of the time. The turn flips as the credit
+        crosses zero, so credit stays under one low_latency step's worth and a debt under
+        one throughput step (a long one is a long wait for low_latency: no step is cut)."""
         if not self._contended or self.throughput_share == 1:
             return
         seconds = max(seconds, 1e-6)  # a clock too coarse to see a step still turns
         if lane == THROUGHPUT:
-            credit = self._throughput_credit - seconds
+            self._throughput_credit -= seconds
         else:
-            credit = self._throughput_credit + seconds / (self.throughput_share - 1)
-        self._throughput_credit = min(max(credit, -CREDIT_LIMIT_SECONDS), CREDIT_LIMIT_SECONDS)
+            self._throughput_credit += seconds / (self.throughput_share - 1)
 
     def _schedule_prefill(self, lane: Lane) -> ScheduledBatch | None:
-        if lane.name == THROUGHPUT:
-            low = self.lanes[LOW_LATENCY]
-            if low.waiting and len(low.running) < low.max_num_seqs:
-                # low_latency has a request to admit (or it would have been admitted):
-                # blocks that free up go to it, not to new throughput requests.
-                return None
         scheduled: list[Sequence] = []
         first: list[Sequence] = []
         num_tokens = 0
@@ -162,13 +152,7 @@ class Scheduler:
             if scheduled and num_tokens + len(seq) > self.max_num_batched_tokens:
                 break
             if not self.block_manager.try_allocate(seq, self.prefix_caching):
-                # low_latency takes the blocks of throughput's newest request (it is
-                # recomputed later), as its decode does; throughput waits its turn.
-                victims = self.lanes[THROUGHPUT].running if lane.name == LOW_LATENCY else ()
-                if not victims:
-                    break
-                self._preempt(victims[-1])
-                continue
+                break
             num_tokens += len(seq) - seq.num_computed_tokens
             lane.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

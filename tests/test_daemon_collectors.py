@@ -309,8 +309,9 @@ def test_a_cycle_renders_ahead_only_when_a_scrape_is_due(tmp_path):
 def test_an_engine_over_the_series_limit_is_refused_alone_before_its_keys_are_parsed(
         tmp_path, monkeypatch):
     """More keys than MAX_SERIES_PER_ENGINE across an engine's files (each file under it)
-    make that engine an error with the reason, before any of its keys is parsed or kept;
-    the other engine is exported whole."""
+    make that engine an error with the reason, before any of its keys is parsed, and the
+    refusal stands without counting again while its files stay as they are; the other
+    engine is exported whole. Entries across files are bounded the same way."""
     import random
     import sys
 
@@ -333,29 +334,39 @@ def test_an_engine_over_the_series_limit_is_refused_alone_before_its_keys_are_pa
         limit = sum(sizes["a"])  # every file of both under it, big's sum over it
         assert max(sizes["big"]) <= limit < sum(sizes["big"])
         monkeypatch.setattr(collector, "MAX_SERIES_PER_ENGINE", limit)
-        plans = []
+        plans, counts = [], []
         monkeypatch.setattr(collector._Plan, "__init__", _counting(collector._Plan.__init__,
                                                                    plans))
+        real_count = collector._too_many_keys
+        monkeypatch.setattr(collector, "_too_many_keys",
+                            lambda indexes: counts.append(1) or real_count(indexes))
+        checked = []
+        real_check = collector._check_key
+        monkeypatch.setattr(collector, "_check_key",
+                            lambda key, expected: checked.append(expected["engine"])
+                            or real_check(key, expected))
         limited = collector.EngineCollector(config)
         for _ in range(3):
             families = limited.collect()
         errors = {s["engine"] or s["directory"].rsplit("/", 1)[-1]: s["error"]
                   for s in limited.status()}
-        assert errors["big"] == f"more than {limit} series"
+        assert errors["big"] == f"more than {limit} keys"
         assert errors["a"] == ""
         exported = {(s.name, s.labels.get("engine")) for f in families for s in f.samples}
         mine = {(s.name, s.labels.get("engine")) for f in reference.collect()
                 for s in f.samples if s.labels.get("engine") == "a"}
         assert {e for e in exported if e[1] == "big"} <= {("ac_engine_up", "big")}
         assert mine <= exported
-        assert len(plans) == 1  # a's, at the first cycle; never one for big
-        assert not limited._readers["big"].keys  # nothing of big's parsed or held
-        # Entries of many pids' files are bounded apart (read no further than that).
-        monkeypatch.setattr(collector, "MAX_ENTRIES_PER_ENGINE", limit - 1)
+        assert len(plans) == 1 and set(checked) == {"a"}  # none of big's keys parsed
+        assert len(counts) == 2  # a's and big's, once: the refusal stands while big's
+        # files stay as they are
+        # Entries across many pids' files are bounded apart, reading no further.
+        monkeypatch.setattr(collector, "MAX_ENTRIES_PER_ENGINE", limit)
         capped = collector.EngineCollector(config)
         capped.collect()
-        assert {s["error"] for s in capped.status()} == {f"more than {limit - 1} entries "
-                                                         "in its files"}
+        errors = {s["engine"] or s["directory"].rsplit("/", 1)[-1]: s["error"]
+                  for s in capped.status()}
+        assert errors == {"a": "", "big": f"more than {limit} entries in its files"}
     finally:
         for writer in writers:
             writer.close()

@@ -340,7 +340,8 @@ def test_throughput_gets_its_share_of_the_engines_time_not_of_its_steps():
     its steps 8x as long as low_latency's, one step in four would hand it 73 % of the
     engine. A lane alone takes every step and earns nothing by it: when low_latency comes
     back it is served at once. A debt throughput ran up stands across a pause of
-    low_latency's (no more than its share by contending in bursts)."""
+    low_latency's (no more than its share by contending in bursts), not once throughput's
+    own work is done."""
     from ac_observe.engine.sequence import FinishReason
 
     scheduler, cost, add, steps = _timeshare_scheduler()
@@ -361,6 +362,15 @@ def test_throughput_gets_its_share_of_the_engines_time_not_of_its_steps():
     turn = back.index("throughput")
     # The 8 ms it owes is earned back at 1/3 ms a low_latency step: 23-24 steps first.
     assert back[:turn] == ["low_latency"] * turn and 22 <= turn <= 25
+    # Once throughput's own work is done it owes nothing: a new request of its, after
+    # it ran up a debt, gets its turn after one low_latency step.
+    while back[-1] != "throughput":
+        back += steps(1)
+    for seq in list(scheduler.lanes["throughput"].running):
+        scheduler.finish(seq, FinishReason.LENGTH)
+    assert set(steps(3)) == {"low_latency"}
+    add("t1", "throughput")
+    assert steps(2) == ["low_latency", "throughput"]
 
 
 def test_a_lane_that_cannot_run_earns_no_turns_to_spend_later():
@@ -381,33 +391,3 @@ def test_a_lane_that_cannot_run_earns_no_turns_to_spend_later():
     assert max(len(run) for run in runs) == 1
     assert lanes[0] == "throughput" and lanes.count("throughput") >= 2  # its share again
 
-
-def test_low_latency_admission_takes_blocks_from_throughput_which_admits_nothing_meanwhile():
-    """A low_latency request short of KV blocks takes them from throughput's newest running
-    request (preempted: recomputed later), as low_latency's decode does; while a
-    low_latency request waits for a seat, throughput admits nothing new."""
-    from ac_observe.engine.block_manager import BlockManager
-    from ac_observe.engine.scheduler import Scheduler
-    from ac_observe.engine.sequence import Sequence, SequenceStatus
-
-    scheduler = Scheduler(EngineConfig(), BlockManager(4, BLOCK), max_model_len=1024)
-
-    def request(name, lane, first):
-        seq = Sequence(name, list(range(first, first + BLOCK)), SamplingParams(max_tokens=8),
-                       lane=lane)
-        scheduler.add(seq)
-        return seq
-
-    throughput, low_latency = scheduler.lanes["throughput"], scheduler.lanes["low_latency"]
-    bulk = [request(f"t{i}", "throughput", 100 + 50 * i) for i in range(3)]
-    assert scheduler._schedule_prefill(throughput).seqs == bulk  # one block left
-    late = request("t3", "throughput", 400)
-    low = request("low", "low_latency", 500)
-    assert scheduler._schedule_prefill(throughput) is None  # the block is low's to take
-    assert scheduler._schedule_prefill(low_latency).seqs == [low]
-    assert scheduler.num_preemptions == 0
-    second = request("low2", "low_latency", 600)  # no block left: throughput's newest
-    assert scheduler._schedule_prefill(low_latency).seqs == [second]
-    assert bulk[2].status is SequenceStatus.WAITING and scheduler.num_preemptions == 1
-    assert list(throughput.waiting) == [bulk[2], late]
-    assert [s.status for s in bulk[:2]] == [SequenceStatus.RUNNING] * 2
