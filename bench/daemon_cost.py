@@ -144,7 +144,7 @@ def phases(num_engines: int, cycles: int, load: int) -> dict:
             (Daemon, "run_cycle", "the whole cycle (not scrapes)"),
             (collector.EngineCollector, "_read_samples", "read the files, all in"),
             (collector._Plan, "evaluate", "  of which: sum into series"),
-            (collector._EngineSamples, "add_to", "add to the families"),
+            (collector._EngineValues, "add_to", "add to the families"),
             (windows.Windows, "append", "windows"),
             (history.MinuteAggregator, "add", "minute history"),
             (exposition.Renderer, "render", "render"),

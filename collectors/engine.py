@@ -583,8 +583,7 @@ class _Plan:
         self._scalars = np.array(scalar_slots, dtype=np.intp)
         self._rows = [(length, np.array(rows, dtype=np.intp))
                       for length, rows in rows_by_length.items()]
-        base, where = {"scalar": 0}, 0
-        where = len(scalar_slots)
+        base, where = {"scalar": 0}, len(scalar_slots)  # each part's start in the values
         for length, rows in self._rows:
             base[length] = where
             where += rows.size
@@ -595,7 +594,7 @@ class _Plan:
         self._held = np.full(len(names), np.nan)  # the values _samples hold (NaN: none)
         self._lock = threading.Lock()  # samples are asked for by a render and a cycle
 
-    def evaluate(self, values: list[np.ndarray]) -> "_EngineSamples":
+    def evaluate(self, values: list[np.ndarray]) -> "_EngineValues":
         raw = values[0] if len(values) == 1 else np.concatenate(values) if values else \
             np.zeros(0)
         totals = np.bincount(self._sources, weights=raw, minlength=self._zero + 1)
@@ -605,7 +604,7 @@ class _Plan:
         exposed = np.concatenate(parts)
         if not self._identity:
             exposed = exposed[self._order]
-        return _EngineSamples(self, exposed)
+        return _EngineValues(self, exposed)
 
     def samples(self, exposed: np.ndarray, start: int, end: int) -> list[Sample]:
         """The Samples of exposed[start:end] (one cycle's values): each series' last one
@@ -621,7 +620,7 @@ class _Plan:
             return samples[start:end]
 
 
-class _EngineSamples:
+class _EngineValues:
     """One engine's exposed values of one cycle, laid out by its plan."""
     __slots__ = ("plan", "values")
 
