@@ -6,6 +6,7 @@ engine thread runs every step, and outputs come back through `call_soon_threadsa
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import ipaddress
 import json
@@ -61,6 +62,8 @@ class EngineService:
         except Exception as exc:  # reported by /health; the process stays up to say why
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("engine failed to load: %s", self.load_error)
+            return
+        freeze_heap()
 
     def ready(self) -> Engine:
         if self.engine is None:
@@ -71,6 +74,15 @@ class EngineService:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def freeze_heap() -> None:
+    """What start-up made (the model, tokenizer, app) lives as long as the process: move
+    it out of the cyclic collector's sight, as vLLM does after loading. Left in, every
+    full collection walked it all: 80-150 ms pauses inside engine steps, a low_latency
+    request's TTFT 3-7x its usual p99 (bench/latency_isolation.py at 8 clients)."""
+    gc.collect()
+    gc.freeze()
 
 
 def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI:
