@@ -483,17 +483,22 @@ class EngineFamily(Metric):
     while its value holds (see _Plan.samples)."""
 
     def __init__(self, spec):
-        self._parts: list[tuple[_Plan, np.ndarray, int, int]] = []
+        # One engine's share each: (its plan, the cycle's values, where this family's
+        # series sit in them, their keys).
+        self._parts: list[tuple[_Plan, np.ndarray, int, int, tuple]] = []
         self._made: list | None = None
         super().__init__(spec.family, spec.help, spec.type)
-        self.blocks: list[tuple[tuple, np.ndarray]] = []
+
+    @property
+    def blocks(self) -> list[tuple[tuple, np.ndarray]]:
+        return [(keys, values[start:end]) for _, values, start, end, keys in self._parts]
 
     @property
     def samples(self) -> list:
         made = self._made
         if made is None:  # two threads may both make them: the same samples, either way
             made = []
-            for plan, values, start, end in self._parts:
+            for plan, values, start, end, _ in self._parts:
                 made += plan.samples(values, start, end)
             self._made = made
         return made
@@ -633,5 +638,4 @@ class _EngineValues:
             metric = families.get(family)
             if metric is None:
                 metric = families[family] = EngineFamily(_SPECS[family])
-            metric._parts.append((plan, values, start, end))
-            metric.blocks.append((keys, values[start:end]))
+            metric._parts.append((plan, values, start, end, keys))

@@ -37,7 +37,8 @@ import time
 
 import numpy as np
 
-from ac_observe.daemon.windows import NAN, Columns, Frame, SeriesKey, WindowView
+from ac_observe.daemon.windows import (NAN, Columns, Frame, SeriesKey, WindowView,
+                                        grown)
 from ac_observe.metrics import FRIENDLY
 
 log = logging.getLogger("ac_observe.daemon.history")
@@ -100,10 +101,7 @@ class MinuteAggregator:
         for name, fill in (("_kind", 0), ("_n", 0), ("_total", 0.0), ("_min", 0.0),
                            ("_max", 0.0), ("_last", 0.0), ("_previous", NAN),
                            ("_previous_minute", 0), ("_seen_minute", 0)):
-            old = getattr(self, name)
-            grown = np.full(width, fill, dtype=old.dtype)
-            grown[:size] = old
-            setattr(self, name, grown)
+            setattr(self, name, grown(getattr(self, name), width, fill))
 
     def add(self, timestamp: float, samples, preexisting=()) -> tuple | None:
         """Fold one cycle in (a windows.Frame, or a dict {key: value}); returns the

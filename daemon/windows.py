@@ -31,6 +31,15 @@ SeriesKey = tuple  # (sample name, ((label, value), ...))
 CHUNK = 256  # columns a chunk of the windows holds
 
 
+def grown(array: np.ndarray, width: int, fill) -> np.ndarray:
+    """`array` extended to `width` entries (if shorter), the new ones `fill`."""
+    if len(array) >= width:
+        return array
+    out = np.full(width, fill, dtype=array.dtype)
+    out[:len(array)] = array
+    return out
+
+
 class Frame:
     """One cycle's watched series: `blocks` of (keys tuple, float64 array) and `loose`
     {key: value} samples. A key appears once in a frame."""
@@ -162,20 +171,12 @@ class Windows:
         width = len(self.columns.key_of)
         while len(self._chunks) * CHUNK < width:
             self._chunks.append(np.full((self.capacity, CHUNK), NAN))
-        if len(self._last_present) < len(self._chunks) * CHUNK:
-            grown = np.full(len(self._chunks) * CHUNK, -1, dtype=np.int64)
-            grown[:len(self._last_present)] = self._last_present
-            self._last_present = grown
+        self._last_present = grown(self._last_present, len(self._chunks) * CHUNK, -1)
         self._last_present[columns] = self.cycle
-        chunks = self._chunks
-        if len(chunks) == 1:
-            chunks[0][index] = NAN
-            chunks[0][index, columns] = values
-        else:
-            row = np.full(len(chunks) * CHUNK, NAN)
-            row[columns] = values
-            for k, chunk in enumerate(chunks):
-                chunk[index] = row[k * CHUNK:(k + 1) * CHUNK]
+        row = np.full(len(self._chunks) * CHUNK, NAN)  # absent: NaN
+        row[columns] = values
+        for k, chunk in enumerate(self._chunks):
+            chunk[index] = row[k * CHUNK:(k + 1) * CHUNK]
         self.cycle += 1
         if self.cycle % self.capacity == 0:  # drop series absent for a whole window
             horizon = self.cycle - self.capacity

@@ -194,8 +194,6 @@ class EngineStats:
         """The scheduler's and the KV pool's state as it is now: evictions and their ages,
         preemptions, and the gauges (written only when they changed)."""
         scheduler, block_manager = self._scheduler, self._block_manager
-        if scheduler is None:
-            return
         delta = block_manager.stats.evictions - self._evictions_exported
         if delta:
             self.writer.inc(m.KV_EVICTIONS, delta)
@@ -226,8 +224,7 @@ class EngineStats:
         and rejection, when the loop goes idle, at close, and from `flush_due`."""
         self._flushed = time.monotonic()
         if not self.writer:
-            if self._block_manager is not None:
-                self._block_manager.eviction_ages.clear()  # not kept without telemetry
+            self._block_manager.eviction_ages.clear()  # not kept without telemetry
             return
         try:
             self._write_state()
