@@ -158,6 +158,11 @@ class EngineConfig:
     # compares with, and the option for a user who measures the engine without us.
     instrumentation: bool = True
 
+    @property
+    def kernel_sampling_steps(self) -> int:
+        """Every how many steps a kernel sample is taken; 0: never (instrumentation off)."""
+        return self.kernel_sample_steps if self.instrumentation else 0
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")

@@ -183,6 +183,36 @@ _active = 0
 _NULL = nullcontext()
 
 
+_primed = False
+
+
+def quiet_profiler() -> None:
+    """Silence kineto's per-start log lines (read when a profiler first starts), unless the
+    user set KINETO_LOG_LEVEL."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+def prime_profiler() -> None:
+    """Start and stop one empty profile on this thread.
+
+    NOTE: kineto registers its client on the thread that imported torch and, the first
+    time any profiler starts on another thread (the engine's), writes "ERROR: External
+    init callback must run in same thread as registerClient" to stderr: harmless, but an
+    operator reads it as a fault. Its first start done here, on the engine's caller's
+    thread (~3 ms, no tensor work), later starts are quiet. Once a process: call it on
+    the thread that imported torch, before the engine is built on another."""
+    global _primed
+    quiet_profiler()
+    if _primed or autograd_profiler._is_profiler_enabled:
+        return  # done, or someone's profiler runs: kineto is already initialised
+    _primed = True
+    try:
+        with autograd_profiler.profile(use_kineto=True):
+            pass
+    except Exception:  # the sampler will report a profiler that cannot start
+        _profiler_flag_off()
+
+
 def scope(name: str):
     """A profiler scope around a block, opened only during a sample (~0.4 us when not:
     for rare paths; hot ones call `scoped`)."""
@@ -234,8 +264,8 @@ class KernelSampler:
         self.last_profile = None  # the last sample's profiler, for tests and debugging
         self.num_samples = 0
         self.overhead_seconds = 0.0  # what sampling cost so far, as charged to the budget
-        if self.every_steps and "KINETO_LOG_LEVEL" not in os.environ:
-            os.environ["KINETO_LOG_LEVEL"] = "6"  # read when the profiler first starts
+        if self.every_steps:
+            quiet_profiler()
 
     def begin(self, keys) -> bool:
         """Before a step, with the (lane, phase) of each of its batches: whether it is

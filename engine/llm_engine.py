@@ -20,7 +20,7 @@ from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.evicted_hashes import DEFAULT_CAPACITY as DEFAULT_EVICTED_MEMORY
 from ac_observe.engine.model_runner import ModelRunner
-from ac_observe.engine.kernel_sampler import KernelSampler
+from ac_observe.engine.kernel_sampler import KernelSampler, prime_profiler
 from ac_observe.engine.scheduler import (NeverFitsError, QueueFullError, ScheduledBatch,
                                          Scheduler)
 from ac_observe.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -145,6 +145,8 @@ class Engine:
         self._ids = itertools.count()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        if self.config.kernel_sampling_steps:
+            prime_profiler()
         if not start:
             self._build()
             return
@@ -195,7 +197,7 @@ class Engine:
         self.step_delay_seconds = 0.0  # fault injection (EngineConfig.fault_injection)
         self.instrumented = config.instrumentation
         self.kernel_sampler = KernelSampler(
-            config.kernel_sample_steps if self.instrumented else 0,
+            config.kernel_sampling_steps,
             config.kernel_sample_budget, self.runner.device)
         self.block_manager.track_eviction_ages = self.instrumented
         self.stats = EngineStats(writer, SkeletonLabeler(config.skeleton_top_k,

@@ -26,6 +26,7 @@ from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 from ac_observe.engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.http_middleware import BodyLimitAndIdsMiddleware
+from ac_observe.engine.kernel_sampler import prime_profiler
 from ac_observe.engine.llm_engine import (Engine, FinishReason, NeverFitsError, QueueFullError,
                                RequestOutput, SamplingParams)
 
@@ -55,6 +56,8 @@ class EngineService:
         self.config = config
         self.engine: Engine | None = None
         self.load_error: str | None = None
+        if config.kernel_sampling_steps:
+            prime_profiler()  # here, on the main thread: the engine loads on a worker
 
     async def load(self) -> None:
         try:

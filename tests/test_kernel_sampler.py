@@ -309,3 +309,36 @@ def test_sampled_fraction_and_kernel_time_through_the_daemon(tmp_path):
     times = daemon.query("kernel_time_ms", 600, {**decode, "class": "gemm"}, now=t0 + 30)
     assert [s["samples"] for s in times["series"]] == [5]
     assert 0 < times["series"][0]["p50"] < 1e4
+
+
+_SERVER_LOAD = """
+import asyncio
+from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.llm_engine import SamplingParams
+from ac_observe.engine.server import EngineService
+
+service = EngineService(EngineConfig(kernel_sample_steps=1, kernel_sample_budget=1.0))
+asyncio.run(service.load())  # as the server loads it: on a worker thread
+engine = service.ready()
+engine.generate([5, 6, 7], params=SamplingParams(max_tokens=3, ignore_eos=True))
+print("samples", engine.kernel_sampler.num_samples)
+service.close()
+"""
+
+
+def test_the_engine_servers_kernel_samples_write_nothing_to_stderr():
+    """The server builds its engine on a worker thread and samples on the engine's own;
+    kineto, whose client was registered on the thread that imported torch, would write
+    "ERROR: External init callback must run in same thread as registerClient" to stderr
+    at the first sample (an operator reads it as a fault), and its per-start log lines
+    after. Neither appears, and the samples are taken."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", _SERVER_LOAD], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) >= 3  # a prefill and two decode steps
+    assert "External init callback" not in done.stderr, done.stderr
+    assert "profiler_start" not in done.stderr, done.stderr
