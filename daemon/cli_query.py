@@ -5,6 +5,7 @@ import json
 import time
 
 import httpx
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
@@ -104,11 +105,20 @@ def list_metrics(obj: dict, as_json: bool) -> int:
     if as_json:
         print(json.dumps(metrics))
         return 0
-    table = Table(title="metrics")
-    for column in ("name", "unit", "kind", "source", "help"):
-        table.add_column(column)
+    # The name is what a user copies into --metric: whole on one line, whatever the width;
+    # the help wraps. The source family takes a column only where there is room for it
+    # (--json always has it).
+    wide = console.width >= 120
+    table = Table(title="metrics", box=box.SIMPLE_HEAD)
+    table.add_column("name", no_wrap=True, min_width=max(len(m["name"]) for m in metrics))
+    table.add_column("unit", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    if wide:
+        table.add_column("source", no_wrap=True)
+    table.add_column("help", ratio=1)
     for m in metrics:
-        table.add_row(m["name"], m["unit"], m["kind"], m["source"], m["help"])
+        table.add_row(m["name"], m["unit"], m["kind"], *([m["source"]] if wide else []),
+                      m["help"])
     console.print(table)
     return 0
 

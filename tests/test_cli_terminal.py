@@ -18,7 +18,7 @@ from ac_observe import metrics as m
 from ac_observe.daemon.cli_render import human
 from ac_observe.daemon.cli_top import LANE_COLUMNS
 from ac_observe.engine.telemetry import TelemetryWriter
-from support.servers import AC_OBSERVE, EngineServer, run_cli, wait_for
+from support.servers import AC_OBSERVE, EngineServer, free_port, run_cli, wait_for
 
 HEADLINE = ("inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",
             "cuda_stream_utilization")
@@ -386,3 +386,19 @@ def test_top_says_in_one_line_when_the_daemon_goes_away(start_daemon, tmp_path):
     lines = out_file.read_text().strip().splitlines()
     assert len(lines) == 2 and "cannot reach the ac-observe daemon" in lines[0], lines
     assert "Traceback" not in out_file.read_text()
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_the_list_shows_every_friendly_name_whole(columns):
+    """The names are what a user types after --metric: none is cut at any width, and the
+    Prometheus family each comes from is listed where there is room."""
+    from ac_observe.daemon.query import describe_friendly
+    out = run_cli("--daemon", f"http://127.0.0.1:{free_port()}", "--list",
+                  env={**os.environ, "COLUMNS": str(columns)})
+    assert out.returncode == 0, out.stderr
+    assert "…" not in out.stdout, out.stdout
+    assert max(len(line) for line in out.stdout.splitlines()) <= columns
+    listed = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+    for entry in describe_friendly():
+        assert entry["name"] in listed, (entry["name"], out.stdout)
+        assert (entry["source"] in out.stdout) == (columns >= 120), (entry, out.stdout)
