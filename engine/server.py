@@ -348,6 +348,13 @@ async def _submit(engine: Engine, request: Request, params: SamplingParams, requ
     return queue
 
 
+async def _abort_if_gone(request: Request, engine: Engine, request_id: str) -> None:
+    """Abort the request (its blocks freed, counted aborted) if its client hung up."""
+    if await request.is_disconnected():
+        engine.abort(request_id)
+        raise APIError(499, "client closed the request")
+
+
 async def _next_output(queue: asyncio.Queue, request: Request, engine: Engine,
                        request_id: str) -> RequestOutput:
     """The next output; aborts the request if the client hangs up while it waits."""
@@ -355,9 +362,7 @@ async def _next_output(queue: asyncio.Queue, request: Request, engine: Engine,
         try:
             return await _get(queue, DISCONNECT_POLL_SECONDS)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                engine.abort(request_id)
-                raise APIError(499, "client closed the request") from None
+            await _abort_if_gone(request, engine, request_id)
         except asyncio.CancelledError:
             engine.abort(request_id)
             raise
@@ -372,9 +377,17 @@ async def _after(first: RequestOutput, queue: asyncio.Queue):
 
 
 async def _collect(first: RequestOutput, queue, request, engine, request_id) -> RequestOutput:
+    """A non-streaming request's outputs, merged. Its client is looked at every
+    DISCONNECT_POLL_SECONDS while tokens flow too (outputs arrive every few ms, so the
+    idle poll of `_next_output` alone would never see a client that gave up)."""
     outputs = [first]
+    loop = asyncio.get_running_loop()
+    look_at = loop.time() + DISCONNECT_POLL_SECONDS
     while not outputs[-1].finished:
         outputs.append(await _next_output(queue, request, engine, request_id))
+        if not outputs[-1].finished and loop.time() >= look_at:
+            await _abort_if_gone(request, engine, request_id)
+            look_at = loop.time() + DISCONNECT_POLL_SECONDS
     last = outputs[-1]
     last.new_text = "".join(out.new_text for out in outputs)
     last.new_token_ids = [t for out in outputs for t in out.new_token_ids]

@@ -243,6 +243,24 @@ def test_64_streaming_clients_disconnecting_free_every_block_and_overflow_gets_4
         model="tiny", max_tokens=4, messages=[{"role": "user", "content": "ok?"}]).id
 
 
+def test_a_non_streaming_client_that_gives_up_aborts_its_request(start_engine):
+    """Both APIs: a client that stops waiting for a long non-streaming answer has its
+    request aborted (blocks freed, counted aborted, never ok) while tokens still flow,
+    not left to generate to the end for nobody."""
+    from support.telemetry import family_value as _value
+    from support.telemetry import read_with_multiprocess_collector as _read_in_other_process
+    server = start_engine()
+    for route in ("/v1/messages", "/v1/chat/completions"):
+        body = {"model": "tiny", "max_tokens": 4000, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"a long answer {route}"}]}
+        with pytest.raises(httpx.ReadTimeout):  # ~3 s of decoding at the fastest
+            httpx.post(server.url + route, json=body, timeout=1.0)
+        _wait_all_blocks_free(server, timeout=3)
+    families = _read_in_other_process(server.telemetry_dir)
+    assert _value(families, "ac_requests", "ac_requests_total", status="aborted") == 2
+    assert _value(families, "ac_requests", "ac_requests_total", status="ok") == 0
+
+
 def test_trace_header_ttft_is_the_one_in_telemetry(start_engine):
     from support.telemetry import family_value as _value
     from support.telemetry import read_with_multiprocess_collector as _read_in_other_process
