@@ -80,6 +80,12 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
         if not watch:
             console.print(metric_table(fetch(), console.width), end="", soft_wrap=True)
             return 0
+        if not console.is_terminal:  # a pipe or a file: one plain frame after another
+            while True:
+                console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}", highlight=False)
+                console.print(metric_table(fetch(), console.width), soft_wrap=True)
+                console.file.flush()
+                time.sleep(2)
         # Redrawn in place (no flicker), resized with the terminal.
         with Live(metric_table(fetch(), console.width), console=console,
                   refresh_per_second=4, auto_refresh=False) as live:

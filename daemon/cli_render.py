@@ -83,8 +83,8 @@ def sparkline(values: list, width: int | None = None) -> str:
     for v in values:
         if v is None or not math.isfinite(v):
             out.append(" ")
-        elif high == low:
-            out.append(SPARK[len(SPARK) // 2])
+        elif high == low:  # flat: at the bottom when nothing happened, else midway
+            out.append(SPARK[0] if high == 0 else SPARK[len(SPARK) // 2])
         else:
             out.append(SPARK[round((v - low) / (high - low) * (len(SPARK) - 1))])
     return "".join(out)
@@ -101,7 +101,7 @@ def metric_table(result: dict, width: int) -> Text:
         common = {k: v for k, v in common.items() if series["labels"].get(k) == v}
     out = Text()
     out.append(f"{result['metric']} over {result['window_seconds']:g}s", style="bold")
-    out.append(f"  (unit {unit}, scaled for reading)\n", style="dim")
+    out.append(f"  (unit {unit}, scaled for reading)\n" if unit else "\n", style="dim")
     if result.get("history"):
         out.append(f"from the store's history: 1-minute points, "
                    f"{100 * result.get('coverage', 0):.0f} % of the window covered\n",

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import select
 import shlex
 import subprocess
 import time
@@ -128,6 +129,38 @@ def test_piped_output_is_plain_and_no_color_is_respected(live):
         # Colour codes; 39 and 49 only reset to the terminal's defaults.
         colours[no_color] = [c for c in codes if re.fullmatch(r"3[0-8]|4[0-8]|9\d|10\d", c)]
     assert colours[""] and not colours["1"], colours
+
+
+def test_watch_into_a_pipe_prints_a_stamped_frame_every_two_seconds(live):
+    """`--watch | tee log`: Live redraws nothing off a terminal, so frames are printed one
+    after another, each under its time, as they come (not held until the end)."""
+    watch = subprocess.Popen([AC_OBSERVE, "--daemon", live.url, "--metric",
+                              "kv_cache_hit_rate", "--window", "5m", "--watch"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 15
+        while sum(line.startswith("--- ") for line in lines) < 3:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([watch.stdout], [], [], max(0.0, left))
+            assert ready and left > 0, f"3 frames not printed within 15 s: {lines}"
+            lines.append(watch.stdout.readline())
+    finally:
+        watch.kill()
+        watch.communicate()
+    frames = "".join(lines).split("--- ")[1:]
+    assert all("kv_cache_hit_rate over 300s" in frame for frame in frames[:2]), lines
+    assert ESCAPE not in "".join(lines)
+
+
+def test_flat_trends_and_unitless_metrics_read_right():
+    from ac_observe.daemon.cli_render import metric_table, sparkline
+    assert sparkline([0, 0, None, 0]) == "▁▁ ▁"  # nothing happened: at the bottom
+    assert sparkline([1, 1, 1]) == "▅▅▅"
+    assert sparkline([0, 1]) == "▁█"
+    answer = {"metric": "engine_up", "unit": "", "kind": "gauge", "window_seconds": 60,
+              "series": []}
+    assert str(metric_table(answer, 80)).splitlines()[0] == "engine_up over 60s"
 
 
 def test_a_rising_series_draws_a_rising_sparkline(start_daemon, tmp_path):
