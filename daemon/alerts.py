@@ -685,4 +685,9 @@ class Evaluator:
         with self.store.engine.connect() as connection:
             rows = connection.execute(sa.select(alert_transitions)
                                       .order_by(alert_transitions.c.id.desc()).limit(limit))
-            return [{**dict(r), "labels": json.loads(r["labels"])} for r in rows.mappings()]
+            out = [{**dict(r), "labels": json.loads(r["labels"])} for r in rows.mappings()]
+        for entry in out:  # what its value and baseline measure, while the rule is loaded
+            rule = self.rules.get(entry["rule"])
+            entry.update(metric=rule.metric if rule else "",
+                         statistic=rule.statistic if rule else "")
+        return out

@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from ac_observe.daemon.cli_render import metric_table
+from ac_observe.daemon.cli_render import alert_state, alerts_table, metric_table
 
 
 class DaemonError(RuntimeError):
@@ -179,30 +179,17 @@ def show_alerts(obj: dict, history: bool, as_json: bool) -> int:
     if not body["rules"]:
         console.print("no alert rules (start the daemon with --alerting FILE)")
         return 0
-    table = Table(title=f"alerts ({body['rules']} rules)")
-    for column in ("rule", "state", "severity", "labels", "value", "baseline", "since"):
-        table.add_column(column)
-    for a in body["alerts"]:
-        state = ("[red]firing[/red]" if a["state"] == "firing" else "[yellow]pending[/yellow]") \
-            + (" (no data)" if a["no_data"] else "")
-        since = a["firing_since"] or a["active_since"]
-        table.add_row(escape(a["rule"]), state, a["severity"],
-                      escape(", ".join(f"{k}={v}" for k, v in sorted(a["labels"].items()))),
-                      _g(a["value"]), _g(a["baseline"]),
-                      time.strftime("%H:%M:%S", time.localtime(since)) if since else "")
-    console.print(table if body["alerts"] else "no alert pending or firing")
+    console.print(alerts_table(f"alerts ({body['rules']} rules)", body["alerts"], columns=(
+        ("state", alert_state), ("severity", lambda a: a["severity"]),
+        ("since", lambda a: _clock(a["firing_since"] or a["active_since"], "%H:%M:%S"))))
+        if body["alerts"] else "no alert pending or firing")
     if history:
-        table = Table(title="latest transitions")
-        for column in ("at", "rule", "from", "to", "labels", "value", "baseline"):
-            table.add_column(column)
-        for t in body["history"]:
-            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(t["at"])),
-                          escape(t["rule"]), t["from_state"], t["to_state"],
-                          escape(", ".join(f"{k}={v}" for k, v in sorted(t["labels"].items()))),
-                          _g(t["value"]), _g(t["baseline"]))
-        console.print(table)
+        console.print(alerts_table("latest transitions", body["history"], columns=(
+            ("at", lambda t: _clock(t["at"], "%m-%d %H:%M:%S")),
+            ("change", lambda t: f"{t['from_state']} → {t['to_state']}"))))
     return 0
 
 
-def _g(value) -> str:
-    return "" if value is None else f"{value:.4g}"
+
+def _clock(at: float | None, layout: str) -> str:
+    return time.strftime(layout, time.localtime(at)) if at else ""

@@ -144,3 +144,44 @@ def metric_table(result: dict, width: int) -> Text:
         out.append(sparkline(values, spark) + "\n", style="cyan")
         out.append(f"{number_line(cells)}\n")
     return out
+
+
+def _alert_unit(entry: dict) -> str:
+    """The unit of an alert's value and baseline: its statistic's, in its metric's unit."""
+    from ac_observe.metrics import FRIENDLY
+    friendly = FRIENDLY.get(entry.get("metric", ""))
+    return friendly.statistic_unit(entry.get("statistic", "")) if friendly else ""
+
+
+def alert_state(alert: dict) -> Text:
+    """pending or firing (and "no data"), in yellow or red."""
+    return Text(alert["state"] + (" (no data)" if alert["no_data"] else ""),
+                style="red" if alert["state"] == "firing" else "yellow")
+
+
+def alerts_table(title: str, entries: list[dict], columns: tuple = (),
+                 hide_labels: tuple = ()):
+    """Alerts (or their transitions) as a table: the rule with its labels on the lines
+    under it, the `columns` ((title, cell of an entry) pairs), and the value and baseline
+    in the metric's unit. Rule names stay whole where the width allows and fold rather
+    than being cut; a label set wraps between labels (two alerts of one rule differ only
+    there, so they must show whole at 80 columns too)."""
+    from rich import box
+    from rich.table import Table
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    longest = max((len(e["rule"]) for e in entries), default=4)
+    table.add_column("rule, labels", overflow="fold", min_width=min(max(longest, 18), 32))
+    for name, _ in columns:
+        table.add_column(name, no_wrap=True)
+    for name in ("value", "baseline"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for entry in entries:
+        unit = _alert_unit(entry)
+        rule = Text(entry["rule"])
+        labels = " ".join(f"{k}={v}" for k, v in sorted(entry["labels"].items())
+                          if k not in hide_labels)
+        if labels:
+            rule.append("\n" + labels, style="dim")
+        table.add_row(rule, *(cell(entry) for _, cell in columns),
+                      human(entry["value"], unit), human(entry["baseline"], unit))
+    return table

@@ -22,8 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ac_observe.daemon.cli_query import DaemonError, get_json
-from ac_observe.daemon.cli_render import human
-from ac_observe.metrics import FRIENDLY
+from ac_observe.daemon.cli_render import alert_state, alerts_table, human
 
 WINDOWS = ("30s", "60s", "5m", "15m", "1h")
 # (key in a snapshot, friendly name, statistic)
@@ -184,18 +183,6 @@ def _alerts(body: dict):
         return Text("alerts: no rules (daemon --alerting FILE)")
     if not body["alerts"]:
         return Text(f"alerts: none pending or firing ({rules} rules)")
-    table = Table(title=f"alerts ({rules} rules)", title_justify="left", box=box.SIMPLE_HEAD,
-                  pad_edge=False)
-    for column in ("rule", "state", "value", "baseline", "labels"):
-        table.add_column(column, justify="right" if column in ("value", "baseline")
-                         else "left", overflow="fold", min_width=len(column),
-                         no_wrap=column in ("state", "value", "baseline"))
-    for a in body["alerts"]:
-        friendly = FRIENDLY.get(a["metric"])
-        unit = friendly.statistic_unit(a.get("statistic", "")) if friendly else ""
-        state = a["state"] + (" (no data)" if a["no_data"] else "")
-        labels = " ".join(f"{k}={v}" for k, v in sorted(a["labels"].items()) if k != "model")
-        table.add_row(Text(a["rule"]), Text(state, style="red" if a["state"] == "firing"
-                                            else "yellow"),
-                      human(a["value"], unit), human(a["baseline"], unit), Text(labels))
-    return table
+    return alerts_table(f"alerts ({rules} rules)", body["alerts"],
+                        columns=(("state", alert_state),), hide_labels=("model",))
+

@@ -151,6 +151,9 @@ def test_states_for_resolution_and_outbox_rows_written_with_the_transition(tmp_p
         ("KvUsageHigh", "inactive", "pending"), ("KvUsageHigh", "pending", "firing"),
         ("KvUsageHigh", "firing", "resolved"), ("KvUsageDrift", "inactive", "pending"),
         ("KvUsageDrift", "pending", "firing")]
+    # What a transition's value and baseline measure (the CLI prints them in its unit).
+    assert {h["rule"]: (h["metric"], h["statistic"]) for h in history} == {
+        "KvUsageHigh": ("kv_cache_usage", "last"), "KvUsageDrift": ("kv_cache_usage", "mean")}
     metrics = daemon.render_metrics().decode()
     assert 'ac_alerts_firing{rule="KvUsageDrift",severity="warning"} 1.0' in metrics
     assert 'ac_alerts_firing{rule="KvUsageHigh",severity="critical"} 0.0' in metrics

@@ -391,12 +391,14 @@ def test_top_lists_the_alerts_pending_or_firing_in_their_metrics_units():
     console.print(_alerts(body))
     text = console.export_text()
     rows = [_cells(line) for line in text.splitlines()]
-    (first,) = [i for i, r in enumerate(rows) if r[:4] == ["TtftDrift", "firing", "12.3 ms",
-                                                          "8.00 ms"]]
-    labels = " ".join(rows[first][4:] + rows[first + 1])  # a label set wraps, whole
-    assert labels == "engine=e1 stream=low_latency", text  # the model is the engine's
-    assert ["[bold]KvHit", "pending (no data)", "-", "91.5%", "engine=e2"] in rows, text
-    assert ["FastShare", "firing", "71.5%", "95.0%", "engine=e3"] in rows, text  # a share
+    (first,) = [i for i, r in enumerate(rows) if r == ["TtftDrift", "firing", "12.3 ms",
+                                                      "8.00 ms"]]
+    # The label set under its rule, whole (the model is the engine's).
+    assert rows[first + 1] == ["engine=e1 stream=low_latency"], text
+    kv = rows.index(["[bold]KvHit", "pending (no data)", "-", "91.5%"])
+    assert rows[kv + 1] == ["engine=e2"], text
+    share = rows.index(["FastShare", "firing", "71.5%", "95.0%"])  # a share, in %
+    assert rows[share + 1] == ["engine=e3"], text
     for body, line in (({"rules": 0, "alerts": []}, "no rules"),
                        ({"rules": 2, "alerts": []}, "none pending or firing (2 rules)")):
         console = Console(width=80, record=True, color_system=None)
@@ -435,3 +437,34 @@ def test_the_list_shows_every_friendly_name_whole(columns):
     for entry in describe_friendly():
         assert entry["name"] in listed, (entry["name"], out.stdout)
         assert (entry["source"] in out.stdout) == (columns >= 120), (entry, out.stdout)
+
+
+def test_the_alerts_command_keeps_rules_and_labels_whole_in_their_units(monkeypatch, capsys):
+    """At 80 columns two alerts of one rule on two lanes are told apart (rule names and
+    label sets whole, never '…'), and values read in the metric's unit, not 2.296e+08."""
+    from ac_observe.daemon import cli_query
+    drift = {"rule": "InferenceLatencyDrift", "severity": "warning", "no_data": False,
+             "metric": "inference_latency_ns", "statistic": "p95", "value": 229_600_000.0,
+             "baseline": 180_000_000.0, "active_since": 1.7e9, "firing_since": 1.7e9 + 120}
+    body = {"rules": 2, "alerts": [
+        {**drift, "state": "firing", "labels": {"engine": "engine-8000", "model": "tiny",
+                                                "stream": "low_latency"}},
+        {**drift, "state": "pending", "labels": {"engine": "engine-8000", "model": "tiny",
+                                                 "stream": "throughput"}}],
+        "history": [{"rule": "KvCacheHitRateDrop", "at": 1.7e9, "from_state": "pending",
+                     "to_state": "firing", "value": 71.25, "baseline": 93.0,
+                     "metric": "kv_cache_hit_rate", "statistic": "mean",
+                     "labels": {"engine": "engine-8000"}}]}
+    monkeypatch.setattr(cli_query, "get_json", lambda obj, path, expect, **params: body)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli_query.show_alerts({"url": "http://127.0.0.1:9410"}, True, False) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
+    flat = " ".join(out.split())
+    for whole in ("InferenceLatencyDrift", "KvCacheHitRateDrop", "stream=low_latency",
+                  "stream=throughput", "pending → firing"):
+        assert whole in out, (whole, out)
+    rows = [_cells(line) for line in out.splitlines()]
+    assert any(r[:2] == ["InferenceLatencyDrift", "firing"] and "230 ms" in r
+               and "180 ms" in r for r in rows), out
+    assert "71.2%" in flat and "93.0%" in flat, out
