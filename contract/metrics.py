@@ -67,6 +67,9 @@ class MetricSpec:
     source: str                   # engine | nvml | ebpf | daemon
     unit: str = ""                # seconds, bytes, ratio, ... ("" for plain counts)
     buckets: tuple[float, ...] = ()
+    # A histogram of whole numbers with a bucket at each one (a skeleton's depth): its
+    # quantiles are observed values, read off the buckets, never interpolated between.
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if ":" in self.name or not self.name.startswith("ac_"):
@@ -79,6 +82,10 @@ class MetricSpec:
             raise ValueError(f"{self.name}: the unit {self.unit!r} must end the name")
         if list(self.buckets) != sorted(set(self.buckets)):
             raise ValueError(f"{self.name}: buckets must be strictly increasing")
+        if self.whole and [b - self.buckets[0] for b in self.buckets] != \
+                list(range(len(self.buckets))) or self.whole and self.buckets[0] % 1:
+            raise ValueError(f"{self.name}: a histogram of whole numbers has a bucket at "
+                             "each whole number")
 
     @property
     def family(self) -> str:
@@ -92,8 +99,8 @@ SKELETON_LABELS = ("engine", "model", "skeleton")
 PHASE_LABELS = ("engine", "model", "stream", "phase")
 
 
-def _engine(name, typ, help_text, labels=ENGINE_LABELS, unit="", buckets=()):
-    return MetricSpec(name, typ, help_text, labels, "engine", unit, buckets)
+def _engine(name, typ, help_text, labels=ENGINE_LABELS, unit="", buckets=(), whole=False):
+    return MetricSpec(name, typ, help_text, labels, "engine", unit, buckets, whole)
 
 
 def _latency(name, help_text):
@@ -163,7 +170,7 @@ REQUESTS_RUNNING = _engine("ac_requests_running", GAUGE, "Requests holding KV bl
 REQUESTS_WAITING = _engine("ac_requests_waiting", GAUGE, "Requests waiting for admission.",
                            STREAM_LABELS, "requests")
 SKELETON_COMPLEXITY = _engine("ac_skeleton_complexity", HISTOGRAM, "Prompt skeleton depth.",
-                              ENGINE_LABELS, "levels", SKELETON_DEPTH_BUCKETS)
+                              ENGINE_LABELS, "levels", SKELETON_DEPTH_BUCKETS, whole=True)
 SKELETON_REQUESTS = _engine("ac_skeleton_requests_total", COUNTER,
                             "Requests per prompt skeleton (top skeleton ids, the rest as "
                             "'other').", ("engine", "model", "skeleton"), "requests")

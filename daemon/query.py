@@ -87,8 +87,10 @@ def increase(points: list[tuple[float, float]]) -> float:
     return total
 
 
-def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
-    """`histogram_quantile` over cumulative (upper bound, count) pairs."""
+def bucket_quantile(q: float, buckets: list[tuple[float, float]], whole: bool = False) -> float:
+    """`histogram_quantile` over cumulative (upper bound, count) pairs. Of whole numbers
+    with a bucket each (`MetricSpec.whole`), the observed value the rank falls on: every
+    depth 2 has a p50 of 2, not the 1.5 that interpolating inside (1, 2] makes of it."""
     total = buckets[-1][1]
     rank = q * total
     previous_bound, previous_count = 0.0, 0.0
@@ -96,17 +98,21 @@ def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
         if count >= rank and count > previous_count:
             if math.isinf(bound):
                 return previous_bound
+            if whole:
+                return bound
             return previous_bound + (bound - previous_bound) * (rank - previous_count) / (
                 count - previous_count)
         previous_bound, previous_count = bound, count
     return previous_bound
 
 
-def share_below(bound: float, buckets: list[tuple[float, float]]) -> float:
+def share_below(bound: float, buckets: list[tuple[float, float]], whole: bool = False) -> float:
     """Share of a histogram's observations at or below `bound` (in the family's unit),
     interpolating linearly inside the bucket that holds it, as `bucket_quantile` does
-    (exact when `bound` is a bucket edge). Observations past the last finite edge count
-    as above any bound."""
+    (exact when `bound` is a bucket edge; of whole numbers always exact). Observations past
+    the last finite edge count as above any bound."""
+    if whole:
+        bound = math.floor(bound)  # at or below 2.5 is at or below 2: an edge
     total = buckets[-1][1]
     if total <= 0:
         return math.nan
@@ -177,7 +183,8 @@ class QueryEngine:
                     span = stats.pop("_span")
                     stats["rate"] = stats["samples"] / span if span > 0 else None
                     for name, threshold in (shares or {}).items():
-                        stats[name] = 100.0 * share_below(threshold / friendly.scale, buckets)
+                        stats[name] = 100.0 * share_below(threshold / friendly.scale,
+                                                          buckets, friendly.source.whole)
                 elif friendly.kind == "rate":
                     stats["rate"] = stats["mean"]
                 series.append(stats)
@@ -307,9 +314,8 @@ class QueryEngine:
                     "min_bucket_le": scale * buckets[first][0],
                     "max_bucket_le": scale * buckets[last][0],
                     "mean": scale * increase(sum_points) / count,
-                    "p50": scale * bucket_quantile(0.5, buckets),
-                    "p95": scale * bucket_quantile(0.95, buckets),
-                    "p99": scale * bucket_quantile(0.99, buckets),
+                    **{name: scale * bucket_quantile(q, buckets, friendly.source.whole)
+                       for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))},
                     "last": scale * means[-1][1] / means[-1][2] if means else None,
                     "samples": int(count), "_buckets": buckets,
                     "_span": (count_points[-1][0] - count_points[0][0]

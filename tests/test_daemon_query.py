@@ -12,14 +12,15 @@ from ac_observe.daemon.windows import Windows
 LABELS = (("engine", "e"), ("model", "m"), ("stream", "throughput"))
 
 
-def _hist_samples(counts_by_le: dict[float, float], total_sum: float, labels=LABELS):
+def _hist_samples(counts_by_le: dict[float, float], total_sum: float, labels=LABELS,
+                  family="ac_inference_latency_seconds"):
     samples, cumulative = {}, 0.0
     for le in sorted(counts_by_le):
         cumulative += counts_by_le[le]
         le_text = "+Inf" if math.isinf(le) else repr(le)
-        samples[("ac_inference_latency_seconds_bucket", labels + (("le", le_text),))] = cumulative
-    samples[("ac_inference_latency_seconds_count", labels)] = cumulative
-    samples[("ac_inference_latency_seconds_sum", labels)] = total_sum
+        samples[(family + "_bucket", labels + (("le", le_text),))] = cumulative
+    samples[(family + "_count", labels)] = cumulative
+    samples[(family + "_sum", labels)] = total_sum
     return samples
 
 
@@ -86,6 +87,31 @@ def test_bucket_quantile_matches_prometheus_interpolation():
     assert bucket_quantile(0.1, buckets) == pytest.approx(0.05)
     assert bucket_quantile(1.0, buckets) == pytest.approx(0.4)
     assert bucket_quantile(0.99, [(1.0, 0.0), (math.inf, 5.0)]) == 1.0  # +Inf: last finite bound
+
+
+def test_a_whole_number_histograms_quantiles_and_shares_are_observed_values():
+    """Skeleton depths: three prompts of depth 2 and one of 5. The p50 is 2 and the p95 5
+    (interpolating inside the buckets would say 1.67 and 4.8), and the share at or below
+    4.5 is 75 % (interpolating: 87.5 %)."""
+    from ac_observe.daemon.query import _friendly, samples_read
+    windows = Windows(capacity=10)
+    engine = QueryEngine(windows, interval_seconds=1.0)
+    labels = (("engine", "e"), ("model", "m"))
+    edges = [float(d) for d in range(1, 17)] + [math.inf]
+    for t, depths in enumerate(([], [2, 2, 2, 5])):
+        counts = {le: sum(1 for d in depths if (le == math.inf or d <= le) and
+                          (le == 1.0 or d > edges[edges.index(le) - 1])) for le in edges}
+        windows.append(float(t), _hist_samples(counts, float(sum(depths)), labels,
+                                               "ac_skeleton_complexity"))
+    (series,) = engine.query("skeleton_complexity", 10, {}, now=1.0)["series"]
+    assert (series["p50"], series["p95"], series["p99"]) == (2.0, 5.0, 5.0)
+    assert series["mean"] == pytest.approx(11 / 4)
+    friendly = _friendly("skeleton_complexity")
+    view = windows.view(samples_read(friendly), -9.0, 1.0)
+    (shared,) = engine.answer(view, friendly, 10, -9.0, {}, {"share": 4.5})["series"]
+    assert shared["share"] == pytest.approx(75.0)
+    # A latency histogram still interpolates as histogram_quantile does.
+    assert not _friendly("inference_latency_ns").source.whole
 
 
 def test_ratio_is_delta_over_delta_and_rate_survives_a_counter_reset():
