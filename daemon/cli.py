@@ -11,7 +11,10 @@ import typer
 from ac_observe import __version__
 from ac_observe.metrics import DEFAULT_DAEMON_PORT, DEFAULT_ENGINE_PORT, LOW_LATENCY, THROUGHPUT
 
-app = typer.Typer(add_completion=False, no_args_is_help=False,
+# Click's plain help: rich's panels cut long option names ("--gpu-memory-utiliz…") and env
+# var names at 80 columns, the very text a user copies; click's wraps, whole.
+PLAIN_HELP = {"rich_markup_mode": None}
+app = typer.Typer(add_completion=False, no_args_is_help=False, **PLAIN_HELP,
                   help="Kernel-level observability for self-hosted LLM inference.")
 
 
@@ -188,7 +191,7 @@ def daemon(
         service.close()
 
 
-alerts_app = typer.Typer(help="Drift alerts: what is pending and firing, history, test "
+alerts_app = typer.Typer(**PLAIN_HELP, help="Drift alerts: what is pending and firing, history, test "
                               "deliveries.")
 app.add_typer(alerts_app, name="alerts")
 
@@ -484,7 +487,7 @@ if __name__ == "__main__":
     main()
 
 
-dashboards_app = typer.Typer(help="Grafana dashboards and Prometheus rules generated from "
+dashboards_app = typer.Typer(**PLAIN_HELP, help="Grafana dashboards and Prometheus rules generated from "
                                   "the metric contract.")
 app.add_typer(dashboards_app, name="dashboards")
 
@@ -527,7 +530,7 @@ def dashboards_push(
         raise typer.Exit(1)
 
 
-rules_app = typer.Typer(help="The drift rules for other evaluators.")
+rules_app = typer.Typer(**PLAIN_HELP, help="The drift rules for other evaluators.")
 app.add_typer(rules_app, name="rules")
 
 

@@ -468,3 +468,33 @@ def test_the_alerts_command_keeps_rules_and_labels_whole_in_their_units(monkeypa
     assert any(r[:2] == ["InferenceLatencyDrift", "firing"] and "230 ms" in r
                and "180 ms" in r for r in rows), out
     assert "71.2%" in flat and "93.0%" in flat, out
+
+
+def test_every_help_names_every_option_whole_at_80_columns():
+    """Option and environment variable names are what a user copies from --help: whole
+    at 80 columns, in every command (rich's panels cut them to '--gpu-memory-utiliz…')."""
+    import typer
+    from typer.testing import CliRunner
+    from ac_observe.daemon.cli import app
+    root = typer.main.get_command(app)
+
+    def commands(command, path=()):
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from commands(sub, path + (name,))
+
+    seen = 0
+    for path, command in commands(root):
+        out = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"},
+                                 terminal_width=80)
+        assert out.exit_code == 0, (path, out.output)
+        assert "…" not in out.output and max(map(len, out.output.splitlines())) <= 80, \
+            (path, out.output)
+        for param in command.params:
+            if param.param_type_name == "option":
+                for name in [*param.opts, *param.secondary_opts]:
+                    assert name in out.output, (path, name, out.output)
+                    seen += 1
+                if param.envvar and param.show_envvar:
+                    assert param.envvar in out.output, (path, param.envvar, out.output)
+    assert seen > 60  # the commands' options were found and looked at
