@@ -140,27 +140,35 @@ def show_status(obj: dict, as_json: bool) -> int:
         return 0
     console.print(f"ac-observe daemon {status['version']} at {obj['url']}  "
                   f"interval {status['interval_seconds']:g}s  window {status['window_seconds']:g}s")
-    table = Table(title="collectors")
+    # Names and addresses whole on one line (what a user types next); reasons wrap.
+    table = Table(title="collectors", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("collector", "state", "reason", "errors", "last run"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column != "reason", ratio=1 if column == "reason"
+                         else None, min_width=12 if column == "reason" else None,
+                         overflow="fold")
     for c in status["collectors"]:
         table.add_row(escape(c["name"]), "[green]up[/green]" if c["up"] else "[red]down[/red]",
                       escape(c["reason"]), str(c["errors_total"]),
                       f"{c['duration_seconds'] * 1e3:.1f} ms")
     console.print(table)
-    table = Table(title=escape(f"engines under {status['telemetry_root']}"))
-    for column in ("engine", "model", "pid", "api", "state", "heartbeat", "restarts"):
-        table.add_column(column)
+    table = Table(title=escape(f"engines under {status['telemetry_root']}"),
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("engine", "model", "pid", "api", "state", "heartbeat"):
+        table.add_column(column, no_wrap=column != "state", ratio=1 if column == "state"
+                         else None, min_width=12 if column == "state" else None,
+                         overflow="fold")
     for e in status["engines"]:
         if e.get("error"):
             state = f"[red]bad[/red]: {escape(e['error'])} ({escape(e['directory'])})"
         else:
             state = "[green]alive[/green]" if e["alive"] else "[yellow]gone[/yellow]"
+            if e.get("restarts"):
+                state += f", {e['restarts']} restart" + ("s" if e["restarts"] > 1 else "")
             if e.get("warning"):
                 state += f" ({escape(e['warning'])})"
         age = e.get("heartbeat_age_seconds")
         table.add_row(*(escape(str(e[k])) for k in ("engine", "model", "pid", "api_address")),
-                      state, "-" if age is None else f"{age}s ago", str(e.get("restarts", 0)))
+                      state, "-" if age is None else f"{age}s ago")
     if not status["engines"]:
         table.caption = "no engine found"
     console.print(table)

@@ -498,3 +498,30 @@ def test_every_help_names_every_option_whole_at_80_columns():
                 if param.envvar and param.show_envvar:
                     assert param.envvar in out.output, (path, param.envvar, out.output)
     assert seen > 60  # the commands' options were found and looked at
+
+
+def test_status_keeps_engine_names_and_addresses_whole_at_80_columns(monkeypatch, capsys):
+    from ac_observe.daemon import cli_query
+    reason = "NVML library libnvidia-ml.so.1 not found (no NVIDIA driver on this host)"
+    body = {"version": "0.1.0", "interval_seconds": 1, "window_seconds": 3600,
+            "telemetry_root": "/tmp/ac-observe-0/telemetry",
+            "collectors": [{"name": "engine", "up": True, "reason": "", "errors_total": 0,
+                            "duration_seconds": 0.0006},
+                           {"name": "nvml", "up": False, "reason": reason,
+                            "errors_total": 3, "duration_seconds": 0.0003}],
+            "engines": [{"engine": "engine-8000", "model": "tiny", "pid": 19003,
+                         "api_address": "http://127.0.0.1:8000", "alive": True,
+                         "heartbeat_age_seconds": 0.8, "restarts": 2},
+                        {"engine": "bad-one", "model": "?", "pid": "?", "api_address": "",
+                         "error": "engine.json: not JSON", "directory": "/t/bad-one"}]}
+    monkeypatch.setattr(cli_query, "get_json", lambda *args, **kwargs: body)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli_query.show_status({"url": "http://127.0.0.1:9410"}, False) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
+    rows = [_cells(line) for line in out.splitlines()]
+    assert ["engine-8000", "tiny", "19003", "http://127.0.0.1:8000", "alive, 2",
+            "0.8s ago"] in rows, out
+    assert " ".join(out.split()).count("restarts") == 1 and reason.split()[-1] in out
+    for word in reason.split() + ["engine.json:", "not", "JSON"]:
+        assert word in out, (word, out)
