@@ -342,7 +342,9 @@ async def _submit(engine: Engine, request: Request, params: SamplingParams, requ
     except QueueFullError as exc:
         raise APIError(429, f"{exc}; retry shortly", headers={"retry-after": "1"}) from None
     except NeverFitsError as exc:
-        raise APIError(529, f"overloaded: {exc}") from None
+        # Permanent for this engine (its pool's size), so a 4xx: the SDKs retry a 529.
+        raise APIError(400, f"max_tokens: {exc}; lower max_tokens or shorten the prompt",
+                       param="max_tokens") from None
     except ValueError as exc:
         raise APIError(400, f"messages: {exc}", param="messages") from None
     return queue

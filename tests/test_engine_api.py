@@ -188,13 +188,22 @@ def test_unknown_route_is_404_in_anthropic_shape(engine_server):
     assert response.status_code == 404 and response.json()["type"] == "error"
 
 
-def test_request_that_can_never_fit_the_pool_is_529(start_engine):
+def test_request_that_can_never_fit_the_pool_is_a_400_no_sdk_retries(start_engine):
+    """The pool's size makes it permanent: a 400 naming max_tokens, which the SDKs do not
+    retry (they retry a 529 twice, with backoff, for a request that can never succeed)."""
     server = start_engine("--kv-blocks", "16", "--max-model-len", "2048")
-    with pytest.raises(anthropic.APIStatusError) as info:
-        _anthropic(server).messages.create(
-            model="tiny", max_tokens=200, messages=[{"role": "user", "content": "y" * 200}])
-    assert info.value.status_code == 529
-    assert info.value.body["error"]["type"] == "overloaded_error"
+    messages = [{"role": "user", "content": "y" * 200}]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic.Anthropic(base_url=server.url, api_key="unused").messages.create(
+            model="tiny", max_tokens=200, messages=messages)
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in info.value.body["error"]["message"]
+    assert "256" in info.value.body["error"]["message"]  # what the pool holds
+    with pytest.raises(openai.BadRequestError) as info:
+        openai.OpenAI(base_url=server.url + "/v1", api_key="unused").chat.completions.create(
+            model="tiny", max_tokens=200, messages=messages)
+    assert info.value.body["param"] == "max_tokens"
+    assert info.value.body["type"] == "invalid_request_error"
 
 
 def test_64_streaming_clients_disconnecting_free_every_block_and_overflow_gets_429(
