@@ -13,7 +13,18 @@ GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions"})
 TRACE_DEFAULTS = ((b"x-ac-model-latency-ns", b"0"), (b"x-ac-queue-time-ns", b"0"),
                   (b"x-ac-trace-detail", b"{}"))
 ARRIVAL_KEY = "arrival_ns"  # in the ASGI scope's state: time.monotonic_ns() at arrival
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+# W3C Trace Context: version ff, an all-zero trace id or parent id are invalid (the header
+# is then ignored); version 00 has exactly four fields, a later version may add more.
+_TRACEPARENT = re.compile(r"^(?!ff)([0-9a-f]{2})-(?!0{32})([0-9a-f]{32})-(?!0{16})[0-9a-f]{16}"
+                          r"-[0-9a-f]{2}(-.*)?$")
+
+
+def traceparent_trace_id(header: str) -> str | None:
+    """The trace id of a valid `traceparent` header, else None."""
+    match = _TRACEPARENT.match(header.strip())
+    if match is None or (match.group(1) == "00" and match.group(3) is not None):
+        return None
+    return match.group(2)
 
 
 class BodyLimitAndIdsMiddleware:
@@ -35,8 +46,8 @@ class BodyLimitAndIdsMiddleware:
         arrival_ns = state.get(ARRIVAL_KEY) or time.monotonic_ns()
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         request_id = new_request_id()
-        match = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1").strip())
-        trace_id = match.group(1) if match else uuid.uuid4().hex
+        trace_id = traceparent_trace_id(headers.get(b"traceparent", b"").decode("latin-1")) \
+            or uuid.uuid4().hex
         state["request_id"], state["trace_id"] = request_id, trace_id
         state[ARRIVAL_KEY] = arrival_ns
         ids = [(b"request-id", request_id.encode()), (b"x-ac-trace-id", trace_id.encode())]

@@ -476,3 +476,22 @@ def test_the_engine_server_moves_its_start_up_heap_out_of_the_collectors_sight()
     finally:
         gc.unfreeze()
         service.close()
+
+
+@pytest.mark.parametrize("header, trace_id", [
+    ("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+     "0af7651916cd43dd8448eb211c80319c"),
+    ("01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-later-fields",
+     "0af7651916cd43dd8448eb211c80319c"),  # a later version may carry more
+    ("00-00000000000000000000000000000000-b7ad6b7169203331-01", None),  # zero trace id
+    ("00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01", None),  # zero parent id
+    ("ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", None),  # version ff
+    ("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x", None),  # 00 has 4 fields
+    ("00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01", None),  # upper case
+    ("00-0af7651916cd43dd8448eb211c80319-b7ad6b7169203331-01", None),  # short
+])
+def test_traceparent_is_followed_only_when_valid(header, trace_id):
+    """W3C Trace Context: an invalid traceparent is ignored (the response gets a trace id
+    of its own), never echoed back as if it named a trace."""
+    from ac_observe.engine.http_middleware import traceparent_trace_id
+    assert traceparent_trace_id(header) == trace_id
