@@ -78,8 +78,8 @@ class MessagesRequest(SamplingExtensions):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Union[str, list[ContentBlock], None] = None
     stop_sequences: Optional[list[str]] = Field(default=None, max_length=16)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(default=None, ge=0)
     metadata: Optional[Metadata] = None
     stream: bool = False
@@ -121,6 +121,13 @@ class ChatMessage(BaseModel):
     def _content(cls, value):
         return value if value is None or isinstance(value, str) else check_text_blocks(value)
 
+    @model_validator(mode="after")
+    def _has_content(self):
+        """Only an assistant message may come without content (OpenAI's rule)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content")
+        return self
+
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
@@ -133,8 +140,8 @@ class ChatCompletionRequest(SamplingExtensions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(default=None, ge=0)
     n: int = Field(default=1, ge=1, le=1)
     stop: Union[str, list[str], None] = None
@@ -147,14 +154,13 @@ class ChatCompletionRequest(SamplingExtensions):
     presence_penalty: Optional[float] = None
     logprobs: Optional[bool] = None
 
-    @model_validator(mode="after")
-    def _neutral_only(self):
-        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                              ("logprobs", False)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise ValueError(f"{name}: only {neutral} is supported by this engine")
-        return self
+    @field_validator("frequency_penalty", "presence_penalty", "logprobs")
+    @classmethod
+    def _neutral_only(cls, value, info):
+        neutral = False if info.field_name == "logprobs" else 0.0
+        if value is not None and value != neutral:
+            raise ValueError(f"only {neutral} is supported by this engine")
+        return value
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod

@@ -125,14 +125,26 @@ async def health(request: Request):
             **engine.load_summary()}
 
 
-async def models(request: Request):
-    engine = _service(request).ready()
-    name = engine.model_name
-    item = {"type": "model", "id": name, "display_name": name,
+def _model_item(name: str) -> dict:
+    """The served model as both APIs describe one."""
+    return {"type": "model", "id": name, "display_name": name,
             "created_at": "1970-01-01T00:00:00Z", "object": "model", "created": 0,
             "owned_by": "ac-observe"}
-    return {"object": "list", "data": [item], "has_more": False, "first_id": name,
-            "last_id": name}
+
+
+async def models(request: Request):
+    name = _service(request).ready().model_name
+    return {"object": "list", "data": [_model_item(name)], "has_more": False,
+            "first_id": name, "last_id": name}
+
+
+async def model(model_id: str, request: Request):
+    """GET /v1/models/{id}: the SDKs' `models.retrieve`."""
+    name = _service(request).ready().model_name
+    if model_id != name:
+        raise APIError(404, f"model {model_id[:100]!r} is not served here; this engine "
+                            f"serves {name!r}")
+    return _model_item(name)
 
 
 async def count_tokens(body: CountTokensRequest, request: Request):
@@ -284,6 +296,7 @@ ROUTES = (
     ("GET", "/admin/faults", faults),
     ("POST", "/admin/faults", faults),
     ("GET", "/v1/models", models),
+    ("GET", "/v1/models/{model_id}", model),
     ("POST", "/v1/messages/count_tokens", count_tokens),
     ("POST", "/v1/messages", messages),
     ("POST", "/v1/chat/completions", chat_completions),
@@ -467,11 +480,15 @@ def _error_body(path: str, status: int, message: str, param: str | None = None) 
     return fmt.anthropic_error(status, message)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError,
+                        content_type: str = "application/json") -> tuple[str, str | None]:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid JSON')}", None
+    if tuple(first.get("loc", ())) == ("body",) and "json" not in content_type.lower():
+        return (f"the body must be a JSON object sent with content-type: application/json "
+                f"(got {content_type[:60] or 'none'})"), None
     parts, param = [], None
     for err in errors[:5]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -487,7 +504,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
         return JSONResponse(_error_body(request.url.path, 400, message, param), status_code=400)
 
     @app.exception_handler(APIError)

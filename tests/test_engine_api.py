@@ -142,7 +142,45 @@ BAD_REQUESTS = [
       "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      400, "image"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    (b'{"model": "tiny", "max_tokens": 8, "temperature": NaN, '
+     b'"messages": [{"role": "user", "content": "x"}]}', 400, "temperature: Input should be "
+     "a finite number"),
 ]
+
+
+def test_openai_route_names_the_field_and_the_content_type(engine_server):
+    """Each refusal says what is wrong in terms the client can act on: the field (not
+    `body`), a missing content, a body that is not sent as JSON."""
+    url = engine_server.url + "/v1/chat/completions"
+    user = [{"role": "user", "content": "x"}]
+    for extra, param, words in (({"presence_penalty": 1}, "presence_penalty",
+                                 "presence_penalty: only 0.0 is supported"),
+                                ({"logprobs": True}, "logprobs", "logprobs: only False"),
+                                ({"messages": [{"role": "user"}]}, "messages.0",
+                                 "messages.0: a user message needs its content")):
+        body = {"model": "tiny", "max_tokens": 4, "messages": user, **extra}
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"].startswith(words), error
+    response = httpx.post(url, content=json.dumps({"model": "tiny", "max_tokens": 4,
+                                                   "messages": user}).encode(),
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 400
+    assert "content-type: application/json" in response.json()["error"]["message"]
+    # An assistant turn may come without content (OpenAI's rule).
+    assert httpx.post(url, timeout=30, json={
+        "model": "tiny", "max_tokens": 2, "messages": user + [
+            {"role": "assistant", "content": None}, {"role": "user", "content": "y"}]}
+    ).status_code == 200
+
+
+def test_both_sdks_retrieve_the_served_model_and_only_it(engine_server):
+    assert _openai(engine_server).models.retrieve("tiny").id == "tiny"
+    assert _anthropic(engine_server).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:
+        _openai(engine_server).models.retrieve("gpt-4o")
+    assert "serves 'tiny'" in str(info.value)
 
 
 @pytest.mark.parametrize("body,status,words", BAD_REQUESTS)
