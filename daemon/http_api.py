@@ -83,7 +83,8 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
                                        "known": sorted(FRIENDLY)})
         try:
             window = parse_duration((params.get("window") or ["60s"])[0])
-            labels = parse_labels((params.get("labels") or [""])[0])
+            labels = parse_labels((params.get("labels") or [""])[0],
+                                  FRIENDLY[metric].source.labels)
             at = parse_instant((params.get("at") or [""])[0])
         except ValueError as exc:
             return json_response(400, {"error": str(exc)})

@@ -51,15 +51,31 @@ def parse_instant(text: str | None, now: float | None = None) -> float | None:
     return instant
 
 
-def parse_labels(text: str | None) -> dict[str, str]:
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def parse_labels(text: str | None, known: tuple[str, ...] | None = None) -> dict[str, str]:
+    """`k=v[,k=v]` -> {k: v}. Refused: a part without `=`, a name that is not a label name
+    (or, with `known`, not one of the metric's labels: it would match nothing), an empty
+    value, a label given twice."""
     labels = {}
     for part in (text or "").split(","):
         if not part.strip():
             continue
         if "=" not in part:
-            raise ValueError(f"bad label filter {part!r}: use k=v[,k=v]")
-        key, value = part.split("=", 1)
-        labels[key.strip()] = value.strip()
+            raise ValueError(f"bad label filter {part[:100]!r}: use k=v[,k=v]")
+        key, value = (p.strip() for p in part.split("=", 1))
+        if not _LABEL_NAME.match(key):
+            raise ValueError(f"bad label filter {part[:100]!r}: {key[:100]!r} is not a label "
+                             "name")
+        if known is not None and key not in known:
+            raise ValueError(f"bad label filter {part[:100]!r}: its series have no label "
+                             f"{key!r} (labels: {', '.join(known)})")
+        if not value:
+            raise ValueError(f"bad label filter {part[:100]!r}: give {key} a value")
+        if key in labels:
+            raise ValueError(f"bad label filter: {key!r} given twice (one value a label)")
+        labels[key] = value
     return labels
 
 

@@ -67,6 +67,11 @@ def test_methods_heads_and_absurd_queries_get_clear_answers(start_daemon):
                            params={"metric": "kv_cache_hit_rate", "window": window})
         assert answer.status_code == 400, window
         assert "duration" in answer.json()["error"]
+    for labels in ("strem=low_latency", "stream=", "stream=a,stream=b", "==x"):
+        answer = httpx.get(daemon.url + "/api/v1/query",
+                           params={"metric": "inference_latency_ns", "labels": labels})
+        assert answer.status_code == 400, labels  # never an empty answer, as if no data
+        assert "bad label filter" in answer.json()["error"], labels
     for at in ("yesterday", "nan", "inf", "-1", "0", str(time.time() + 3600),
                "2999-01-01T00:00:00"):
         answer = httpx.get(daemon.url + "/api/v1/query",

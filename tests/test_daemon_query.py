@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import pytest
@@ -155,6 +156,15 @@ def test_duration_and_label_parsing():
                                                               "engine": "e1"}
     with pytest.raises(ValueError):
         parse_labels("stream")
+    known = ("engine", "model", "stream")
+    assert parse_labels("engine=a=b", known) == {"engine": "a=b"}  # a value may hold '='
+    for bad, words in (("=x", "is not a label name"), ("stream=", "give stream a value"),
+                       ("a b=c", "is not a label name"),
+                       ("strem=low_latency", "no label 'strem' (labels: engine, model, "
+                                             "stream)"),
+                       ("stream=low_latency,stream=throughput", "'stream' given twice")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            parse_labels(bad, known)
 
 
 def test_hit_rate_is_the_ratio_of_increases_not_a_mean_of_ratios():
