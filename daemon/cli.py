@@ -19,6 +19,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=False, **PLAIN_HELP,
 
 
 DEFAULT_DAEMON_URL = f"http://127.0.0.1:{DEFAULT_DAEMON_PORT}"
+
+
+def daemon_address(url: str) -> str:
+    """--daemon as typed: host:port alone means http://host:port."""
+    url = url.strip().rstrip("/")
+    return url if "://" in url else "http://" + url
 FAULT_TOKEN_ENV = "AC_OBSERVE_FAULT_TOKEN"
 
 
@@ -45,7 +51,7 @@ def root(ctx: typer.Context,
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    ctx.obj = {"url": (daemon_url or DEFAULT_DAEMON_URL).rstrip("/"), "token": token}
+    ctx.obj = {"url": daemon_address(daemon_url or DEFAULT_DAEMON_URL), "token": token}
     if version:
         typer.echo(f"ac-observe {__version__}")
         raise typer.Exit()

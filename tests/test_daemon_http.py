@@ -139,6 +139,8 @@ def test_cli_says_in_one_line_what_is_wrong(tmp_path, start_daemon):
             (["--daemon", daemon.url, "status"], "wants a bearer token"),
             (["--daemon", daemon.url, "--token", "wrong", "status"], "refused the token"),
             (["--daemon", daemon.url, "--list"], None),  # falls back to the built-in list
+            (["--daemon", daemon.url.removeprefix("http://"), "--token", "right", "status"],
+             None),  # host:port alone is http://host:port
             (["--daemon", daemon.url, "--metric", "kv_cache_hit_rate"], "wants a bearer"),
             (["--daemon", not_a_daemon.url, "status"], "does not answer like an ac-observe"),
             (["--daemon", not_a_daemon.url, "--metric", "kv_cache_hit_rate"],
