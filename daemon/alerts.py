@@ -112,6 +112,10 @@ def _statistic(entry: dict, where: str, friendly) -> tuple[str, float]:
     the metric's unit, or a time with its unit (200ms) for a time metric."""
     text = _field(entry, "statistic", where, str, "mean")
     allowed = _KIND_STATISTICS[friendly.kind]
+    if text.startswith("share_below") and "share_below" not in allowed:
+        raise AlertConfigError(f"{where}.statistic: 'share_below' does not apply to "
+                               f"{friendly.name} (a {friendly.kind}); use one of "
+                               f"{list(allowed)}")
     if text.startswith("share_below"):
         match = _SHARE.match(text)
         if not match:
@@ -135,6 +139,20 @@ def _statistic(entry: dict, where: str, friendly) -> tuple[str, float]:
                                f"{friendly.name} (a {friendly.kind}); use one of "
                                f"{list(allowed)}")
     return text, value
+
+
+def _match(entry: dict, where: str, friendly) -> dict[str, str]:
+    """The rule's label filter: labels its metric's series carry, each with a string
+    (a label they lack would match nothing: the rule would never fire)."""
+    match = _field(entry, "match", where, dict, {})
+    for key, value in match.items():
+        if key not in friendly.source.labels:
+            raise AlertConfigError(f"{where}.match: {friendly.name}'s series have no label "
+                                   f"{str(key)[:40]!r} (labels: "
+                                   f"{', '.join(friendly.source.labels)})")
+        if not value:
+            raise AlertConfigError(f"{where}.match.{key}: give a label value")
+    return match
 
 
 def _duration(entry: dict, key: str, where: str, default: str | None = None,
@@ -218,7 +236,7 @@ def parse_rules(raw, source: str) -> list[Rule]:
             comparison=comparison, threshold=_field(entry, "threshold", where, float,
                                                     required=True),
             for_seconds=_duration(entry, "for", where, "0s", zero_ok=True),
-            severity=severity, match=_field(entry, "match", where, dict, {}),
+            severity=severity, match=_match(entry, where, FRIENDLY[metric]),
             labels=labels, annotations=annotations))
     return rules
 

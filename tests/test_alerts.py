@@ -278,6 +278,15 @@ def test_no_data_changes_nothing(tmp_path):
     ("  - {name: a, metric: inference_latency_ns, statistic: 'share_below:fast', window: 1m, "
      "comparison: above, threshold: 1}\n",
      "rules[0] (a).statistic: 'share_below:fast': use share_below:<v>"),
+    ("  - {name: a, metric: kv_cache_hit_rate, statistic: 'share_below:200ms', window: 1m, "
+     "comparison: above, threshold: 1}\n",  # not applicable before not a time
+     "rules[0] (a).statistic: 'share_below' does not apply to kv_cache_hit_rate (a ratio)"),
+    ("  - {name: a, metric: inference_latency_ns, window: 1m, comparison: above, threshold: 1,"
+     " match: {strem: low_latency}}\n",
+     "rules[0] (a).match: inference_latency_ns's series have no label 'strem' (labels: "
+     "engine, model, stream)"),
+    ("  - {name: a, metric: inference_latency_ns, window: 1m, comparison: above, threshold: 1,"
+     " match: {stream: ''}}\n", "rules[0] (a).match.stream: give a label value"),
 ])
 def test_a_bad_rule_names_the_file_the_rule_and_the_field(tmp_path, rule, where):
     path = _write(tmp_path, rule)
