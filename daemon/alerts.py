@@ -55,8 +55,8 @@ COMPARISONS = ("relative_increase", "relative_decrease", "absolute_increase",
 SEVERITIES = ("info", "warning", "critical")
 INACTIVE, PENDING, FIRING, RESOLVED = "inactive", "pending", "firing", "resolved"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,199}$")
-_TEMPLATE = re.compile(r"\{\{\s*(\w+)\s*\}\}")
-_TEMPLATE_FIELDS = {"value", "baseline", "delta", "delta_percent", "unit", "labels", "rule",
+TEMPLATE = re.compile(r"\{\{\s*(\w+)\s*\}\}")  # {{ field }} in annotations
+TEMPLATE_FIELDS = {"value", "baseline", "delta", "delta_percent", "unit", "labels", "rule",
                     "baseline_source"}
 
 
@@ -218,11 +218,11 @@ def parse_rules(raw, source: str) -> list[Rule]:
         severity = _choice(entry, "severity", where, SEVERITIES, "warning")
         annotations = _field(entry, "annotations", where, dict, {})
         for key, text in annotations.items():
-            for used in _TEMPLATE.findall(text):
-                if used not in _TEMPLATE_FIELDS:
+            for used in TEMPLATE.findall(text):
+                if used not in TEMPLATE_FIELDS:
                     raise AlertConfigError(f"{where}.annotations.{key}: unknown field "
                                            f"{{{{ {used} }}}}; use "
-                                           f"{', '.join(sorted(_TEMPLATE_FIELDS))}")
+                                           f"{', '.join(sorted(TEMPLATE_FIELDS))}")
         labels = _field(entry, "labels", where, dict, {})
         reserved = {"alertname", "severity"} & set(labels)
         if reserved:
@@ -360,7 +360,7 @@ def breached(rule: Rule, value: float, baseline: float) -> bool:
 
 
 def _render(template: str, fields: dict) -> str:
-    return _TEMPLATE.sub(lambda m: str(fields.get(m.group(1), "")), template)
+    return TEMPLATE.sub(lambda m: str(fields.get(m.group(1), "")), template)
 
 
 def _clock(t: float) -> str:

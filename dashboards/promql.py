@@ -26,6 +26,7 @@ family's own labels, so a series here is a series in the daemon's answers.
 from __future__ import annotations
 
 import math
+import re
 
 from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec
 
@@ -246,7 +247,45 @@ def describe(rule) -> str:
     return f"{rule.comparison.replace('_', ' ')} of {amount} against {base}"
 
 
+def _series_value(expr: str, labels: tuple[str, ...]) -> str:
+    """A Prometheus template printing `expr`'s value for the alert's own series (the one
+    whose `labels` equal the alert's), as the daemon prints a number (%.4g)."""
+    if "`" in expr:
+        raise ValueError("a PromQL expression with a backquote cannot go in a template")
+    same = " ".join(f"(eq .Labels.{label} $labels.{label})" for label in labels)
+    return (f"{{{{ range query `{expr}` }}}}{{{{ if and {same} }}}}"
+            f"{{{{ .Value | printf \"%.4g\" }}}}{{{{ end }}}}{{{{ end }}}}")
+
+
+def template_fields(rule) -> dict[str, str]:
+    """The daemon's annotation fields ({{ value }}, {{ baseline }}, ...) as Prometheus
+    templates: the same figures, queried at the alert's evaluation for its series, so an
+    alerting file's annotations read alike from both evaluators."""
+    friendly = FRIENDLY[rule.metric]
+    by = group_labels(friendly, rule.match) + (INSTANCE,)
+    current = statistic_expr(friendly, rule.statistic, duration(rule.window_seconds),
+                             rule.match, share_threshold=rule.share_threshold, by=by)
+    baseline = baseline_expr(rule)
+    if rule.comparison in ("above", "below"):
+        value, source = "{{ $value | printf \"%.4g\" }}", "static"
+    else:
+        value = _series_value(current, by)
+        source = {"static": "static",
+                  "trailing": f"trailing {duration(rule.baseline_seconds)} before the window",
+                  "same_hour_yesterday": (f"same hour yesterday, else the trailing "
+                                          f"{duration(rule.baseline_seconds)}")}[rule.baseline]
+    return {"value": value, "baseline": _series_value(baseline, by),
+            "delta": _series_value(f"({current}) - {baseline}", by),
+            "delta_percent": _series_value(
+                f"100 * (({current}) - {baseline}) / abs({baseline} != 0)", by),
+            "unit": friendly.statistic_unit(rule.statistic),
+            "labels": ("{{ $first := true }}{{ range $k, $v := $labels }}{{ if not $first }}, "
+                       "{{ end }}{{ $k }}={{ $v }}{{ $first = false }}{{ end }}"),
+            "rule": rule.name, "baseline_source": source}
+
+
 def alert_rule(rule) -> dict:
+    from ac_observe.daemon.alerts import TEMPLATE
     value = ("the change" if rule.comparison.startswith("relative")
              else "the difference" if rule.comparison.startswith("absolute") else "the value")
     entry = {"alert": rule.name, "expr": rule_expr(rule)}
@@ -262,7 +301,26 @@ def alert_rule(rule) -> dict:
         "description": (f"{value}: {{{{ $value | printf \"%.4g\" }}}}"
                         f"{f' ({measure})' if measure else ''}; series: {{{{ $labels }}}}"),
     }
+    if rule.annotations:  # the file's own, in Prometheus' templates: one source
+        fields = template_fields(rule)
+        entry["annotations"].update({key: _translate(text, fields, TEMPLATE)
+                                     for key, text in rule.annotations.items()})
     return entry
+
+
+_BRACES = re.compile(r"\{\{|\}\}")
+
+
+def _translate(text: str, fields: dict[str, str], template) -> str:
+    """An annotation of the daemon's as a Prometheus template: each {{ field }} becomes
+    its template, and any other braces are printed as they are, never run."""
+    def literal(part: str) -> str:
+        return _BRACES.sub(lambda m: '{{ "' + m.group(0) + '" }}', part)
+    out, at = [], 0
+    for match in template.finditer(text):
+        out += [literal(text[at:match.start()]), fields[match.group(1)]]
+        at = match.end()
+    return "".join(out + [literal(text[at:])])
 
 
 def alert_groups(rules) -> dict:

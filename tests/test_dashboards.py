@@ -201,11 +201,21 @@ rules:
     threshold: 0.5
     match: {engine: e1}
     labels: {team: infra}
+    annotations:
+      summary: "queue p99 {{ value }} {{ unit }} vs {{ baseline }} on {{ labels }} {{ $raw }}"
+      runbook: "https://wiki.example/queue"
 """)
     out = run_cli("rules", "export", "--alerting", str(tmp_path / "alerts.yaml"))
     assert out.returncode == 0, out.stderr
     (rule,) = yaml.safe_load(out.stdout)["groups"][0]["rules"]
     assert rule["labels"] == {"team": "infra", "severity": "warning"}
+    # The file's annotations are kept (one source): fields become Prometheus queries of the
+    # same figures (promtool renders them: dashboards/prometheus/tests), other braces are
+    # printed, never run.
+    summary = rule["annotations"]["summary"]
+    assert summary.startswith("queue p99 {{ range query `") and " ns vs {{ range " in summary
+    assert summary.endswith('{{ "{{" }} $raw {{ "}}" }}') and "{{ value }}" not in summary
+    assert rule["annotations"]["runbook"] == "https://wiki.example/queue"
     assert 'ac_queue_time_seconds_bucket{engine="e1"}[30m] offset 2m' in rule["expr"]
     (tmp_path / "rules.yml").write_text(out.stdout)
     check = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yml")],
