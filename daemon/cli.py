@@ -120,7 +120,8 @@ def daemon(
     engine_grace: str = typer.Option("30s", help="How long a gone engine's series remain."),
     max_requests: int = typer.Option(40, help="HTTP requests handled at once; more wait "
                                               "(up to 10 s) or get 503."),
-    alerting: Path = typer.Option(None, help="Alerting file (YAML): webhook receivers."),
+    alerting: Path = typer.Option(None, help="Alerting file (YAML): drift rules and their "
+                                                  "receivers."),
     store: str = typer.Option(None, envvar="AC_OBSERVE_STORE", help="Store URL, e.g. "
                               "postgresql+psycopg://user@host/db (default: SQLite in the "
                               "state directory)."),
