@@ -82,8 +82,8 @@ class MetricSpec:
             raise ValueError(f"{self.name}: the unit {self.unit!r} must end the name")
         if list(self.buckets) != sorted(set(self.buckets)):
             raise ValueError(f"{self.name}: buckets must be strictly increasing")
-        if self.whole and [b - self.buckets[0] for b in self.buckets] != \
-                list(range(len(self.buckets))) or self.whole and self.buckets[0] % 1:
+        if self.whole and (not self.buckets or self.buckets[0] % 1 or [
+                b - self.buckets[0] for b in self.buckets] != list(range(len(self.buckets)))):
             raise ValueError(f"{self.name}: a histogram of whole numbers has a bucket at "
                              "each whole number")
 

@@ -14,6 +14,25 @@ from ac_observe.metrics import DEFAULT_DAEMON_PORT, DEFAULT_ENGINE_PORT, LOW_LAT
 # Click's plain help: rich's panels cut long option names ("--gpu-memory-utiliz…") and env
 # var names at 80 columns, the very text a user copies; click's wraps, whole.
 PLAIN_HELP = {"rich_markup_mode": None}
+
+
+def _whole_words_in_help() -> None:
+    """Click's wrapper breaks words at hyphens (--gpu-memory-⏎utilization, ac-⏎observe in
+    a description): wrap at spaces only. (typer carries its own click.)"""
+    try:  # wrap_text imports the class from here at each call
+        from typer._click import _textwrap
+    except ImportError:  # a typer without its own click: click's defaults stand
+        return
+    base = _textwrap.TextWrapper
+
+    class NoHyphenBreaks(base):
+        def __init__(self, *args, **kwargs):
+            kwargs["break_on_hyphens"] = False
+            super().__init__(*args, **kwargs)
+    _textwrap.TextWrapper = NoHyphenBreaks
+
+
+_whole_words_in_help()
 app = typer.Typer(add_completion=False, no_args_is_help=False, **PLAIN_HELP,
                   help="Kernel-level observability for self-hosted LLM inference.")
 

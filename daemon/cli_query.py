@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 
 import httpx
@@ -10,8 +12,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from ac_observe.daemon.cli_render import alert_state, alerts_table, metric_table
+from ac_observe.daemon.cli_render import alert_state, alerts_table, fitted, metric_table
 
 
 class DaemonError(RuntimeError):
@@ -83,7 +86,7 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
         if not console.is_terminal:  # a pipe or a file: one plain frame after another
             while True:
                 console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}", highlight=False)
-                console.print(metric_table(fetch(), console.width), soft_wrap=True)
+                console.print(metric_table(fetch(), console.width), end="", soft_wrap=True)
                 console.file.flush()
                 time.sleep(2)
         # Redrawn in place (no flicker), resized with the terminal.
@@ -93,6 +96,9 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
                 time.sleep(2)
                 live.update(metric_table(fetch(), console.width), refresh=True)
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `--watch | head`: the reader has had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
         return 0
     except DaemonError as exc:
         message = str(exc)
@@ -151,26 +157,40 @@ def show_status(obj: dict, as_json: bool) -> int:
                       escape(c["reason"]), str(c["errors_total"]),
                       f"{c['duration_seconds'] * 1e3:.1f} ms")
     console.print(table)
-    table = Table(title=escape(f"engines under {status['telemetry_root']}"),
-                  title_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("engine", "model", "pid", "api", "state", "heartbeat"):
-        table.add_column(column, no_wrap=column != "state", ratio=1 if column == "state"
-                         else None, min_width=12 if column == "state" else None,
-                         overflow="fold")
+    rows = []
     for e in status["engines"]:
+        # The engine's name, then its model and API address under it (whole: what a
+        # user types next).
+        name = Text(str(e["engine"]))
+        name.append(f"\n{e['model']}" + (f"\n{e['api_address']}" if e["api_address"] else ""),
+                    style="dim")
         if e.get("error"):
-            state = f"[red]bad[/red]: {escape(e['error'])} ({escape(e['directory'])})"
+            state = Text.from_markup(f"[red]bad[/red]: {escape(e['error'])} "
+                                     f"({escape(e['directory'])})")
         else:
-            state = "[green]alive[/green]" if e["alive"] else "[yellow]gone[/yellow]"
+            state = Text.from_markup("[green]alive[/green]" if e["alive"]
+                                     else "[yellow]gone[/yellow]")
             if e.get("restarts"):
-                state += f", {e['restarts']} restart" + ("s" if e["restarts"] > 1 else "")
+                state.append(f", {e['restarts']} restart" + ("s" if e["restarts"] > 1 else ""))
             if e.get("warning"):
-                state += f" ({escape(e['warning'])})"
+                state.append(f" ({e['warning']})")
         age = e.get("heartbeat_age_seconds")
-        table.add_row(*(escape(str(e[k])) for k in ("engine", "model", "pid", "api_address")),
-                      state, "-" if age is None else f"{age}s ago")
-    if not status["engines"]:
-        table.caption = "no engine found"
+        rows.append((name, str(e["pid"]), state, "-" if age is None else f"{age}s ago"))
+
+    def engines_table(first_width: int, fits: bool) -> Table:
+        table = Table(title=escape(f"engines under {status['telemetry_root']}"),
+                      title_justify="left", box=box.SIMPLE_HEAD)
+        table.add_column("engine, model, api", overflow="fold", width=first_width)
+        table.add_column("pid", no_wrap=fits, overflow="fold")
+        table.add_column("state", overflow="fold", max_width=24)  # reasons wrap
+        table.add_column("heartbeat", no_wrap=fits, overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        if not rows:
+            table.caption = "no engine found"
+        return table
+    longest = max([12] + [len(line) for row in rows for line in str(row[0]).split("\n")])
+    table = fitted(engines_table, longest, console.width)
     console.print(table)
     return 0
 
@@ -187,14 +207,18 @@ def show_alerts(obj: dict, history: bool, as_json: bool) -> int:
     if not body["rules"]:
         console.print("no alert rules (start the daemon with --alerting FILE)")
         return 0
-    console.print(alerts_table(f"alerts ({body['rules']} rules)", body["alerts"], columns=(
-        ("state", alert_state), ("severity", lambda a: a["severity"]),
-        ("since", lambda a: _clock(a["firing_since"] or a["active_since"], "%H:%M:%S"))))
+    console.print(alerts_table(
+        f"alerts ({body['rules']} rules)", body["alerts"], console.width,
+        lead=(("state", alert_state),),
+        trail=(("severity", lambda a: a["severity"]),
+               ("since", lambda a: _clock(a["firing_since"] or a["active_since"],
+                                          "%H:%M:%S"))))
         if body["alerts"] else "no alert pending or firing")
     if history:
-        console.print(alerts_table("latest transitions", body["history"], columns=(
-            ("at", lambda t: _clock(t["at"], "%m-%d %H:%M:%S")),
-            ("change", lambda t: f"{t['from_state']} → {t['to_state']}"))))
+        console.print(alerts_table("latest transitions", body["history"], console.width,
+                                   lead=(("at", lambda t: _clock(t["at"], "%m-%d %H:%M:%S")),
+                                         ("change", lambda t: f"{t['from_state']} → "
+                                                              f"{t['to_state']}"))))
     return 0
 
 

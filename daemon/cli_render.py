@@ -155,26 +155,21 @@ def _alert_unit(entry: dict) -> str:
 
 def alert_state(alert: dict) -> Text:
     """pending or firing (and "no data"), in yellow or red."""
-    return Text(alert["state"] + (" (no data)" if alert["no_data"] else ""),
+    return Text(alert["state"] + ("\n(no data)" if alert["no_data"] else ""),
                 style="red" if alert["state"] == "firing" else "yellow")
 
 
-def alerts_table(title: str, entries: list[dict], columns: tuple = (),
-                 hide_labels: tuple = ()):
+def alerts_table(title: str, entries: list[dict], width: int, lead: tuple = (),
+                 trail: tuple = (), hide_labels: tuple = ()):
     """Alerts (or their transitions) as a table: the rule with its labels on the lines
-    under it, the `columns` ((title, cell of an entry) pairs), and the value and baseline
-    in the metric's unit. Rule names stay whole where the width allows and fold rather
-    than being cut; a label set wraps between labels (two alerts of one rule differ only
-    there, so they must show whole at 80 columns too)."""
+    under it, the `lead` columns ((title, cell of an entry) pairs), the value and baseline
+    in the metric's unit, then the `trail` columns. Figures never wrap; the rule column
+    gets what the others leave of `width`, so rule names and label sets (two alerts of one
+    rule differ only there) are whole at 80 columns, and narrower they fold rather than
+    any figure being cut (past the rule's minimum, the trailing columns go first)."""
     from rich import box
     from rich.table import Table
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    longest = max((len(e["rule"]) for e in entries), default=4)
-    table.add_column("rule, labels", overflow="fold", min_width=min(max(longest, 18), 32))
-    for name, _ in columns:
-        table.add_column(name, no_wrap=True)
-    for name in ("value", "baseline"):
-        table.add_column(name, justify="right", no_wrap=True)
+    rows = []
     for entry in entries:
         unit = _alert_unit(entry)
         rule = Text(entry["rule"])
@@ -182,6 +177,37 @@ def alerts_table(title: str, entries: list[dict], columns: tuple = (),
                           if k not in hide_labels)
         if labels:
             rule.append("\n" + labels, style="dim")
-        table.add_row(rule, *(cell(entry) for _, cell in columns),
-                      human(entry["value"], unit), human(entry["baseline"], unit))
-    return table
+        rows.append((rule, [Text(str(cell(entry))) if not isinstance(cell(entry), Text)
+                            else cell(entry) for _, cell in lead],
+                     [human(entry["value"], unit), human(entry["baseline"], unit)],
+                     [cell(entry) for _, cell in trail]))
+
+    longest = max([12] + [len(line) for r in rows for line in str(r[0]).split("\n")])
+
+    def table_for(rule_width: int, fits: bool):
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False)
+        table.add_column("rule, labels", overflow="fold", width=rule_width)
+        for name, _ in lead:
+            table.add_column(name, overflow="fold", no_wrap=fits)
+        for name in ("value", "baseline"):
+            table.add_column(name, justify="right", no_wrap=True)
+        for name, _ in trail:
+            table.add_column(name, overflow="fold", no_wrap=fits)
+        for rule, first, figures, last in rows:
+            table.add_row(rule, *first, *figures, *last)
+        return table
+    return fitted(table_for, longest, width)
+
+
+def fitted(table_for, longest: int, width: int):
+    """A table whose first column (of `longest` characters at most) takes what the other
+    columns leave of `width`: table_for(first column's width, whether the others fit
+    unwrapped). The room is measured by rich itself; left to share, rich shrinks columns
+    in proportion and cuts the last ones. Below 12 columns of room the others wrap too."""
+    import io
+
+    from rich.console import Console
+    probe = Console(width=10_000, file=io.StringIO()).measure(table_for(1, True)).maximum
+    room = width - (probe - 1)
+    return table_for(max(12, min(longest, room)), room >= 12)

@@ -127,7 +127,7 @@ def render(snap: dict, url: str, width: int | None = None) -> Group:
             table.add_row(Text(str(gpu)), figures["gpu_util"].get(gpu, "-"),
                           figures["sm"].get(gpu, "-"))
         parts.append(table)
-    parts.append(_alerts(snap.get("alerts") or {"alerts": [], "rules": 0}))
+    parts.append(_alerts(snap.get("alerts") or {"alerts": [], "rules": 0}, width or 80))
     collectors = "  ".join(f"{c['name']} {'up' if c['up'] else 'down'}"
                            for c in snap["collectors"])
     parts.append(Text(f"collectors: {collectors}"))
@@ -176,13 +176,13 @@ def _live(console: Console, obj: dict, window: str) -> int:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-def _alerts(body: dict):
+def _alerts(body: dict, width: int = 80):
     """The drift alerts pending or firing, each value and baseline in its metric's unit."""
     rules = body["rules"]
     if not rules:
         return Text("alerts: no rules (daemon --alerting FILE)")
     if not body["alerts"]:
         return Text(f"alerts: none pending or firing ({rules} rules)")
-    return alerts_table(f"alerts ({rules} rules)", body["alerts"],
-                        columns=(("state", alert_state),), hide_labels=("model",))
+    return alerts_table(f"alerts ({rules} rules)", body["alerts"], width,
+                        lead=(("state", alert_state),), hide_labels=("model",))
 

@@ -120,6 +120,8 @@ def statistic_expr(friendly: Friendly, statistic: str, window: str, match: dict 
             q = int(statistic[1:]) / 100
             inner = (f"sum by ({', '.join(('le',) + by)}) "
                      f"(rate({_selector(spec.name + '_bucket', spec, match)}{r}))")
+            if spec.whole:  # observed values, as the daemon answers (the edge it falls in)
+                return f"ceil(histogram_quantile({q:g}, {inner})){scale}"
             return f"histogram_quantile({q:g}, {inner}){scale}"
         if statistic == "mean":
             return f"({summed('_sum')} / {summed('_count')}){scale}"
@@ -159,7 +161,10 @@ def statistic_expr(friendly: Friendly, statistic: str, window: str, match: dict 
 
 
 def _share_below(spec: MetricSpec, bound: float, summed) -> str:
-    """% of observations at or below `bound`, interpolated inside its bucket."""
+    """% of observations at or below `bound`, interpolated inside its bucket (of whole
+    numbers, at or below the whole number under it: an edge, as the daemon reads it)."""
+    if spec.whole:
+        bound = math.floor(bound)
     edges = [b for b in spec.buckets if not math.isinf(b)]
     count = summed("_count")
     if bound >= edges[-1]:
@@ -249,35 +254,47 @@ def describe(rule) -> str:
 
 def _series_value(expr: str, labels: tuple[str, ...]) -> str:
     """A Prometheus template printing `expr`'s value for the alert's own series (the one
-    whose `labels` equal the alert's), as the daemon prints a number (%.4g)."""
+    whose `labels` equal the alert's) as the daemon prints a number (%.4g); n/a where it
+    has none (a baseline of 0 has no percentage)."""
     if "`" in expr:
         raise ValueError("a PromQL expression with a backquote cannot go in a template")
     same = " ".join(f"(eq .Labels.{label} $labels.{label})" for label in labels)
-    return (f"{{{{ range query `{expr}` }}}}{{{{ if and {same} }}}}"
-            f"{{{{ .Value | printf \"%.4g\" }}}}{{{{ end }}}}{{{{ end }}}}")
+    return (f'{{{{ $acv := "n/a" }}}}{{{{ range query `{expr}` }}}}{{{{ if and {same} }}}}'
+            f'{{{{ $acv = printf "%.4g" .Value }}}}{{{{ end }}}}{{{{ end }}}}{{{{ $acv }}}}')
 
 
 def template_fields(rule) -> dict[str, str]:
     """The daemon's annotation fields ({{ value }}, {{ baseline }}, ...) as Prometheus
     templates: the same figures, queried at the alert's evaluation for its series, so an
-    alerting file's annotations read alike from both evaluators."""
+    alerting file's annotations read alike from both evaluators (daemon/alerts.py
+    `Evaluator._alert`)."""
     friendly = FRIENDLY[rule.metric]
     by = group_labels(friendly, rule.match) + (INSTANCE,)
     current = statistic_expr(friendly, rule.statistic, duration(rule.window_seconds),
                              rule.match, share_threshold=rule.share_threshold, by=by)
-    baseline = baseline_expr(rule)
     if rule.comparison in ("above", "below"):
-        value, source = "{{ $value | printf \"%.4g\" }}", "static"
+        # Against a threshold the daemon's baseline is the static value, whatever else
+        # the file says (0 unless given): a constant here too.
+        fixed = rule.baseline_value
+        value, source = '{{ $value | printf "%.4g" }}', "static"
+        baseline, baseline_expr_ = f"{fixed:.4g}", number(fixed)
+        percent = (_series_value(f"100 * (({current}) - {number(fixed)}) / {number(abs(fixed))}",
+                                 by) if fixed else "n/a")
     else:
-        value = _series_value(current, by)
-        source = {"static": "static",
-                  "trailing": f"trailing {duration(rule.baseline_seconds)} before the window",
-                  "same_hour_yesterday": (f"same hour yesterday, else the trailing "
-                                          f"{duration(rule.baseline_seconds)}")}[rule.baseline]
-    return {"value": value, "baseline": _series_value(baseline, by),
-            "delta": _series_value(f"({current}) - {baseline}", by),
-            "delta_percent": _series_value(
-                f"100 * (({current}) - {baseline}) / abs({baseline} != 0)", by),
+        baseline_expr_ = baseline_expr(rule)
+        value, baseline = _series_value(current, by), _series_value(baseline_expr_, by)
+        percent = _series_value(
+            f"100 * (({current}) - {baseline_expr_}) / abs({baseline_expr_} != 0)", by)
+        if rule.baseline == "static":
+            source = "static"
+        elif rule.baseline == "trailing":
+            source = f"trailing {duration(rule.baseline_seconds)} before the window"
+        else:
+            source = (f"same hour yesterday, else the trailing "
+                      f"{duration(rule.baseline_seconds)}")
+    return {"value": value, "baseline": baseline,
+            "delta": _series_value(f"({current}) - {baseline_expr_}", by),
+            "delta_percent": percent,
             "unit": friendly.statistic_unit(rule.statistic),
             "labels": ("{{ $first := true }}{{ range $k, $v := $labels }}{{ if not $first }}, "
                        "{{ end }}{{ $k }}={{ $v }}{{ $first = false }}{{ end }}"),
@@ -308,13 +325,14 @@ def alert_rule(rule) -> dict:
     return entry
 
 
-_BRACES = re.compile(r"\{\{|\}\}")
+_BRACES = re.compile(r"[{}]+")
 
 
 def _translate(text: str, fields: dict[str, str], template) -> str:
     """An annotation of the daemon's as a Prometheus template: each {{ field }} becomes
     its template, and any other braces are printed as they are, never run."""
     def literal(part: str) -> str:
+        # Every run of braces is printed by an action: no '{' of the text meets a '{{'.
         return _BRACES.sub(lambda m: '{{ "' + m.group(0) + '" }}', part)
     out, at = [], 0
     for match in template.finditer(text):

@@ -202,7 +202,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     request_id = request.state.request_id
     messages = [{"role": m.role, "content": m.model_dump()["content"] or ""}
                 for m in body.messages]
-    queue = await _submit(engine, request, params, request_id, messages=messages)
+    field = ("max_completion_tokens" if body.max_completion_tokens else "max_tokens" if
+             body.max_tokens else "max_tokens (256 when not given)")
+    queue = await _submit(engine, request, params, request_id, tokens_field=field,
+                          messages=messages)
     first = await _next_output(queue, request, engine, request_id)
     completion_id = "chatcmpl-" + request_id.removeprefix("req_")
     if not body.stream:
@@ -296,7 +299,7 @@ ROUTES = (
     ("GET", "/admin/faults", faults),
     ("POST", "/admin/faults", faults),
     ("GET", "/v1/models", models),
-    ("GET", "/v1/models/{model_id}", model),
+    ("GET", "/v1/models/{model_id:path}", model),  # HF names hold a slash
     ("POST", "/v1/messages/count_tokens", count_tokens),
     ("POST", "/v1/messages", messages),
     ("POST", "/v1/chat/completions", chat_completions),
@@ -340,7 +343,9 @@ def _check_max_tokens(engine: Engine, max_tokens: int, field: str) -> None:
 
 
 async def _submit(engine: Engine, request: Request, params: SamplingParams, request_id: str,
-                  **prompt) -> asyncio.Queue:
+                  tokens_field: str = "max_tokens", **prompt) -> asyncio.Queue:
+    """Hand the request to the engine; `tokens_field`: how the request set its output
+    budget, for a refusal to name."""
     lane = _lane(request)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -356,8 +361,9 @@ async def _submit(engine: Engine, request: Request, params: SamplingParams, requ
         raise APIError(429, f"{exc}; retry shortly", headers={"retry-after": "1"}) from None
     except NeverFitsError as exc:
         # Permanent for this engine (its pool's size), so a 4xx: the SDKs retry a 529.
-        raise APIError(400, f"max_tokens: {exc}; lower max_tokens or shorten the prompt",
-                       param="max_tokens") from None
+        param = tokens_field.split()[0]
+        raise APIError(400, f"{tokens_field}: {exc}; lower {param} or shorten the prompt",
+                       param=param) from None
     except ValueError as exc:
         raise APIError(400, f"messages: {exc}", param="messages") from None
     return queue

@@ -150,7 +150,12 @@ def test_watch_into_a_pipe_prints_a_stamped_frame_every_two_seconds(live):
         watch.communicate()
     frames = "".join(lines).split("--- ")[1:]
     assert all("kv_cache_hit_rate over 300s" in frame for frame in frames[:2]), lines
-    assert ESCAPE not in "".join(lines)
+    assert ESCAPE not in "".join(lines) and "\n\n" not in "".join(lines)
+    # `--watch | head -3`: the reader goes away, the CLI ends quietly.
+    done = subprocess.run(f"{AC_OBSERVE} --daemon {live.url} --metric kv_cache_hit_rate "
+                          "--window 5m --watch | head -3", shell=True, capture_output=True,
+                          text=True, timeout=30)
+    assert len(done.stdout.splitlines()) == 3 and done.stderr == "", done.stderr
 
 
 def test_flat_trends_and_unitless_metrics_read_right():
@@ -395,8 +400,8 @@ def test_top_lists_the_alerts_pending_or_firing_in_their_metrics_units():
                                                       "8.00 ms"]]
     # The label set under its rule, whole (the model is the engine's).
     assert rows[first + 1] == ["engine=e1 stream=low_latency"], text
-    kv = rows.index(["[bold]KvHit", "pending (no data)", "-", "91.5%"])
-    assert rows[kv + 1] == ["engine=e2"], text
+    kv = rows.index(["[bold]KvHit", "pending", "-", "91.5%"])
+    assert rows[kv + 1] == ["engine=e2", "(no data)"], text
     share = rows.index(["FastShare", "firing", "71.5%", "95.0%"])  # a share, in %
     assert rows[share + 1] == ["engine=e3"], text
     for body, line in (({"rules": 0, "alerts": []}, "no rules"),
@@ -468,6 +473,16 @@ def test_the_alerts_command_keeps_rules_and_labels_whole_in_their_units(monkeypa
     assert any(r[:2] == ["InferenceLatencyDrift", "firing"] and "230 ms" in r
                and "180 ms" in r for r in rows), out
     assert "71.2%" in flat and "93.0%" in flat, out
+    # A long label, "(no data)", and narrower: figures are never cut, whatever folds.
+    body["alerts"][1].update(no_data=True, labels={"model": "Meta-Llama-3.1-8B-Instruct"})
+    for columns in ("80", "60"):
+        monkeypatch.setenv("COLUMNS", columns)
+        assert cli_query.show_alerts({"url": "http://127.0.0.1:9410"}, False, False) == 0
+        out = capsys.readouterr().out
+        assert "…" not in out and max(map(len, out.splitlines())) <= int(columns), out
+        figures = [r for r in (_cells(line) for line in out.splitlines())
+                   if "230 ms" in r]
+        assert len(figures) == 2 and all("180 ms" in r for r in figures), out
 
 
 def test_every_help_names_every_option_whole_at_80_columns():
@@ -490,6 +505,9 @@ def test_every_help_names_every_option_whole_at_80_columns():
         assert out.exit_code == 0, (path, out.output)
         assert "…" not in out.output and max(map(len, out.output.splitlines())) <= 80, \
             (path, out.output)
+        # Nor split at a hyphen inside a description (--kv-memory-⏎mb).
+        assert not [line for line in out.output.splitlines() if re.search(r"\w-$", line)], \
+            (path, out.output)
         for param in command.params:
             if param.param_type_name == "option":
                 for name in [*param.opts, *param.secondary_opts]:
@@ -501,6 +519,8 @@ def test_every_help_names_every_option_whole_at_80_columns():
 
 
 def test_status_keeps_engine_names_and_addresses_whole_at_80_columns(monkeypatch, capsys):
+    """Names, models (an HF folder's name is long) and API addresses are what a user types
+    next: whole at 80 columns, each engine's under its name, beside its state."""
     from ac_observe.daemon import cli_query
     reason = "NVML library libnvidia-ml.so.1 not found (no NVIDIA driver on this host)"
     body = {"version": "0.1.0", "interval_seconds": 1, "window_seconds": 3600,
@@ -509,9 +529,12 @@ def test_status_keeps_engine_names_and_addresses_whole_at_80_columns(monkeypatch
                             "duration_seconds": 0.0006},
                            {"name": "nvml", "up": False, "reason": reason,
                             "errors_total": 3, "duration_seconds": 0.0003}],
-            "engines": [{"engine": "engine-8000", "model": "tiny", "pid": 19003,
-                         "api_address": "http://127.0.0.1:8000", "alive": True,
+            "engines": [{"engine": "engine-8000", "model": "Meta-Llama-3.1-8B-Instruct",
+                         "pid": 19003, "api_address": "http://127.0.0.1:8000", "alive": True,
                          "heartbeat_age_seconds": 0.8, "restarts": 2},
+                        {"engine": "engine-8001", "model": "tiny", "pid": 7,
+                         "api_address": "http://10.0.0.12:8001", "alive": False,
+                         "heartbeat_age_seconds": 120.0, "restarts": 0},
                         {"engine": "bad-one", "model": "?", "pid": "?", "api_address": "",
                          "error": "engine.json: not JSON", "directory": "/t/bad-one"}]}
     monkeypatch.setattr(cli_query, "get_json", lambda *args, **kwargs: body)
@@ -520,8 +543,10 @@ def test_status_keeps_engine_names_and_addresses_whole_at_80_columns(monkeypatch
     out = capsys.readouterr().out
     assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
     rows = [_cells(line) for line in out.splitlines()]
-    assert ["engine-8000", "tiny", "19003", "http://127.0.0.1:8000", "alive, 2",
-            "0.8s ago"] in rows, out
-    assert " ".join(out.split()).count("restarts") == 1 and reason.split()[-1] in out
+    first = rows.index(["engine-8000", "19003", "alive, 2 restarts", "0.8s ago"])
+    assert rows[first + 1:first + 3] == [["Meta-Llama-3.1-8B-Instruct"],
+                                         ["http://127.0.0.1:8000"]], out
+    second = rows.index(["engine-8001", "7", "gone", "120.0s ago"])
+    assert rows[second + 1:second + 3] == [["tiny"], ["http://10.0.0.12:8001"]], out
     for word in reason.split() + ["engine.json:", "not", "JSON"]:
         assert word in out, (word, out)

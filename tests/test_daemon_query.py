@@ -113,6 +113,11 @@ def test_a_whole_number_histograms_quantiles_and_shares_are_observed_values():
     assert shared["share"] == pytest.approx(75.0)
     # A latency histogram still interpolates as histogram_quantile does.
     assert not _friendly("inference_latency_ns").source.whole
+    from ac_observe.metrics import MetricSpec
+    for buckets in ((1.0, 3.0), (1.5, 2.5), ()):  # a bucket at each whole number, or no
+        with pytest.raises(ValueError, match="a bucket at each whole number"):
+            MetricSpec("ac_x", "histogram" if buckets else "gauge", "x", (), "engine", "",
+                       buckets, whole=True)
 
 
 def test_ratio_is_delta_over_delta_and_rate_survives_a_counter_reset():

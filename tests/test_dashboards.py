@@ -213,7 +213,8 @@ rules:
     # same figures (promtool renders them: dashboards/prometheus/tests), other braces are
     # printed, never run.
     summary = rule["annotations"]["summary"]
-    assert summary.startswith("queue p99 {{ range query `") and " ns vs {{ range " in summary
+    assert summary.startswith('queue p99 {{ $acv := "n/a" }}{{ range query `') and \
+        ' ns vs {{ $acv := "n/a" }}{{ range ' in summary
     assert summary.endswith('{{ "{{" }} $raw {{ "}}" }}') and "{{ value }}" not in summary
     assert rule["annotations"]["runbook"] == "https://wiki.example/queue"
     assert 'ac_queue_time_seconds_bucket{engine="e1"}[30m] offset 2m' in rule["expr"]
@@ -221,6 +222,31 @@ rules:
     check = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yml")],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
+    # Every field in every kind of rule (a static baseline, against a threshold, braces
+    # of the text against a field's) makes a template Prometheus loads.
+    (tmp_path / "alerts.yaml").write_text("""\
+rules:
+  - name: StaticDrop
+    metric: kv_cache_hit_rate
+    window: 5m
+    baseline: static:90
+    comparison: absolute_decrease
+    threshold: 5
+    annotations: {summary: "{{{ labels }}} {{ value }} vs {{ baseline }} ({{ baseline_source }}),
+      {{ delta }} = {{ delta_percent }} % {{{ value }}}"}
+  - name: Busy
+    metric: cuda_stream_utilization
+    window: 1m
+    comparison: above
+    threshold: 90
+    annotations: {summary: "{{ rule }}: {{ value }} {{ unit }} ({{ delta_percent }}) }}{"}
+""")
+    out = run_cli("rules", "export", "--alerting", str(tmp_path / "alerts.yaml"))
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "rules.yml").write_text(out.stdout)
+    check = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yml")],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
     # A statistic Prometheus cannot compute the daemon's way is refused, naming it.
     (tmp_path / "alerts.yaml").write_text("""\
 rules:

@@ -175,12 +175,18 @@ def test_openai_route_names_the_field_and_the_content_type(engine_server):
     ).status_code == 200
 
 
-def test_both_sdks_retrieve_the_served_model_and_only_it(engine_server):
+def test_both_sdks_retrieve_the_served_model_and_only_it(engine_server, start_engine):
     assert _openai(engine_server).models.retrieve("tiny").id == "tiny"
     assert _anthropic(engine_server).models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError) as info:
         _openai(engine_server).models.retrieve("gpt-4o")
     assert "serves 'tiny'" in str(info.value)
+    with pytest.raises(openai.NotFoundError) as info:  # a slash, as HF names have
+        _openai(engine_server).models.retrieve("org/other")
+    assert "serves 'tiny'" in str(info.value)
+    named = start_engine("--model-name", "Qwen/Qwen2.5-0.5B-Instruct")
+    assert _openai(named).models.retrieve("Qwen/Qwen2.5-0.5B-Instruct").id == \
+        "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 @pytest.mark.parametrize("body,status,words", BAD_REQUESTS)
@@ -237,11 +243,16 @@ def test_request_that_can_never_fit_the_pool_is_a_400_no_sdk_retries(start_engin
     assert info.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in info.value.body["error"]["message"]
     assert "256" in info.value.body["error"]["message"]  # what the pool holds
-    with pytest.raises(openai.BadRequestError) as info:
-        openai.OpenAI(base_url=server.url + "/v1", api_key="unused").chat.completions.create(
-            model="tiny", max_tokens=200, messages=messages)
-    assert info.value.body["param"] == "max_tokens"
-    assert info.value.body["type"] == "invalid_request_error"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    for sent, param, words in (({"max_tokens": 200}, "max_tokens", "max_tokens:"),
+                               ({"max_completion_tokens": 200}, "max_completion_tokens",
+                                "max_completion_tokens:"),
+                               ({}, "max_tokens", "max_tokens (256 when not given):")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=messages, **sent)
+        assert info.value.body["param"] == param, sent  # what the request set
+        assert info.value.body["message"].startswith(words), info.value.body
+        assert info.value.body["type"] == "invalid_request_error"
 
 
 def test_64_streaming_clients_disconnecting_free_every_block_and_overflow_gets_429(
