@@ -457,3 +457,16 @@ def test_dashboards_push_uploads_every_board_into_its_folder_pointed_at_a_dataso
     out = run_cli("dashboards", "push", "--grafana-url", grafana_api.url, env=env)
     assert out.returncode == 1 and "cannot reach Grafana" in out.stderr
 
+
+
+def test_whole_number_histograms_read_the_same_in_promql_as_in_the_daemon():
+    """skeleton_complexity's p50 and shares are observed depths in the daemon (the bucket
+    edge a rank falls on; a bound floored to a whole depth): so in PromQL too."""
+    from ac_observe.dashboards.promql import statistic_expr
+    from ac_observe.metrics import FRIENDLY
+    depth = FRIENDLY["skeleton_complexity"]
+    assert statistic_expr(depth, "p50", "5m").startswith("ceil(histogram_quantile(0.5, ")
+    share = statistic_expr(depth, "share_below", "5m", share_threshold=2.5)
+    assert 'le="2.0"' in share and 'le="3.0"' not in share, share
+    latency = statistic_expr(FRIENDLY["inference_latency_ns"], "p50", "5m")
+    assert latency.startswith("histogram_quantile(0.5, ")  # interpolated, as Prometheus
