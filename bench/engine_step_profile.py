@@ -1,8 +1,9 @@
 """Where a decode step's time goes: torch profiler over steady-state decode steps.
 
 Usage: python bench/engine_step_profile.py [--batch 16] [--context 64] [--steps 20]
-Prints the step time (min and median of repeated timings, alternating the CPU decode
-workspace on and off in one run) and the top operators with it on.
+Prints the step time (min and median of repeated timings, alternating in one run the CPU
+decode workspace on and off, and the projections' packed weights (oneDNN) on and off) and
+the top operators with both on.
 """
 from __future__ import annotations
 
@@ -26,17 +27,22 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(EngineConfig(), start=False)  # driven on this thread, step by step
     rng = random.Random(0)
-    budget = args.warmup + 18 * (args.steps + 1) + 8
+    budget = args.warmup + 26 * (args.steps + 1) + 8  # 8 rounds of 3 modes, and slack
     for _ in range(args.batch):
         engine.add_request([rng.randrange(256) for _ in range(args.context)],
                            params=SamplingParams(max_tokens=budget, ignore_eos=True))
     for _ in range(args.warmup):
         engine.step()
     workspaces = engine.runner.workspaces
-    timings: dict[str, list[float]] = {"workspace on": [], "workspace off": []}
+    projections = engine.runner.model.projections() + [engine.runner.model.lm_head]
+    packed = [proj.packed for proj in projections]
+    timings: dict[str, list[float]] = {"workspace on": [], "workspace off": [],
+                                       "workspace on, weights not packed": []}
     for _ in range(8):
         for mode in timings:
-            engine.runner.workspaces = workspaces if mode == "workspace on" else {}
+            engine.runner.workspaces = workspaces if mode != "workspace off" else {}
+            for proj, weight in zip(projections, packed):
+                proj.packed = None if mode.endswith("not packed") else weight
             for workspace in workspaces.values():
                 workspace.clear()
             engine.step()  # a rebuild (or not), outside the timing
@@ -45,7 +51,9 @@ def main() -> None:
                 engine.step()
             timings[mode].append((time.perf_counter() - start) / args.steps * 1e3)
     engine.runner.workspaces = workspaces
-    context = args.context + args.warmup + 8 * (args.steps + 1)
+    for proj, weight in zip(projections, packed):
+        proj.packed = weight
+    context = args.context + args.warmup + 24 * (args.steps + 1)
     for mode, values in timings.items():
         print(f"batch {args.batch}, context {args.context}..{context}, {mode}: step ms "
               f"min {min(values):.2f} median {statistics.median(values):.2f}")

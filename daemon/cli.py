@@ -388,6 +388,10 @@ def engine(
                                                  "replay CUDA graphs captured at start-up."),
     cuda_graph_max_len: int = typer.Option(8192, help="Longest context a CUDA graph covers; "
                                                       "longer decode steps run eagerly."),
+    cpu_packed_weights: str = typer.Option("auto", help="auto (on for CPU float32 with "
+                                                        "oneDNN) | on | off: projections on "
+                                                        "oneDNN with pre-packed weights (a "
+                                                        "second copy of them)."),
     evicted_hash_memory: int = typer.Option(0, help="Evicted KV block hashes remembered to "
                                                     "tell evicted misses from new traffic "
                                                     "(16-32 bytes each; 0: 4x the pool, at "
@@ -457,7 +461,7 @@ def engine(
             kv_cache_memory_bytes=kv_memory_mb << 20, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs, cuda_graph_max_len=cuda_graph_max_len,
-            evicted_hash_memory=evicted_hash_memory,
+            cpu_packed_weights=cpu_packed_weights, evicted_hash_memory=evicted_hash_memory,
             kernel_sample_steps=kernel_sample_steps, kernel_sample_budget=kernel_sample_budget,
             fault_injection=fault_injection, fault_token=fault_token,
             max_waiting=max_waiting, telemetry_dir=telemetry, api_address=f"http://{host}:{port}",

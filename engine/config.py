@@ -125,6 +125,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_waiting: int = 256
     decode_workspace: str = "auto"    # auto (on for CPU) | on | off: see engine/workspace.py
+    # auto (on for CPU float32 where oneDNN is built in) | on | off: the projections run
+    # on oneDNN with pre-packed weights (engine/model.py packed_weight; a second copy).
+    cpu_packed_weights: str = "auto"
     # auto (on for CUDA) | on | off: decode steps replay CUDA graphs captured at start-up
     # (engine/cuda_graphs.py); "on" on CPU runs the same padded static-buffer steps eagerly.
     cuda_graphs: str = "auto"
@@ -170,7 +173,7 @@ class EngineConfig:
             raise ValueError("max_waiting must be positive")
         if sorted(lane.name for lane in self.lanes) != sorted(LANES):
             raise ValueError(f"lanes must be {' and '.join(LANES)}")
-        for name in ("decode_workspace", "overlap_lanes", "cuda_graphs"):
+        for name in ("decode_workspace", "overlap_lanes", "cuda_graphs", "cpu_packed_weights"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be auto, on or off")
         if self.decode_workspace == "on" and self.cuda_graphs == "on":

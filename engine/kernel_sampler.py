@@ -59,7 +59,8 @@ CLASS_RULES: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("memcpy", r"\bmemcpy|\bmemset|copy_kernel|^aten::(copy_|_to_copy|to|clone|contiguous)$"),
         ("attention", r"^ac::attention$|attention|\battn|flash|fmha|paged_|sdpa|"
                       r"^aten::_?(efficient|cudnn)_attention"),
-        ("gemm", r"^ac::gemm$|^aten::(mm|addmm|bmm|baddbmm|matmul|linear|addmv|mv|_int_mm|dot)$|gemm|gemv|"
+        ("gemm", r"^ac::gemm$|^aten::(mm|addmm|bmm|baddbmm|matmul|linear|addmv|mv|_int_mm|dot)$|"
+                 r"^mkldnn::_linear_pointwise|gemm|gemv|"
                  r"cutlass|cublas|xmma|nvjet|splitk"),
         ("norm", r"^ac::norm$|rms_?norm|layer_?norm|group_?norm|batch_?norm"),
         ("rope", r"^ac::rope$|rope|rotary"),

@@ -113,39 +113,87 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return weight * x32.to(x.dtype)
 
 
-def weight_left_gemms(x: torch.Tensor) -> bool:
-    """Run the big projections of a step over x: [T, D] as W @ h^T (the weight as the left
-    operand, results as transposed views) rather than h @ W^T.
+PLAIN, WEIGHT_LEFT, PACKED = "plain", "weight_left", "packed"  # how a step runs its GEMMs
+PACKED_MIN_TOKENS = 4
 
-    NOTE: measured, not derived (bench/gemm_orientation.py, MKL on x86): weight-left runs
-    1.1-2x faster from 2 tokens to a few hundred (decode batches, small prefills), and
-    about 7-10% slower for a single token or 1024 (a large prefill). CPU only: on a GPU
-    the orientation buys nothing and transposed activations would slow elementwise kernels.
+
+def gemm_form(x: torch.Tensor) -> str:
+    """How the projections of a step over x: [T, D] run: PACKED (oneDNN on packed weights,
+    where the model has them), WEIGHT_LEFT (MKL as W @ h^T, results as transposed views)
+    or PLAIN (h @ W^T).
+
+    NOTE: measured, not derived (bench/gemm_orientation.py, x86 with AVX-512): packed
+    weights win from about 4 tokens (1.1x the best MKL form at 4, 1.5-2.3x from 16 to a
+    1,024-token prefill) and lose below (oneDNN's ~10 us a call: 0.7x for one token).
+    Without them, weight-left runs 1.1-2x faster than h @ W^T from 2 tokens to a few
+    hundred and 7-10% slower for one or 1,024. CPU only: on a GPU neither buys anything
+    and transposed activations would slow elementwise kernels.
     """
-    return x.device.type == "cpu" and 2 <= x.shape[0] <= 512
+    if x.device.type != "cpu":
+        return PLAIN
+    if x.shape[0] >= PACKED_MIN_TOKENS:
+        return PACKED  # (WEIGHT_LEFT's range, for a model without packed weights)
+    return WEIGHT_LEFT if x.shape[0] >= 2 else PLAIN
 
 
-def linear(h: torch.Tensor, weight: torch.Tensor, weight_left: bool) -> torch.Tensor:
-    """h @ weight^T: [T, K] -> [T, N]; a transposed view when weight_left. (The sampled
-    kernel time's `ac::gemm` scope holds the operand transposes with the GEMM.)"""
-    return scoped(SCOPE_GEMM, _linear, h, weight, weight_left)
+def row_major_form(x: torch.Tensor, proj: nn.Linear) -> str:
+    """`gemm_form` for a product whose result must be row-major (q/k/v, whose rows RoPE
+    and the cache writes view; the logits): packed or plain, never weight-left."""
+    return PACKED if proj.packed is not None and gemm_form(x) is PACKED else PLAIN
 
 
-def _linear(h: torch.Tensor, weight: torch.Tensor, weight_left: bool) -> torch.Tensor:
-    return torch.mm(weight, h.t()).t() if weight_left else F.linear(h, weight)
+def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` ([N, K], CPU float32) in oneDNN's blocked layout, for `_linear_pointwise`;
+    None where this torch has no oneDNN or the packed product disagrees with F.linear.
+
+    NOTE: measured, not derived (bench/gemm_orientation.py, AVX-512 host): oneDNN on
+    pre-packed weights runs a decode batch's big GEMMs up to 1.7x faster than MKL in
+    either orientation, and a 1,024-token prefill's about 2x: MKL packs the weight on
+    every call (and on AMD runs its AVX2 code). It costs a second copy of the weights."""
+    if not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32 \
+            or weight.device.type != "cpu":
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):  # a build without these ops
+        return None
+    want = F.linear(probe, weight.detach())
+    return packed if torch.allclose(got, want, rtol=1e-4, atol=1e-4) else None
 
 
-def linear_add(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
-               weight_left: bool) -> torch.Tensor:
-    """x + a @ weight^T in one GEMM: the residual is addmm's input."""
-    return scoped(SCOPE_GEMM, _linear_add, x, a, weight, weight_left)
+def linear(h: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
+    """h @ weight^T (+ bias): [T, K] -> [T, N], run as `form` says (see `gemm_form`); a
+    transposed view when WEIGHT_LEFT. (The sampled kernel time's `ac::gemm` scope holds
+    the operand transposes with the GEMM.)"""
+    return scoped(SCOPE_GEMM, _linear, h, proj, form)
 
 
-def _linear_add(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
-                weight_left: bool) -> torch.Tensor:
-    if weight_left:
-        return torch.addmm(x.t(), weight, a.t()).t()
-    return torch.addmm(x, a, weight.t())
+def _linear(h: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
+    if form is not PLAIN:
+        packed = proj.packed
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(h, packed, proj.bias, "none", [], "")
+        if proj.bias is None and h.shape[0] <= 512:  # WEIGHT_LEFT's range (gemm_form)
+            return torch.mm(proj.weight, h.t()).t()
+    return F.linear(h, proj.weight, proj.bias)
+
+
+def linear_add(x: torch.Tensor, a: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
+    """x + a @ weight^T: with MKL in one GEMM (the residual is addmm's input); with a
+    packed weight, the product then an in-place add (oneDNN's fused add measured slower)."""
+    return scoped(SCOPE_GEMM, _linear_add, x, a, proj, form)
+
+
+def _linear_add(x: torch.Tensor, a: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
+    if form is not PLAIN:
+        packed = proj.packed
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "").add_(x)
+        if a.shape[0] <= 512:
+            return torch.addmm(x.t(), proj.weight, a.t()).t()
+    return torch.addmm(x, a, proj.weight.t())
 
 
 def swiglu(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
@@ -231,7 +279,7 @@ class Attention(nn.Module):
         """h: [T, D] normalised hidden states -> attention output [T, H * E] (before o_proj)."""
         G, E, H = self.num_kv_heads, self.head_dim, self.num_heads
         # qkv row-major whatever h's layout: RoPE and the cache writes view its rows.
-        qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2G) E]
+        qkv = linear(h, self.qkv_proj, row_major_form(h, self.qkv_proj))  # [T, (H + 2G) E]
         scoped(SCOPE_ROPE, rotate_, qkv[:, :(H + G) * E], rotation, H + G)  # q and k at once
         return scoped(SCOPE_ATTENTION, self._attend, qkv, meta)
 
@@ -302,9 +350,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def act(self, h: torch.Tensor, weight_left: bool) -> torch.Tensor:
+    def act(self, h: torch.Tensor, form: str) -> torch.Tensor:
         """SiLU(gate) * up for h: [T, D] -> [T, I] (before down_proj)."""
-        gate_up = linear(h, self.gate_up_proj.weight, weight_left)
+        gate_up = linear(h, self.gate_up_proj, form)
         return scoped(SCOPE_ACTIVATION, swiglu, gate_up, self.intermediate_size)
 
 
@@ -320,11 +368,11 @@ class DecoderLayer(nn.Module):
         """x: [T, D] -> [T, D]. Each residual add rides in its projection's GEMM."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        weight_left = weight_left_gemms(x)
+        form = gemm_form(x)
         out = attn(rms_norm(x, norm1.weight, norm1.eps), rotation, meta)  # [T, H * E]
-        x = linear_add(x, out, attn.o_proj.weight, weight_left)
-        act = mlp.act(rms_norm(x, norm2.weight, norm2.eps), weight_left)
-        return linear_add(x, act, mlp.down_proj.weight, weight_left)
+        x = linear_add(x, out, attn.o_proj, form)
+        act = mlp.act(rms_norm(x, norm2.weight, norm2.eps), form)
+        return linear_add(x, act, mlp.down_proj, form)
 
 
 class DecoderModel(nn.Module):
@@ -350,6 +398,8 @@ class CausalLM(nn.Module):
         # transformers keeps it so, and bf16-rounded frequencies would skew every angle.
         self.inv_freq = rope_inv_freq(config)
         self._rotations = torch.empty(0)  # [positions, 1, E/2] cache of `rotations`
+        for proj in self.projections() + [self.lm_head]:
+            proj.packed = None  # see pack_weights
 
     def rotations(self, positions: torch.Tensor, needed: int, dtype: torch.dtype) -> torch.Tensor:
         """positions: [T], all below `needed` -> RoPE rotation per token, [T, 1, E/2]
@@ -377,13 +427,30 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight)
+        return _linear(hidden, self.lm_head, row_major_form(hidden, self.lm_head))
 
     def precompute_rotations(self, num_positions: int, dtype: torch.dtype,
                              device: torch.device) -> None:
         """Build the RoPE table for every position once, before any step: it is then only
         read, so steps on two lanes' streams never race on its growth."""
         self.rotations(torch.zeros(1, dtype=torch.long, device=device), num_positions, dtype)
+
+    def projections(self) -> list[nn.Linear]:
+        """Each layer's q/k/v, o, gate/up and down projections."""
+        return [proj for layer in self.model.layers
+                for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+    def pack_weights(self) -> bool:
+        """Run the projections on oneDNN with pre-packed weights (CPU float32; see
+        `packed_weight`). False, and nothing changed, where that is not available."""
+        projections = self.projections() + [self.lm_head]
+        packed = [packed_weight(proj.weight) for proj in projections]
+        if any(p is None for p in packed):
+            return False
+        for proj, weight in zip(projections, packed):
+            proj.packed = weight
+        return True
 
     def bind_kv_cache(self, kv_pool: torch.Tensor) -> None:
         """kv_pool: [layers, 2, G, num_blocks, block size, E], allocated once by the runner."""

@@ -139,6 +139,12 @@ class ModelRunner:
         self.kv_pool = torch.zeros(mc.num_hidden_layers, 2, mc.num_key_value_heads,
                                    self.num_blocks + use_graphs, self.block_size, mc.head_dim,
                                    dtype=self.dtype, device=self.device)
+        self.packed_weights = False
+        if config.cpu_packed_weights != "off" and not cuda:
+            self.packed_weights = self.model.pack_weights()
+            if config.cpu_packed_weights == "on" and not self.packed_weights:
+                raise RuntimeError("cpu_packed_weights on: this torch has no oneDNN linear "
+                                   "for these weights (CPU float32 only)")
         self.model.bind_kv_cache(self.kv_pool)
         self.model.precompute_rotations(max_len, self.dtype, self.device)
         self.graphs = {lane.name: DecodeGraphs(

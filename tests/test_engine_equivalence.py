@@ -288,3 +288,55 @@ def test_a_sampled_decode_step_runs_eagerly_and_is_classed(float64_pair, monkeyp
     assert sampled and all(not replay for replay, classes in steps if classes)
     assert all(replay for replay, classes in steps if not classes)
     assert all(classes[("throughput", "decode")]["attention"] > 0 for classes in sampled)
+
+
+def test_packed_weights_compute_what_mkl_computes_and_run_from_four_tokens():
+    """CPU float32 projections run on oneDNN with weights packed at load (the default):
+    the same products as MKL's, in the same layouts, at every token count; a decode batch
+    of 4 or more runs them packed and a batch of one does not (oneDNN's per-call cost
+    loses there); off, or a dtype they do not serve, leaves MKL."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ac_observe.engine.model import PACKED, gemm_form, linear, linear_add, row_major_form
+    packed = Engine(EngineConfig(seed=5), start=False)
+    plain = Engine(EngineConfig(seed=5, cpu_packed_weights="off"), start=False)
+    assert packed.runner.packed_weights and not plain.runner.packed_weights
+    layer = packed.runner.model.model.layers[0]
+    reference = plain.runner.model.model.layers[0]
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for tokens in (1, 2, 4, 16, 600):
+            h = torch.randn(tokens, 256, generator=gen)
+            act = torch.randn(tokens, 688, generator=gen)
+            form = gemm_form(h)
+            assert (form is PACKED) == (tokens >= 4)
+            got = linear(h, layer.mlp.gate_up_proj, form)
+            want = torch.nn.functional.linear(h, reference.mlp.gate_up_proj.weight)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), tokens
+            got = linear_add(h, act, layer.mlp.down_proj, form)
+            want = h + torch.nn.functional.linear(act, reference.mlp.down_proj.weight)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), tokens
+            qkv_proj = layer.self_attn.qkv_proj
+            qkv = linear(h, qkv_proj, row_major_form(h, qkv_proj))
+            assert qkv.is_contiguous()  # RoPE and the cache writes view its rows
+        prompt = list(range(3, 60))
+        assert torch.allclose(packed.prompt_logits(prompt), plain.prompt_logits(prompt),
+                              rtol=1e-4, atol=1e-4)
+
+    def ops_of_a_decode_step(engine, batch):
+        for i in range(batch):
+            engine.add_request([5 + i] * 10, params=SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.step()  # the prefill
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        engine.run_until_idle()
+        return {event.name for event in prof.events()}
+    assert "mkldnn::_linear_pointwise" in ops_of_a_decode_step(packed, 8)
+    assert "mkldnn::_linear_pointwise" not in ops_of_a_decode_step(packed, 1)
+    assert "mkldnn::_linear_pointwise" not in ops_of_a_decode_step(plain, 8)
+    packed.close()
+    plain.close()
+    with pytest.raises(RuntimeError, match="cpu_packed_weights on"):
+        Engine(EngineConfig(dtype="float64", cpu_packed_weights="on"), start=False)
+    with Engine(EngineConfig(dtype="float64"), start=False) as wide:
+        assert not wide.runner.packed_weights
