@@ -146,21 +146,27 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` ([N, K], CPU float32) in oneDNN's blocked layout, for `_linear_pointwise`;
     None where this torch has no oneDNN or the packed product disagrees with F.linear.
 
-    NOTE: measured, not derived (bench/gemm_orientation.py, AVX-512 host): oneDNN on
-    pre-packed weights runs a decode batch's big GEMMs up to 1.7x faster than MKL in
-    either orientation, and a 1,024-token prefill's about 2x: MKL packs the weight on
-    every call (and on AMD runs its AVX2 code). It costs a second copy of the weights."""
+    NOTE: measured, not derived (bench/gemm_orientation.py, x86 with AVX-512): oneDNN on
+    pre-packed weights runs the projections 1.5-2.3x faster than MKL's best form from 16
+    tokens to a 1,024-token prefill: MKL packs the weight on every call (and on AMD runs
+    its AVX2 code). It costs a second copy of the weights. Probed at load, at the token
+    counts it will run (4 and a prefill's), with the bias: a platform whose oneDNN cannot
+    run the packed layout falls back to MKL here, not in a step."""
     if not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32 \
             or weight.device.type != "cpu":
         return None
+    weight, gen = weight.detach(), torch.Generator().manual_seed(0)
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        for tokens in (PACKED_MIN_TOKENS, 300):
+            probe = torch.randn(tokens, weight.shape[1], generator=gen)
+            bias = torch.randn(weight.shape[0], generator=gen)
+            got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+            if not torch.allclose(got, F.linear(probe, weight, bias), rtol=1e-4, atol=1e-4):
+                return None
     except (RuntimeError, AttributeError):  # a build without these ops
         return None
-    want = F.linear(probe, weight.detach())
-    return packed if torch.allclose(got, want, rtol=1e-4, atol=1e-4) else None
+    return packed
 
 
 def linear(h: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
@@ -171,12 +177,10 @@ def linear(h: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
 
 
 def _linear(h: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
-    if form is not PLAIN:
-        packed = proj.packed
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(h, packed, proj.bias, "none", [], "")
-        if proj.bias is None and h.shape[0] <= 512:  # WEIGHT_LEFT's range (gemm_form)
-            return torch.mm(proj.weight, h.t()).t()
+    if form is PACKED and proj.packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(h, proj.packed, proj.bias, "none", [], "")
+    if form is not PLAIN and proj.bias is None and h.shape[0] <= 512:  # WEIGHT_LEFT's range
+        return torch.mm(proj.weight, h.t()).t()
     return F.linear(h, proj.weight, proj.bias)
 
 
@@ -187,12 +191,11 @@ def linear_add(x: torch.Tensor, a: torch.Tensor, proj: nn.Linear, form: str) -> 
 
 
 def _linear_add(x: torch.Tensor, a: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
-    if form is not PLAIN:
-        packed = proj.packed
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "").add_(x)
-        if a.shape[0] <= 512:
-            return torch.addmm(x.t(), proj.weight, a.t()).t()
+    if form is PACKED and proj.packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(a, proj.packed, None, "none", [],
+                                                  "").add_(x)
+    if form is not PLAIN and a.shape[0] <= 512:  # WEIGHT_LEFT's range
+        return torch.addmm(x.t(), proj.weight, a.t()).t()
     return torch.addmm(x, a, proj.weight.t())
 
 
@@ -365,7 +368,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rotation, meta):
-        """x: [T, D] -> [T, D]. Each residual add rides in its projection's GEMM."""
+        """x: [T, D] -> [T, D]. Each residual add rides in its projection's GEMM (after
+        it, in place, when the weights are packed)."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         form = gemm_form(x)
@@ -441,9 +445,22 @@ class CausalLM(nn.Module):
                 for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
+    def _apply(self, fn, recurse=True):
+        """Moving or casting the model (`.to`, `.double()`) drops the packed copies: they
+        would no longer be the weights."""
+        for proj in self.projections() + [self.lm_head]:
+            proj.packed = None
+        return super()._apply(fn, recurse)
+
+    def packed_bytes(self) -> int:
+        """What the packed copies hold (their weights' size)."""
+        return sum(proj.weight.numel() * proj.weight.element_size()
+                   for proj in self.projections() + [self.lm_head] if proj.packed is not None)
+
     def pack_weights(self) -> bool:
         """Run the projections on oneDNN with pre-packed weights (CPU float32; see
-        `packed_weight`). False, and nothing changed, where that is not available."""
+        `packed_weight`). False, and nothing changed, where that is not available. The
+        weights are read-only afterwards (the packed copies are not updated)."""
         projections = self.projections() + [self.lm_head]
         packed = [packed_weight(proj.weight) for proj in projections]
         if any(p is None for p in packed):

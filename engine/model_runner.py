@@ -140,11 +140,18 @@ class ModelRunner:
                                    self.num_blocks + use_graphs, self.block_size, mc.head_dim,
                                    dtype=self.dtype, device=self.device)
         self.packed_weights = False
+        if config.cpu_packed_weights == "on" and cuda:
+            raise RuntimeError("cpu_packed_weights on: packed weights are for a CPU engine")
         if config.cpu_packed_weights != "off" and not cuda:
             self.packed_weights = self.model.pack_weights()
             if config.cpu_packed_weights == "on" and not self.packed_weights:
-                raise RuntimeError("cpu_packed_weights on: this torch has no oneDNN linear "
-                                   "for these weights (CPU float32 only)")
+                raise RuntimeError(
+                    "cpu_packed_weights on: packed weights need float32 and a torch whose "
+                    f"oneDNN runs them (dtype {self.dtype}; the probe at load failed or "
+                    "oneDNN is missing)")
+            if self.packed_weights:
+                log.info("projections on oneDNN with packed weights: %d MiB more",
+                         self.model.packed_bytes() >> 20)
         self.model.bind_kv_cache(self.kv_pool)
         self.model.precompute_rotations(max_len, self.dtype, self.device)
         self.graphs = {lane.name: DecodeGraphs(

@@ -293,13 +293,27 @@ def test_a_sampled_decode_step_runs_eagerly_and_is_classed(float64_pair, monkeyp
 def test_packed_weights_compute_what_mkl_computes_and_run_from_four_tokens():
     """CPU float32 projections run on oneDNN with weights packed at load (the default):
     the same products as MKL's, in the same layouts, at every token count; a decode batch
-    of 4 or more runs them packed and a batch of one does not (oneDNN's per-call cost
-    loses there); off, or a dtype they do not serve, leaves MKL."""
+    of 4 or more runs them packed and one of 1-3 does not (oneDNN's per-call cost loses
+    there); off, or a dtype they do not serve, leaves MKL."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: the engine keeps MKL")
+    with Engine(EngineConfig(seed=5), start=False) as packed, \
+            Engine(EngineConfig(seed=5, cpu_packed_weights="off"), start=False) as plain:
+        _check_packed_against_plain(packed, plain)
+    with pytest.raises(RuntimeError, match="cpu_packed_weights on"):
+        Engine(EngineConfig(dtype="float64", cpu_packed_weights="on"), start=False)
+    with Engine(EngineConfig(dtype="float64"), start=False) as wide:
+        assert not wide.runner.packed_weights
+    model = CausalLM(ModelConfig.tiny())  # moved or cast, its packed copies go
+    assert model.pack_weights() and model.packed_bytes() > 0
+    model.double()
+    assert model.packed_bytes() == 0 and model.model.layers[0].mlp.down_proj.packed is None
+
+
+def _check_packed_against_plain(packed: Engine, plain: Engine) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from ac_observe.engine.model import PACKED, gemm_form, linear, linear_add, row_major_form
-    packed = Engine(EngineConfig(seed=5), start=False)
-    plain = Engine(EngineConfig(seed=5, cpu_packed_weights="off"), start=False)
     assert packed.runner.packed_weights and not plain.runner.packed_weights
     layer = packed.runner.model.model.layers[0]
     reference = plain.runner.model.model.layers[0]
@@ -332,11 +346,7 @@ def test_packed_weights_compute_what_mkl_computes_and_run_from_four_tokens():
         engine.run_until_idle()
         return {event.name for event in prof.events()}
     assert "mkldnn::_linear_pointwise" in ops_of_a_decode_step(packed, 8)
-    assert "mkldnn::_linear_pointwise" not in ops_of_a_decode_step(packed, 1)
+    assert "mkldnn::_linear_pointwise" in ops_of_a_decode_step(packed, 4)
+    for batch in (1, 2, 3):  # below 4 tokens every projection stays on MKL
+        assert "mkldnn::_linear_pointwise" not in ops_of_a_decode_step(packed, batch), batch
     assert "mkldnn::_linear_pointwise" not in ops_of_a_decode_step(plain, 8)
-    packed.close()
-    plain.close()
-    with pytest.raises(RuntimeError, match="cpu_packed_weights on"):
-        Engine(EngineConfig(dtype="float64", cpu_packed_weights="on"), start=False)
-    with Engine(EngineConfig(dtype="float64"), start=False) as wide:
-        assert not wide.runner.packed_weights

@@ -127,6 +127,7 @@ def test_the_outermost_name_decides_and_only_the_step_counts():
 
 @pytest.mark.parametrize("name, cls", [
     ("ampere_sgemm_128x64_tn", "gemm"),
+    ("mkldnn::_linear_pointwise", "gemm"),  # the CPU projections on packed weights
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
     ("nvjet_tst_128x64_64x8_2x1_v_bz_coopA_TNT", "gemm"),
     ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x1_tn_align8>(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x1_tn_align8::Params)", "gemm"),
