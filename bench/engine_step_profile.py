@@ -34,7 +34,7 @@ def main() -> None:
     for _ in range(args.warmup):
         engine.step()
     workspaces = engine.runner.workspaces
-    projections = engine.runner.model.projections() + [engine.runner.model.lm_head]
+    projections = engine.runner.model.projections()
     packed = [proj.packed for proj in projections]
     timings: dict[str, list[float]] = {"workspace on": [], "workspace off": [],
                                        "workspace on, weights not packed": []}

@@ -177,8 +177,7 @@ def alerts_table(title: str, entries: list[dict], width: int, lead: tuple = (),
                           if k not in hide_labels)
         if labels:
             rule.append("\n" + labels, style="dim")
-        rows.append((rule, [Text(str(cell(entry))) if not isinstance(cell(entry), Text)
-                            else cell(entry) for _, cell in lead],
+        rows.append((rule, [cell(entry) for _, cell in lead],
                      [human(entry["value"], unit), human(entry["baseline"], unit)],
                      [cell(entry) for _, cell in trail]))
 

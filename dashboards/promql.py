@@ -278,8 +278,8 @@ def template_fields(rule) -> dict[str, str]:
         fixed = rule.baseline_value
         value, source = '{{ $value | printf "%.4g" }}', "static"
         baseline, baseline_expr_ = f"{fixed:.4g}", number(fixed)
-        percent = (_series_value(f"100 * (({current}) - {number(fixed)}) / {number(abs(fixed))}",
-                                 by) if fixed else "n/a")
+        percent = "n/a" if not fixed else _series_value(
+            f"100 * (({current}) - {number(fixed)}) / {number(abs(fixed))}", by)
     else:
         baseline_expr_ = baseline_expr(rule)
         value, baseline = _series_value(current, by), _series_value(baseline_expr_, by)

@@ -117,10 +117,10 @@ PLAIN, WEIGHT_LEFT, PACKED = "plain", "weight_left", "packed"  # how a step runs
 PACKED_MIN_TOKENS = 4
 
 
-def gemm_form(x: torch.Tensor) -> str:
-    """How the projections of a step over x: [T, D] run: PACKED (oneDNN on packed weights,
-    where the model has them), WEIGHT_LEFT (MKL as W @ h^T, results as transposed views)
-    or PLAIN (h @ W^T).
+def gemm_form(x: torch.Tensor, packed: bool) -> str:
+    """How the projections of a step over x: [T, D] run: PACKED (oneDNN on the weights'
+    packed copies, when `packed`: the model has them), WEIGHT_LEFT (MKL as W @ h^T,
+    results as transposed views) or PLAIN (h @ W^T).
 
     NOTE: measured, not derived (bench/gemm_orientation.py, x86 with AVX-512): packed
     weights win from about 4 tokens (1.1x the best MKL form at 4, 1.5-2.3x from 16 to a
@@ -131,15 +131,15 @@ def gemm_form(x: torch.Tensor) -> str:
     """
     if x.device.type != "cpu":
         return PLAIN
-    if x.shape[0] >= PACKED_MIN_TOKENS:
-        return PACKED  # (WEIGHT_LEFT's range, for a model without packed weights)
-    return WEIGHT_LEFT if x.shape[0] >= 2 else PLAIN
+    if packed and x.shape[0] >= PACKED_MIN_TOKENS:
+        return PACKED
+    return WEIGHT_LEFT if 2 <= x.shape[0] <= 512 else PLAIN
 
 
 def row_major_form(x: torch.Tensor, proj: nn.Linear) -> str:
     """`gemm_form` for a product whose result must be row-major (q/k/v, whose rows RoPE
     and the cache writes view; the logits): packed or plain, never weight-left."""
-    return PACKED if proj.packed is not None and gemm_form(x) is PACKED else PLAIN
+    return PACKED if gemm_form(x, proj.packed is not None) is PACKED else PLAIN
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -177,9 +177,9 @@ def linear(h: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
 
 
 def _linear(h: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
-    if form is PACKED and proj.packed is not None:
+    if form is PACKED:
         return torch.ops.mkldnn._linear_pointwise(h, proj.packed, proj.bias, "none", [], "")
-    if form is not PLAIN and proj.bias is None and h.shape[0] <= 512:  # WEIGHT_LEFT's range
+    if form is WEIGHT_LEFT and proj.bias is None:
         return torch.mm(proj.weight, h.t()).t()
     return F.linear(h, proj.weight, proj.bias)
 
@@ -191,10 +191,10 @@ def linear_add(x: torch.Tensor, a: torch.Tensor, proj: nn.Linear, form: str) -> 
 
 
 def _linear_add(x: torch.Tensor, a: torch.Tensor, proj: nn.Linear, form: str) -> torch.Tensor:
-    if form is PACKED and proj.packed is not None:
+    if form is PACKED:
         return torch.ops.mkldnn._linear_pointwise(a, proj.packed, None, "none", [],
                                                   "").add_(x)
-    if form is not PLAIN and a.shape[0] <= 512:  # WEIGHT_LEFT's range
+    if form is WEIGHT_LEFT:
         return torch.addmm(x.t(), proj.weight, a.t()).t()
     return torch.addmm(x, a, proj.weight.t())
 
@@ -372,7 +372,7 @@ class DecoderLayer(nn.Module):
         it, in place, when the weights are packed)."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        form = gemm_form(x)
+        form = gemm_form(x, mlp.down_proj.packed is not None)  # all packed, or none
         out = attn(rms_norm(x, norm1.weight, norm1.eps), rotation, meta)  # [T, H * E]
         x = linear_add(x, out, attn.o_proj, form)
         act = mlp.act(rms_norm(x, norm2.weight, norm2.eps), form)
@@ -402,7 +402,7 @@ class CausalLM(nn.Module):
         # transformers keeps it so, and bf16-rounded frequencies would skew every angle.
         self.inv_freq = rope_inv_freq(config)
         self._rotations = torch.empty(0)  # [positions, 1, E/2] cache of `rotations`
-        for proj in self.projections() + [self.lm_head]:
+        for proj in self.projections():
             proj.packed = None  # see pack_weights
 
     def rotations(self, positions: torch.Tensor, needed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -440,32 +440,31 @@ class CausalLM(nn.Module):
         self.rotations(torch.zeros(1, dtype=torch.long, device=device), num_positions, dtype)
 
     def projections(self) -> list[nn.Linear]:
-        """Each layer's q/k/v, o, gate/up and down projections."""
+        """Each layer's q/k/v, o, gate/up and down projections, and the lm_head."""
         return [proj for layer in self.model.layers
                 for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [self.lm_head]
 
     def _apply(self, fn, recurse=True):
         """Moving or casting the model (`.to`, `.double()`) drops the packed copies: they
         would no longer be the weights."""
-        for proj in self.projections() + [self.lm_head]:
+        for proj in self.projections():
             proj.packed = None
         return super()._apply(fn, recurse)
 
     def packed_bytes(self) -> int:
         """What the packed copies hold (their weights' size)."""
         return sum(proj.weight.numel() * proj.weight.element_size()
-                   for proj in self.projections() + [self.lm_head] if proj.packed is not None)
+                   for proj in self.projections() if proj.packed is not None)
 
     def pack_weights(self) -> bool:
         """Run the projections on oneDNN with pre-packed weights (CPU float32; see
         `packed_weight`). False, and nothing changed, where that is not available. The
         weights are read-only afterwards (the packed copies are not updated)."""
-        projections = self.projections() + [self.lm_head]
-        packed = [packed_weight(proj.weight) for proj in projections]
+        packed = [packed_weight(proj.weight) for proj in self.projections()]
         if any(p is None for p in packed):
             return False
-        for proj, weight in zip(projections, packed):
+        for proj, weight in zip(self.projections(), packed):
             proj.packed = weight
         return True
 

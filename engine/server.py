@@ -32,6 +32,7 @@ from ac_observe.engine.llm_engine import (Engine, FinishReason, NeverFitsError, 
 
 log = logging.getLogger("ac_observe.engine.api")
 DISCONNECT_POLL_SECONDS = 0.5
+OPENAI_DEFAULT_MAX_TOKENS = 256  # a chat completion that sets no output budget
 
 
 async def _get(queue: asyncio.Queue, seconds: float):
@@ -198,12 +199,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_max_tokens(engine, max_tokens, "max_completion_tokens"
                           if body.max_completion_tokens else "max_tokens")
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    params = _sampling(body, max_tokens or 256, stops, seed=body.seed)
+    params = _sampling(body, max_tokens or OPENAI_DEFAULT_MAX_TOKENS, stops, seed=body.seed)
     request_id = request.state.request_id
     messages = [{"role": m.role, "content": m.model_dump()["content"] or ""}
                 for m in body.messages]
     field = ("max_completion_tokens" if body.max_completion_tokens else "max_tokens" if
-             body.max_tokens else "max_tokens (256 when not given)")
+             body.max_tokens else f"max_tokens ({OPENAI_DEFAULT_MAX_TOKENS} when not given)")
     queue = await _submit(engine, request, params, request_id, tokens_field=field,
                           messages=messages)
     first = await _next_output(queue, request, engine, request_id)
