@@ -142,7 +142,7 @@ def _statistic(entry: dict, where: str, friendly) -> tuple[str, float]:
 
 
 def _match(entry: dict, where: str, friendly) -> dict[str, str]:
-    """The rule's label filter: labels its metric's series carry, each with a string
+    """The rule's label filter: labels its metric's series carry, each with a value
     (a label they lack would match nothing: the rule would never fire)."""
     match = _field(entry, "match", where, dict, {})
     for key, value in match.items():

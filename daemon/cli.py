@@ -217,8 +217,8 @@ def daemon(
         service.close()
 
 
-alerts_app = typer.Typer(**PLAIN_HELP, help="Drift alerts: what is pending and firing, history, test "
-                              "deliveries.")
+alerts_app = typer.Typer(
+    **PLAIN_HELP, help="Drift alerts: what is pending and firing, history, test deliveries.")
 app.add_typer(alerts_app, name="alerts")
 
 
@@ -517,8 +517,9 @@ if __name__ == "__main__":
     main()
 
 
-dashboards_app = typer.Typer(**PLAIN_HELP, help="Grafana dashboards and Prometheus rules generated from "
-                                  "the metric contract.")
+dashboards_app = typer.Typer(
+    **PLAIN_HELP, help="Grafana dashboards and Prometheus rules generated from the metric "
+                       "contract.")
 app.add_typer(dashboards_app, name="dashboards")
 
 

@@ -149,9 +149,8 @@ def show_status(obj: dict, as_json: bool) -> int:
     # Names and addresses whole on one line (what a user types next); reasons wrap.
     table = Table(title="collectors", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("collector", "state", "reason", "errors", "last run"):
-        table.add_column(column, no_wrap=column != "reason", ratio=1 if column == "reason"
-                         else None, min_width=12 if column == "reason" else None,
-                         overflow="fold")
+        table.add_column(column, no_wrap=column != "reason", overflow="fold",
+                         min_width=12 if column == "reason" else None)
     for c in status["collectors"]:
         table.add_row(escape(c["name"]), "[green]up[/green]" if c["up"] else "[red]down[/red]",
                       escape(c["reason"]), str(c["errors_total"]),
@@ -189,8 +188,7 @@ def show_status(obj: dict, as_json: bool) -> int:
         if not rows:
             table.caption = "no engine found"
         return table
-    longest = max([12] + [len(line) for row in rows for line in str(row[0]).split("\n")])
-    table = fitted(engines_table, longest, console.width)
+    table = fitted(engines_table, [row[0] for row in rows], console.width)
     console.print(table)
     return 0
 

@@ -181,8 +181,6 @@ def alerts_table(title: str, entries: list[dict], width: int, lead: tuple = (),
                      [human(entry["value"], unit), human(entry["baseline"], unit)],
                      [cell(entry) for _, cell in trail]))
 
-    longest = max([12] + [len(line) for r in rows for line in str(r[0]).split("\n")])
-
     def table_for(rule_width: int, fits: bool):
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD,
                       pad_edge=False)
@@ -196,17 +194,19 @@ def alerts_table(title: str, entries: list[dict], width: int, lead: tuple = (),
         for rule, first, figures, last in rows:
             table.add_row(rule, *first, *figures, *last)
         return table
-    return fitted(table_for, longest, width)
+    return fitted(table_for, [r[0] for r in rows], width)
 
 
-def fitted(table_for, longest: int, width: int):
-    """A table whose first column (of `longest` characters at most) takes what the other
-    columns leave of `width`: table_for(first column's width, whether the others fit
-    unwrapped). The room is measured by rich itself; left to share, rich shrinks columns
-    in proportion and cuts the last ones. Below 12 columns of room the others wrap too."""
+def fitted(table_for, first_cells: list, width: int):
+    """A table whose first column (as wide as its longest line among `first_cells` at most)
+    takes what the other columns leave of `width`: table_for(first column's width,
+    whether the others fit unwrapped). The room is measured by rich itself; left to
+    share, rich shrinks columns in proportion and cuts the last ones. Below 12 columns of
+    room the others wrap too."""
     import io
 
     from rich.console import Console
+    longest = max([12] + [len(line) for cell in first_cells for line in str(cell).split("\n")])
     probe = Console(width=10_000, file=io.StringIO()).measure(table_for(1, True)).maximum
     room = width - (probe - 1)
     return table_for(max(12, min(longest, room)), room >= 12)
