@@ -38,8 +38,10 @@ def _prefill_peak_kib(num_short: int) -> int:
 
 def test_long_prompt_with_short_ones_costs_about_the_long_prompt_alone():
     """One 4,000-token prompt plus 15 short ones in one step peaks within 1.3x the memory
-    of the long prompt alone (padding every prompt to the longest took ~13x)."""
-    alone = _prefill_peak_kib(0)
-    mixed = _prefill_peak_kib(15)
+    of the long prompt alone (padding every prompt to the longest took ~13x). Each side is
+    the least of three fresh processes: the allocator adds noise to a peak, upward only
+    (mixed peaks of 68-70 MiB, once 80 and once 90, against 65 alone)."""
+    alone = min(_prefill_peak_kib(0) for _ in range(3))
+    mixed = min(_prefill_peak_kib(15) for _ in range(3))
     assert alone > 10_000  # the step's own memory is measured, not allocator noise
     assert mixed <= 1.3 * alone, (mixed, alone)
