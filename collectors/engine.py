@@ -182,25 +182,36 @@ class EngineCollector(Collector):
         self._readers: dict[str, _EngineReader] = {}
         self._last_seen: dict[str, tuple[str, float]] = {}  # engine -> (model, heartbeat)
         self._exported: set[str] = set()     # engines whose series the last collect gave
-        self._last_collect: float | None = None
+        # The start times of the last look and of the one before it (None: not yet).
+        self._looks: tuple[float | None, float | None] = (None, None)
+        self._seen_dirs: set[str] = set()   # directories the last look read as engines
         self._with_past: list[dict[str, str]] = []
 
     def with_past(self) -> list[dict[str, str]]:
         return self._with_past
 
     def _note_new_engines(self, served: dict[str, str], seen: dict, now: float) -> None:
-        """An engine exported now and not last time, that started before the last look
-        (back after a spell as a bad directory, a name clash or silence; or found late),
-        brings counters with a past; one started since counts from zero."""
+        """An engine exported now and not last time brings counters with a past when the
+        daemon did not watch them grow: found at the daemon's first look, no start time,
+        back after a spell as a bad directory, a name clash or silence (started before the
+        last look, which saw its directory and did not export it), or found late (started
+        before the look before last, and its directory unseen by the last).
+
+        NOTE: an engine counts nothing before its engine.json exists, and writes that file
+        a moment after taking its start time. An engine started just before the last look
+        whose file came just after it was unseen by that look, yet counted nothing the
+        daemon missed: it counts from zero (its first requests are increases, not a base)."""
         self._with_past = []
+        before_last, last = self._looks
         for engine, name in served.items():
             if engine in self._exported:
                 continue
             started = seen[name].info.get("started_at")
-            if self._last_collect is None or not isinstance(started, (int, float)) or \
-                    started < self._last_collect:
+            since = last if name in self._seen_dirs else before_last
+            if last is None or not isinstance(started, (int, float)) or \
+                    (since is not None and started < since):
                 self._with_past.append({"engine": engine})
-        self._exported, self._last_collect = set(served), now
+        self._exported, self._looks, self._seen_dirs = set(served), (last, now), set(seen)
 
     def collect(self):
         now = time.time()

@@ -157,24 +157,68 @@ def test_nvml_without_a_library_is_down_with_a_reason(start_daemon):
 
 def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tmp_path):
     """Exported now and not at the last look: with a past if it started before that look
-    (back from a bad spell, found late, or no start time), from zero if it started since."""
+    and that look saw its directory (back from a bad spell), if it started before the look
+    before last (found late), or without a start time; from zero if it started since, or
+    started just before the last look and was unseen by it (its engine.json came after)."""
     from types import SimpleNamespace
     from ac_observe.collectors.engine import EngineCollector, EngineState
     collector = EngineCollector(SimpleNamespace(telemetry_root=tmp_path, engine_stale_seconds=10,
                                                 engine_grace_seconds=60))
 
-    def look(now, **started):
+    def look(now, bad=(), **started):
         seen = {f"dir-{e}": EngineState(f"dir-{e}", {"engine": e, "started_at": t}
                                         if t is not None else {"engine": e}, True, now)
                 for e, t in started.items()}
+        seen.update({f"dir-{e}": EngineState(f"dir-{e}", {}, False, 0.0, "bad") for e in bad})
         collector._note_new_engines({e: f"dir-{e}" for e in started}, seen, now)
         return sorted(s["engine"] for s in collector.with_past())
 
     assert look(100.0, a=50.0) == ["a"]                   # the first look: all have a past
     assert look(101.0, a=50.0, b=100.5) == []             # b started after the last look
     assert look(102.0, a=50.0, b=100.5) == []             # nothing new
-    assert look(103.0, b=100.5) == []                     # a away (a bad directory) ...
-    assert look(104.0, a=50.0, b=100.5, c=None) == ["a", "c"]  # ... back; c: no start time
+    assert look(103.0, bad=["a"], b=100.5) == []          # a: a bad directory ...
+    assert look(104.0, a=50.0, b=100.5, c=None, d=102.99) == ["a", "c"]  # ... back;
+    # c: no start time; d: started before the last look, its engine.json after it
+    assert look(105.0, a=50.0, b=100.5, c=None, d=102.99, e=102.5) == ["e"]  # e: found late
+    assert look(106.0, a=50.0, b=100.5, c=None, d=102.99, e=102.5, f=105.5) == []
+    assert look(107.0, bad=["f", "g"], a=50.0) == []      # two bad directories, back: g's
+    assert look(108.0, a=50.0, f=107.5, g=106.5) == ["g"]  # engine started before the look
+    # that found it bad; f's is another engine now, started since
+
+
+def test_an_engine_whose_files_came_after_the_daemons_look_counts_from_zero(tmp_path):
+    """The engine takes its start time, the daemon looks (no engine.json yet), the engine
+    writes its files and serves three requests before the next look: the window counts
+    those three, not a base of three and nothing since (that lost a test's requests)."""
+    from ac_observe.collectors.engine import EngineCollector
+    from ac_observe.engine.telemetry import TelemetryWriter
+    from ac_observe.metrics import INFERENCE_LATENCY
+
+    root = tmp_path / "telemetry"
+    root.mkdir()
+    config = DaemonConfig(telemetry_root=root, collectors=(), interval_seconds=0.1,
+                          window_seconds=600)
+    daemon = Daemon(config, collectors=[EngineCollector(config)])
+    writer = None
+    try:
+        daemon.run_cycle()  # the daemon's first look: nothing there
+        time.sleep(0.1)
+        started = time.time()
+        time.sleep(0.1)
+        daemon.run_cycle()  # after the engine's start time, before its files
+        writer = TelemetryWriter(root / "e1", {"started_at": started}, engine="e1", model="m")
+        for seconds in (0.02, 0.04, 0.3):
+            writer.observe(INFERENCE_LATENCY, seconds, stream="low_latency")
+        time.sleep(0.1)
+        daemon.run_cycle()
+        [series] = [s for s in daemon.query("inference_latency_ns", 60.0, {"engine": "e1"})
+                    ["series"] if s["labels"]["stream"] == "low_latency"]
+        assert series["samples"] == 3
+        assert series["mean"] == pytest.approx(0.36e9 / 3)
+    finally:
+        if writer is not None:
+            writer.close()
+        daemon.close()
 
 
 def test_the_engine_collectors_watch_keys_are_the_samples_own(tmp_path):
