@@ -197,10 +197,11 @@ class EngineCollector(Collector):
         last look, which saw its directory and did not export it), or found late (started
         before the look before last, and its directory unseen by the last).
 
-        NOTE: an engine counts nothing before its engine.json exists, and writes that file
-        a moment after taking its start time. An engine started just before the last look
-        whose file came just after it was unseen by that look, yet counted nothing the
-        daemon missed: it counts from zero (its first requests are increases, not a base)."""
+        NOTE: an engine counts nothing before its engine.json exists, and the bundled one
+        takes its start time just before writing that file (engine/telemetry.py); other
+        writers may take it earlier. An engine started just before the last look whose
+        file came just after it was unseen by that look, yet counted nothing the daemon
+        missed: it counts from zero (its first requests are increases, not a base)."""
         self._with_past = []
         before_last, last = self._looks
         for engine, name in served.items():

@@ -188,7 +188,7 @@ class Engine:
         if config.telemetry_dir:
             writer = TelemetryWriter(config.telemetry_dir, {
                 "engine_id": uuid.uuid4().hex, "api_address": config.api_address,
-                "started_at": time.time(), "device": str(self.runner.device),
+                "device": str(self.runner.device),
                 "num_kv_blocks": self.block_manager.num_blocks, "block_size": config.block_size,
                 # The eBPF collector names launches on these streams by lane.
                 "cuda_streams": {lane: stream.cuda_stream

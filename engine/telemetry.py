@@ -75,8 +75,11 @@ class TelemetryWriter:
         self._lock = threading.Lock()
         self._declare_series()
         self.flush()
-        self._write_info({**info, "engine": engine, "model": model, "pid": pid,
-                          "telemetry_format": TELEMETRY_FORMAT})
+        # started_at (unless given): the moment engine.json is written, after every series
+        # is declared. The daemon tells an engine it watched being born (counts from zero)
+        # from one found with a past by it (collectors/engine.py `_note_new_engines`).
+        self._write_info({"started_at": time.time(), **info, "engine": engine, "model": model,
+                          "pid": pid, "telemetry_format": TELEMETRY_FORMAT})
         # The daemon reads engine.json's mtime as a heartbeat: a separate thread keeps it
         # fresh, so a busy or stuck engine loop still counts as alive while the process is.
         self._closed = threading.Event()
