@@ -19,7 +19,7 @@ from ac_observe import metrics as m
 from ac_observe.daemon.cli_render import human
 from ac_observe.daemon.cli_top import LANE_COLUMNS
 from ac_observe.engine.telemetry import TelemetryWriter
-from support.servers import AC_OBSERVE, EngineServer, free_port, run_cli, wait_for
+from support.servers import AC_OBSERVE, EngineServer, free_port, run_cli, sample_value, wait_for
 
 HEADLINE = ("inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",
             "cuda_stream_utilization")
@@ -68,7 +68,10 @@ def live(tmp_path_factory):
                                   "messages": [{"role": "user",
                                                 "content": f"# Q{i}\n- <b>{i}</b>"}]})
         assert response.status_code == 200
-    time.sleep(2.5)
+    wait_for(lambda: sum(sample_value(daemon.metrics(), "ac_requests_total", engine="e1",
+                                      stream=lane, status="ok") or 0 for lane in m.LANES) == 24,
+             20, "the daemon to see every request")
+    time.sleep(2.0)  # quiet cycles after the traffic
     yield daemon
     engine.stop()
     daemon.stop()
@@ -176,10 +179,13 @@ def test_a_rising_series_draws_a_rising_sparkline(start_daemon, tmp_path):
         for step in range(24):  # KV usage climbing for 12 s
             writer.set(m.KV_USAGE, step / 24)
             time.sleep(0.5)
+        # Both answers as of the ramp's end (a CLI's start-up under load would otherwise
+        # slide its window past the ramp).
+        end = f"{time.time():.3f}"
         answer = json.loads(run_cli("--daemon", daemon.url, "--metric", "kv_cache_usage",
-                                    "--window", "12s", "--json").stdout)
+                                    "--window", "12s", "--at", end, "--json").stdout)
         out = run_cli("--daemon", daemon.url, "--metric", "kv_cache_usage", "--window", "12s",
-                      env={**os.environ, "COLUMNS": "120"})
+                      "--at", end, env={**os.environ, "COLUMNS": "120"})
     finally:
         writer.close()
     trend = [v for v in answer["series"][0]["trend"] if v is not None]

