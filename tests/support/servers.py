@@ -103,6 +103,8 @@ class DaemonProcess(ServerProcess):
         super().__init__(["daemon", "--telemetry-root", str(telemetry_root), *args],
                          Path(telemetry_root).parent, env)
         self.token = (env or {}).get("AC_OBSERVE_TOKEN", os.environ.get("AC_OBSERVE_TOKEN"))
+        if "--token" in args:
+            self.token = args[args.index("--token") + 1]
         if "--token-file" in args:
             self.token = Path(args[args.index("--token-file") + 1]).read_text().strip()
 
@@ -110,9 +112,12 @@ class DaemonProcess(ServerProcess):
         """Serving, and its first cycle done (until then /metrics holds no collector)."""
         super().wait_ready(timeout)
         headers = {"Authorization": b"Bearer " + self.token.encode()} if self.token else None
-        wait_for(lambda: httpx.get(self.url + "/api/v1/status", headers=headers,
-                                   timeout=5).json()["as_of"] is not None,
-                 timeout, "the daemon's first cycle")
+
+        def first_cycle():
+            response = httpx.get(self.url + "/api/v1/status", headers=headers, timeout=5)
+            assert response.status_code == 200, f"status: {response.status_code} {response.text}"
+            return response.json()["as_of"] is not None
+        wait_for(first_cycle, timeout, "the daemon's first cycle")
         return self
 
     def metrics(self, headers=None) -> dict:
