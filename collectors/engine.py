@@ -156,6 +156,7 @@ class EngineState:
     error: str = ""            # unusable: why (its series are not exported)
     warning: str = ""          # usable, but entries were skipped: why
     restarts: int = 0
+    inherited: bool = False    # files of an earlier process: its counts carry on from them
 
 
 @dataclass(slots=True)
@@ -167,6 +168,7 @@ class _EngineReader:
     restarts: int = 0
     plan: "_Plan | None" = None  # how its files become series, while their keys hold
     refused: tuple = ()  # (layout, why) of files with too many keys: not counted again
+    inherited: bool = False  # the last read found files of a pid not engine.json's
 
 
 GONE_KEEP_SECONDS = 3600.0  # a gone engine's ac_engine_up stays at 0 this long
@@ -192,10 +194,13 @@ class EngineCollector(Collector):
 
     def _note_new_engines(self, served: dict[str, str], seen: dict, now: float) -> None:
         """An engine exported now and not last time brings counters with a past when the
-        daemon did not watch them grow: found at the daemon's first look, no start time,
-        back after a spell as a bad directory, a name clash or silence (started before the
-        last look, which saw its directory and did not export it), or found late (started
-        before the look before last, and its directory unseen by the last).
+        daemon did not watch them grow:
+        - found at the daemon's first look, or started before it;
+        - no (finite) start time;
+        - files of an earlier process in its directory (its counts carry on from theirs);
+        - back after a spell as a bad directory, a name clash or silence: started before
+          the last look, which saw its directory and did not export it;
+        - found late: started before the look before last, its directory unseen by the last.
 
         NOTE: an engine counts nothing before its engine.json exists, and the bundled one
         takes its start time just before writing that file (engine/telemetry.py); other
@@ -207,10 +212,11 @@ class EngineCollector(Collector):
         for engine, name in served.items():
             if engine in self._exported:
                 continue
-            started = seen[name].info.get("started_at")
-            since = last if name in self._seen_dirs else before_last
-            if last is None or not isinstance(started, (int, float)) or \
-                    (since is not None and started < since):
+            state = seen[name]
+            started = state.info.get("started_at")
+            since = last if name in self._seen_dirs or before_last is None else before_last
+            if last is None or state.inherited or not isinstance(started, (int, float)) or \
+                    not math.isfinite(started) or started < since:
                 self._with_past.append({"engine": engine})
         self._exported, self._looks, self._seen_dirs = set(served), (last, now), set(seen)
 
@@ -325,7 +331,8 @@ class EngineCollector(Collector):
             raise BadEngine(f"cannot read: {exc.strerror or exc}") from None
         finally:
             os.close(dir_fd)
-        return EngineState(name, info, alive, heartbeat, "", warning, reader.restarts), samples
+        return EngineState(name, info, alive, heartbeat, "", warning, reader.restarts,
+                           reader.inherited), samples
 
     @staticmethod
     def _check_dir(dir_fd: int, root_owner: int) -> os.stat_result | None:
@@ -347,7 +354,10 @@ class EngineCollector(Collector):
     def _read_samples(self, dir_fd: int, info: dict, reader: _EngineReader) -> tuple:
         """(this cycle's values laid out by the engine's plan, why entries were skipped or
         "")."""
-        names = [name for name in os.listdir(dir_fd) if parse_db_file_name(name)]
+        pids = {name: parsed[1] for name in os.listdir(dir_fd)
+                if (parsed := parse_db_file_name(name))}
+        names = list(pids)
+        reader.inherited = any(pid != info["pid"] for pid in pids.values())
         reader.files = {n: i for n, i in reader.files.items() if n in names}
         indexes, values, entries = [], [], 0
         for name in names:

@@ -165,16 +165,18 @@ def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tm
     collector = EngineCollector(SimpleNamespace(telemetry_root=tmp_path, engine_stale_seconds=10,
                                                 engine_grace_seconds=60))
 
-    def look(now, bad=(), **started):
+    def look(now, bad=(), inherited=(), **started):
         seen = {f"dir-{e}": EngineState(f"dir-{e}", {"engine": e, "started_at": t}
-                                        if t is not None else {"engine": e}, True, now)
+                                        if t is not None else {"engine": e}, True, now,
+                                        inherited=e in inherited)
                 for e, t in started.items()}
         seen.update({f"dir-{e}": EngineState(f"dir-{e}", {}, False, 0.0, "bad") for e in bad})
         collector._note_new_engines({e: f"dir-{e}" for e in started}, seen, now)
         return sorted(s["engine"] for s in collector.with_past())
 
     assert look(100.0, a=50.0) == ["a"]                   # the first look: all have a past
-    assert look(101.0, a=50.0, b=100.5) == []             # b started after the last look
+    assert look(101.0, a=50.0, b=100.5, x=99.0) == ["x"]  # b started after the last look;
+    # x before the daemon's first look, which did not see it (past its grace, say)
     assert look(102.0, a=50.0, b=100.5) == []             # nothing new
     assert look(103.0, bad=["a"], b=100.5) == []          # a: a bad directory ...
     assert look(104.0, a=50.0, b=100.5, c=None, d=102.99) == ["a", "c"]  # ... back;
@@ -184,6 +186,48 @@ def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tm
     assert look(107.0, bad=["f", "g"], a=50.0) == []      # two bad directories, back: g's
     assert look(108.0, a=50.0, f=107.5, g=106.5) == ["g"]  # engine started before the look
     # that found it bad; f's is another engine now, started since
+    assert look(109.0, a=50.0, h=float("nan"), i=108.5, inherited=["i"]) == ["h", "i"]
+    # h: no finite start time; i: started since, but its counts carry on from the files of
+    # an earlier process in its directory
+
+
+def test_an_engine_that_carries_on_an_earlier_processes_counts_has_a_past(tmp_path):
+    """A directory left by an engine the daemon forgot (its files stay: a read-only
+    mount): a new engine there, started after the daemon's looks, counts on from the old
+    process's counters, so its first values are a base, not its predecessor's lifetime as
+    one interval's increase. Without them it would count from zero."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+    from ac_observe.collectors.engine import EngineCollector
+    from ac_observe.engine.telemetry import TelemetryWriter
+    from ac_observe.metrics import REQUESTS
+
+    root = tmp_path / "telemetry"
+    root.mkdir()
+    subprocess.run([sys.executable, "-c", f"""
+from ac_observe.engine.telemetry import TelemetryWriter
+from ac_observe.metrics import REQUESTS
+w = TelemetryWriter({str(root / "e1")!r}, {{}}, engine="e1", model="m")
+w.inc(REQUESTS, 500, stream="throughput", status="ok")
+w.close()
+"""], check=True)
+    (root / "e1" / "engine.json").unlink()  # forgotten: no engine there now
+    collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=10,
+                                                engine_grace_seconds=60))
+    for _ in range(2):
+        collector.collect()
+        time.sleep(0.02)
+    writer = TelemetryWriter(root / "e1", {}, engine="e1", model="m")
+    other = TelemetryWriter(root / "e2", {}, engine="e2", model="m")
+    try:
+        writer.inc(REQUESTS, 1, stream="throughput", status="ok")
+        collector.collect()
+        assert collector.engines["e1"].inherited and not collector.engines["e2"].inherited
+        assert collector.with_past() == [{"engine": "e1"}]
+    finally:
+        writer.close()
+        other.close()
 
 
 def test_an_engine_whose_files_came_after_the_daemons_look_counts_from_zero(tmp_path):

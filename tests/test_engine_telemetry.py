@@ -205,3 +205,23 @@ def test_a_decode_step_that_takes_a_block_moves_the_usage_gauge_and_close_writes
     families = _read_in_other_process(tmp_path)
     assert _value(families, "ac_engine_steps", "ac_engine_steps_total", phase="decode") == 4
     assert _value(families, "ac_generation_tokens", "ac_generation_tokens_total") == 5
+
+
+def test_the_start_time_is_taken_after_the_series_are_declared(tmp_path, monkeypatch):
+    """engine.json's started_at comes after the writer declared every series and just
+    before it writes that file: a daemon look that found no engine.json was earlier than
+    the start it then reads (collectors/engine.py tells a born engine by it)."""
+    import time
+
+    from ac_observe.engine.telemetry import TelemetryWriter
+    declared = []
+    declare = TelemetryWriter._declare_series
+
+    def timed(self):
+        declare(self)
+        time.sleep(0.05)  # a slow disk
+        declared.append(time.time())
+    monkeypatch.setattr(TelemetryWriter, "_declare_series", timed)
+    with Engine(EngineConfig(telemetry_dir=str(tmp_path / "e1"), engine_name="e1")):
+        info = json.loads((tmp_path / "e1" / "engine.json").read_text())
+    assert declared and info["started_at"] >= declared[0]
