@@ -168,7 +168,6 @@ class _EngineReader:
     restarts: int = 0
     plan: "_Plan | None" = None  # how its files become series, while their keys hold
     refused: tuple = ()  # (layout, why) of files with too many keys: not counted again
-    inherited: bool = False  # the last read found files of a pid not engine.json's
 
 
 GONE_KEEP_SECONDS = 3600.0  # a gone engine's ac_engine_up stays at 0 this long
@@ -326,13 +325,13 @@ class EngineCollector(Collector):
                 reader.identity = identity
                 reader.keys.clear()  # keys are checked against engine.json's labels
                 reader.plan, reader.refused = None, ()
-            samples, warning = self._read_samples(dir_fd, info, reader)
+            samples, warning, inherited = self._read_samples(dir_fd, info, reader)
         except OSError as exc:  # unreadable in any way: this engine's problem alone
             raise BadEngine(f"cannot read: {exc.strerror or exc}") from None
         finally:
             os.close(dir_fd)
         return EngineState(name, info, alive, heartbeat, "", warning, reader.restarts,
-                           reader.inherited), samples
+                           inherited), samples
 
     @staticmethod
     def _check_dir(dir_fd: int, root_owner: int) -> os.stat_result | None:
@@ -353,11 +352,10 @@ class EngineCollector(Collector):
 
     def _read_samples(self, dir_fd: int, info: dict, reader: _EngineReader) -> tuple:
         """(this cycle's values laid out by the engine's plan, why entries were skipped or
-        "")."""
+        "", whether files of a pid other than engine.json's are among them)."""
         pids = {name: parsed[1] for name in os.listdir(dir_fd)
                 if (parsed := parse_db_file_name(name))}
         names = list(pids)
-        reader.inherited = any(pid != info["pid"] for pid in pids.values())
         reader.files = {n: i for n, i in reader.files.items() if n in names}
         indexes, values, entries = [], [], 0
         for name in names:
@@ -392,7 +390,8 @@ class EngineCollector(Collector):
             expected = {"engine": info["engine"], "model": info["model"]}
             plan = reader.plan = _Plan(layout, [index.keys for index in indexes],
                                        reader.keys, expected)
-        return plan.evaluate(values), plan.warning
+        return plan.evaluate(values), plan.warning, any(pid != info["pid"]
+                                                        for pid in pids.values())
 
     def _forget(self, root_fd: int, name: str, info: dict | None) -> None:
         """Past the grace period: drop its series; remove its files once its process is

@@ -156,10 +156,12 @@ def test_nvml_without_a_library_is_down_with_a_reason(start_daemon):
 
 
 def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tmp_path):
-    """Exported now and not at the last look: with a past if it started before that look
-    and that look saw its directory (back from a bad spell), if it started before the look
-    before last (found late), or without a start time; from zero if it started since, or
-    started just before the last look and was unseen by it (its engine.json came after)."""
+    """Exported now and not at the last look: with a past at the daemon's first look or if
+    it started before it, if it started before the last look and that look saw its
+    directory (back from a bad spell), if it started before the look before last (found
+    late), without a finite start time, or with an earlier process's files; from zero if it
+    started since, or started just before the last look and was unseen by it (its
+    engine.json came after)."""
     from types import SimpleNamespace
     from ac_observe.collectors.engine import EngineCollector, EngineState
     collector = EngineCollector(SimpleNamespace(telemetry_root=tmp_path, engine_stale_seconds=10,
