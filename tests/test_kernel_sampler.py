@@ -322,8 +322,8 @@ service = EngineService(EngineConfig(kernel_sample_steps=1, kernel_sample_budget
 asyncio.run(service.load())  # as the server loads it: on a worker thread
 engine = service.ready()
 engine.generate([5, 6, 7], params=SamplingParams(max_tokens=3, ignore_eos=True))
-print("samples", engine.kernel_sampler.num_samples)
-service.close()
+service.close()  # joins the engine's thread: the last step's sample is in (the output it
+print("samples", engine.kernel_sampler.num_samples)  # delivered came before it was)
 """
 
 
