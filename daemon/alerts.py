@@ -50,6 +50,9 @@ SAME_HOUR_SPAN_SECONDS = 3600.0
 NO_DATA_RESOLVE_SECONDS = 3600.0
 # same_hour_yesterday is used once the store holds data for this share of that hour.
 SAME_HOUR_MIN_COVERAGE = 0.75
+# A trailing baseline is used once its series was watched for this share of its span (a
+# rule's `baseline_min_coverage`): a few seconds of a young engine are no baseline.
+BASELINE_MIN_COVERAGE = 0.5
 COMPARISONS = ("relative_increase", "relative_decrease", "absolute_increase",
                "absolute_decrease", "above", "below")
 SEVERITIES = ("info", "warning", "critical")
@@ -69,6 +72,8 @@ class Rule:
     baseline: str                  # trailing | static | same_hour_yesterday
     baseline_seconds: float = 0.0  # trailing (and the fallback of same_hour_yesterday)
     baseline_value: float = 0.0    # static
+    # trailing: the share of its span the series must have been watched in (else no data)
+    baseline_min_coverage: float = BASELINE_MIN_COVERAGE
     share_threshold: float = 0.0   # share_below:<v>, in the metric's unit
     comparison: str = "relative_increase"
     threshold: float = 0.0
@@ -178,7 +183,7 @@ def parse_rules(raw, source: str) -> list[Rule]:
             raise AlertConfigError(f"{where}: must be a mapping")
         unknown = set(entry) - {"name", "metric", "statistic", "window", "baseline",
                                 "comparison", "threshold", "for", "severity", "match",
-                                "labels", "annotations"}
+                                "labels", "annotations", "baseline_min_coverage"}
         if unknown:
             raise AlertConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
         name = _field(entry, "name", where, str, required=True)
@@ -215,6 +220,15 @@ def parse_rules(raw, source: str) -> list[Rule]:
         else:
             raise AlertConfigError(f"{where}.baseline: {baseline_text!r}: use trailing:<d>, "
                                    "static:<v> or same_hour_yesterday[:<fallback>]")
+        min_coverage = _field(entry, "baseline_min_coverage", where, float,
+                              BASELINE_MIN_COVERAGE)
+        if "baseline_min_coverage" in entry and (
+                kind == "static" or comparison in ("above", "below")):
+            raise AlertConfigError(f"{where}.baseline_min_coverage: applies to a trailing or "
+                                   "same_hour_yesterday baseline only")
+        if not 0.0 <= min_coverage <= 1.0:
+            raise AlertConfigError(f"{where}.baseline_min_coverage: a share from 0 to 1 "
+                                   f"(0.5 is half the baseline's span), not {min_coverage:g}")
         severity = _choice(entry, "severity", where, SEVERITIES, "warning")
         annotations = _field(entry, "annotations", where, dict, {})
         for key, text in annotations.items():
@@ -232,7 +246,7 @@ def parse_rules(raw, source: str) -> list[Rule]:
             name=name, metric=metric, statistic=statistic,
             window_seconds=_duration(entry, "window", where),
             baseline=kind, baseline_seconds=baseline_seconds, baseline_value=baseline_value,
-            share_threshold=share_threshold,
+            baseline_min_coverage=min_coverage, share_threshold=share_threshold,
             comparison=comparison, threshold=_field(entry, "threshold", where, float,
                                                     required=True),
             for_seconds=_duration(entry, "for", where, "0s", zero_ok=True),
@@ -363,6 +377,12 @@ def _render(template: str, fields: dict) -> str:
     return TEMPLATE.sub(lambda m: str(fields.get(m.group(1), "")), template)
 
 
+def _coverage(answer: dict) -> dict:
+    """label set -> the share of the answer's span its series was watched in."""
+    return {tuple(sorted(s["labels"].items())): s.get("coverage", answer.get("coverage", 0.0))
+            for s in answer["series"]}
+
+
 def _clock(t: float) -> str:
     import time as _time
     return _time.strftime("%H:%M", _time.gmtime(t))
@@ -406,6 +426,9 @@ class Evaluator:
         # its coverage}):
         # that baseline moves a minute at a time, so history is read once a minute.
         self._same_hour: dict[str, tuple[int, dict, dict]] = {}
+        # rule -> (the minute its trailing span ended in, values, coverage) from history,
+        # read while a series' windows cover too little of that span:
+        self._trailing_history: dict[str, tuple[int, dict, dict]] = {}
         # (rule, severity) -> firing instances, as the last evaluation left them: the
         # cycle reads it without waiting on an evaluation in progress.
         self.firing_counts: dict[tuple[str, str], int] = {
@@ -493,11 +516,13 @@ class Evaluator:
                     counts[name, self.rules[name].severity] += 1
         self.firing_counts = counts
 
-    def _statistic(self, rule: Rule, window: float, until: float) -> tuple[dict, dict]:
+    def _statistic(self, rule: Rule, window: float, until: float,
+                   from_history: bool = False) -> tuple[dict, dict]:
         """(label set -> the rule's statistic, the query's answer)."""
         shares = ({rule.statistic: rule.share_threshold}
                   if rule.statistic.startswith("share_below") else None)
-        answer = self.daemon.query(rule.metric, window, rule.match, now=until, shares=shares)
+        answer = self.daemon.query(rule.metric, window, rule.match, now=until, shares=shares,
+                                   **({"from_history": True} if from_history else {}))
         out = {}
         for series in answer["series"]:
             value = series.get(rule.statistic)
@@ -505,13 +530,51 @@ class Evaluator:
                 out[tuple(sorted(series["labels"].items()))] = float(value)
         return out, answer
 
+    def _trailing(self, rule: Rule, now: float, keys) -> dict:
+        """label set -> (the trailing baseline or None, where it came from).
+
+        A series watched for less than `baseline_min_coverage` of the span has none yet
+        (no data: a young engine's first seconds are no baseline). The windows hold what
+        this daemon watched; a series they cover too little of (the daemon restarted) is
+        read from the store's per-minute history, once a minute per rule, where that
+        covers more of it."""
+        end = now - rule.window_seconds
+        text = f"trailing {_number(rule.baseline_seconds)} s before the window"
+        values, answer = self._statistic(rule, rule.baseline_seconds, end)
+        covered = _coverage(answer)
+        sources = dict.fromkeys(values, text)
+        short = [key for key in keys if covered.get(key, 0.0) < rule.baseline_min_coverage]
+        if short and not answer.get("history") and \
+                getattr(self.daemon, "history", None) is not None:
+            cached = self._trailing_history.get(rule.name)
+            if cached is None or cached[0] != int(end // 60):
+                try:
+                    past, past_answer = self._statistic(rule, rule.baseline_seconds, end,
+                                                        from_history=True)
+                    cached = (int(end // 60), past, _coverage(past_answer))
+                except (RuntimeError, ValueError):  # the store cannot be read
+                    cached = (int(end // 60), {}, {})
+                self._trailing_history[rule.name] = cached
+            for key in short:
+                if key in cached[1] and cached[2].get(key, 0.0) > covered.get(key, 0.0):
+                    values[key], covered[key] = cached[1][key], cached[2][key]
+                    sources[key] = text + " (from the history's minutes)"
+        out = {}
+        for key in keys:
+            share = covered.get(key, 0.0)
+            if key in values and share >= rule.baseline_min_coverage:
+                out[key] = (values[key], sources[key])
+            else:
+                out[key] = (None, f"{text}: still building ({100 * share:.0f} % of it "
+                                  f"watched, {100 * rule.baseline_min_coverage:.0f} % needed)")
+        return out
+
     def _baselines(self, rule: Rule, now: float, keys) -> dict:
         """label set -> (baseline, where it came from), for the label sets in `keys`.
 
         same_hour_yesterday is taken per series: one whose own history covers less than
         SAME_HOUR_MIN_COVERAGE of that hour (an engine started today, beside one that ran
         yesterday) falls back to the trailing baseline, and its annotation says so."""
-        trailing = f"trailing {_number(rule.baseline_seconds)} s before the window"
         same: dict = {}
         if rule.baseline == "same_hour_yesterday":
             # The hour around this window's middle, a day back (or the window, if longer).
@@ -523,9 +586,7 @@ class Evaluator:
             else:
                 try:
                     values, answer = self._statistic(rule, span, end)
-                    coverage = {tuple(sorted(s["labels"].items())):
-                                s.get("coverage", answer.get("coverage", 0.0))
-                                for s in answer["series"]}
+                    coverage = _coverage(answer)
                     self._same_hour[rule.name] = (int(end // 60), values, coverage)
                 except (RuntimeError, ValueError):  # the store cannot be read, or the hour
                     values, coverage = {}, {}       # is past the retention: fall back below
@@ -534,9 +595,11 @@ class Evaluator:
                     if key in values and coverage.get(key, 0.0) >= SAME_HOUR_MIN_COVERAGE}
             if len(same) == len(keys):
                 return same
-            trailing += " (no history for the same hour yesterday yet)"
-        values, _ = self._statistic(rule, rule.baseline_seconds, now - rule.window_seconds)
-        return {key: same.get(key) or (values.get(key), trailing) for key in keys}
+        trailing = self._trailing(rule, now, [key for key in keys if key not in same])
+        if rule.baseline == "same_hour_yesterday":
+            trailing = {key: (value, source + " (no history for the same hour yesterday yet)")
+                        for key, (value, source) in trailing.items()}
+        return {**trailing, **same}
 
     def _inputs(self, rule: Rule, now: float) -> tuple[dict, dict]:
         """(label set -> the window's statistic, label set -> (baseline, its source))."""

@@ -1,10 +1,12 @@
 """`ac-observe up --demo-drift`: watch a drift alert fire and resolve, on the bundled engine.
 
 The engine runs with `--fault-injection` and demo traffic; the daemon gets an alerting
-file with one rule (TTFT p95 of the last 30 s, 50 % over the two minutes before it, for
-10 s). A driver thread lets a baseline build, slows every engine step by 150 ms through
-the engine's loopback `/admin/faults` route, removes the delay, waits, and repeats; it
-prints each phase and every alert transition the daemon reports (`GET /api/v1/alerts`).
+file with one rule (TTFT p95 of the last 30 s, 50 % over the minute before it, for 10 s;
+the rule has no baseline until half that minute was watched). A driver thread lets a
+baseline build, slows every engine step by 150 ms through the engine's loopback
+`/admin/faults` route, removes the delay, waits, and repeats; it prints each phase before
+it begins (a change is said before it is asked for, and asked for until the engine
+confirms it) and every alert transition the daemon reports (`GET /api/v1/alerts`).
 Torch-free; only loopback HTTP.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ rules:
     metric: inference_latency_ns
     statistic: p95
     window: 30s
-    baseline: trailing:2m
+    baseline: trailing:1m
     comparison: relative_increase
     threshold: 0.5
     for: 10s
@@ -79,28 +81,39 @@ class DriftDriver:
                 _say(f"demo drift: building a baseline for {self.calm_seconds:g}s")
                 if self._watch(client, self.calm_seconds):
                     return
-                if not self._faults(client, STEP_DELAY_MS):
-                    continue
-                _say(f"demo drift: every engine step is now {STEP_DELAY_MS} ms slower for "
+                _say(f"demo drift: slowing every engine step by {STEP_DELAY_MS} ms for "
                      f"{self.drift_seconds:g}s; DemoLatencyDrift should fire "
                      "(ac-observe alerts)")
+                if not self._set_delay(client, STEP_DELAY_MS):
+                    return
                 stopped = self._watch(client, self.drift_seconds)
                 extra = (DRIFT_PATIENCE - 1) * self.drift_seconds
                 while not stopped and extra > 0 and not self._firing(DEMO_RULE):
                     stopped = self._watch(client, min(self.poll_seconds, extra))
                     extra -= self.poll_seconds
-                self._faults(client, 0)
                 if stopped:
+                    self._faults(client, 0)  # once: the engine is being stopped too
                     return
                 if self._firing(DEMO_RULE):
-                    _say("demo drift: the delay is removed; the alert should resolve")
+                    _say("demo drift: removing the delay; the alert should resolve")
                 else:
-                    _say(f"demo drift: the delay is removed; {DEMO_RULE} did not fire within "
+                    _say(f"demo drift: removing the delay; {DEMO_RULE} did not fire within "
                          f"{DRIFT_PATIENCE * self.drift_seconds:g}s (is the daemon "
                          "evaluating rules? see ac-observe alerts)")
+                if not self._set_delay(client, 0):
+                    return
 
     def _firing(self, rule: str) -> bool:
         return (rule, "firing") in self._states.values()
+
+    def _set_delay(self, client: httpx.Client, delay_ms: int) -> bool:
+        """Ask the engine for this step delay until it confirms (a request that timed out
+        may have been applied: the delay is set, not added, so asking again is safe);
+        False when asked to stop first."""
+        while not self._faults(client, delay_ms):
+            if self.stop.is_set():
+                return False
+        return True
 
     def _faults(self, client: httpx.Client, delay_ms: int) -> bool:
         try:

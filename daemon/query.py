@@ -188,15 +188,20 @@ class QueryEngine:
         series = []
         found = (handler(view, friendly, since, label_filter) if friendly.kind == "ratio"
                  else handler(view, friendly, since))
+        coverage = getattr(view, "coverage", None)  # None: from the in-memory windows
         for stats, events in found:
             buckets = stats.pop("_buckets", None)
+            span = stats.pop("_span")
             if _matches(stats["labels"], label_filter):
                 stats["trend"] = trend(events, since, window_seconds, friendly.scale)
+                if coverage is None:
+                    # The share of the window the daemon watched this series in (its
+                    # points' span): less for a daemon or a series younger than the window.
+                    stats["coverage"] = round(min(1.0, span / window_seconds), 4)
                 if friendly.kind == "histogram":
                     # Observations per second over the span the count's points cover (the
                     # whole window once the daemon has watched it all; less for a daemon
                     # or a series younger than the window, which /window would dilute).
-                    span = stats.pop("_span")
                     stats["rate"] = stats["samples"] / span if span > 0 else None
                     for name, threshold in (shares or {}).items():
                         stats[name] = 100.0 * share_below(threshold / friendly.scale,
@@ -210,7 +215,6 @@ class QueryEngine:
         # whatever cycles came since: `top` asks every figure of a screen at one as_of.
         # From history, whole minutes are read: as_of is the end of the last one (or its
         # latest cycle while it is in progress), but never later than now.
-        coverage = getattr(view, "coverage", None)  # None: from the in-memory windows
         as_of = view.times[-1] if len(view.times) else None
         if as_of is not None and coverage is not None:
             as_of = min(as_of, time.time())  # a minute turned, its first cycle not yet in
@@ -243,6 +247,7 @@ class QueryEngine:
             if not points:
                 continue
             stats = summarize([v * scale for _, v in points])
+            stats["_span"] = points[-1][0] - points[0][0]
             events = [(t, v, 1.0) for t, v in points]
             if exact is not None and key in exact:
                 n, total, low, high, last, events = exact[key]
@@ -260,7 +265,7 @@ class QueryEngine:
                 mean = increase(points) / span if span > 0 else None
                 events = [(tb, b - a if b >= a else b, tb - ta)
                           for (ta, a), (tb, b) in zip(points, points[1:]) if tb > ta]
-                yield ({"labels": dict(key[1]),
+                yield ({"labels": dict(key[1]), "_span": span,
                         **summarize([r * friendly.scale for r in rates],
                                     mean * friendly.scale)}, events)
 
@@ -277,8 +282,8 @@ class QueryEngine:
         den_keys = list(view.keys(friendly.denominator.name))
         for labels, keys in groups.items():
             wanted = {k: v for k, v in labels if k in den_labels}
-            num = self._summed_increases(view, keys, since)
-            den = self._summed_increases(
+            num, _ = self._summed_increases(view, keys, since)
+            den, span = self._summed_increases(
                 view, [key for key in den_keys if _matches(dict(key[1]), wanted)], since)
             ratios, events = [], []
             for t, d in sorted(den.items()):
@@ -289,18 +294,23 @@ class QueryEngine:
             if ratios:
                 total_num = sum(n for t, n in num.items() if t in den)
                 total_den = sum(den.values())
-                yield ({"labels": dict(labels),
+                yield ({"labels": dict(labels), "_span": span,
                         **summarize(ratios, friendly.scale * total_num / total_den)}, events)
 
-    def _summed_increases(self, view: WindowView, keys, since: float) -> dict[float, float]:
-        """Σ over the series of each interval's increase, by the interval's end time (the
-        daemon samples every series of a collection at one time; a reset counts from 0)."""
+    def _summed_increases(self, view: WindowView, keys,
+                          since: float) -> tuple[dict[float, float], float]:
+        """(Σ over the series of each interval's increase, by the interval's end time (the
+        daemon samples every series of a collection at one time; a reset counts from 0),
+        the span their points cover)."""
         total: dict[float, float] = {}
+        first, last = math.inf, -math.inf
         for key in keys:
             points = self._points(view, key, since)
+            if points:
+                first, last = min(first, points[0][0]), max(last, points[-1][0])
             for (_, before), (t, after) in zip(points, points[1:]):
                 total[t] = total.get(t, 0.0) + (after - before if after >= before else after)
-        return total
+        return total, max(0.0, last - first)
 
     def _histogram(self, view: WindowView, friendly: Friendly, since: float):
         groups: dict[tuple, list] = {}

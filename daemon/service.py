@@ -349,9 +349,11 @@ class Daemon:
         return body
 
     def query(self, metric: str, window_seconds: float, labels: dict[str, str],
-              now: float | None = None, shares: dict[str, float] | None = None) -> dict:
+              now: float | None = None, shares: dict[str, float] | None = None,
+              from_history: bool = False) -> dict:
         """A window within the in-memory hour is answered from the windows; a longer one,
-        or one that ended before the windows begin, from the store's per-minute history.
+        or one that ended before the windows begin, from the store's per-minute history
+        (as is any window when `from_history`, if the daemon keeps a history).
 
         NOTE: the view is copied under the lock the cycle appends under, so an answer
         reads one state; the answer is computed after the lock is released."""
@@ -359,7 +361,8 @@ class Daemon:
         until = time.time() if now is None else now
         since = until - window_seconds
         names = samples_read(friendly)
-        if self.history is not None and (window_seconds > self.config.window_seconds
+        if self.history is not None and (from_history
+                                         or window_seconds > self.config.window_seconds
                                          or until < self.windows.earliest_time):
             kept = self.config.history_retention_seconds
             if until - since > kept or since < time.time() - kept - 60.0:

@@ -18,7 +18,9 @@ ones the daemon's rules carry. Baselines: `static` and above/below compare with 
 threshold; `trailing:<d>` is the statistic over the d before the window (`offset`);
 `same_hour_yesterday` is the statistic over the hour around the window's middle a day
 back, `or` the trailing fallback for the label sets yesterday lacks. (Prometheus has no
-coverage figure: any data yesterday counts, where the daemon asks for 75 % of the hour.)
+coverage figure: any data yesterday counts, where the daemon asks for 75 % of the hour, and
+a trailing span with any samples is a baseline, where the daemon asks for the rule's
+`baseline_min_coverage` of it.)
 
 NOTE: Prometheus adds `job` and `instance`; every expression aggregates `by` the
 family's own labels, so a series here is a series in the daemon's answers.

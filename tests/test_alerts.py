@@ -738,3 +738,96 @@ def test_an_alerts_unit_is_its_statistics_unit(tmp_path):
     assert summaries["TtftRateHigh"] == "10 1/s"
     assert summaries["TtftP95High"].startswith("inference_latency_ns p95 ")
     assert summaries["TtftP95High"].endswith(" ns above 1e+08")
+
+
+def _one_rule(window: str, baseline: str, extra: str = "") -> str:
+    return f"""\
+  - name: UsageDrift
+    metric: kv_cache_usage
+    statistic: mean
+    window: {window}
+    baseline: {baseline}
+    comparison: relative_increase
+    threshold: 0.5
+    match: {{engine: e1}}
+{extra}"""
+
+
+def test_a_trailing_baseline_waits_until_half_its_span_was_watched(tmp_path):
+    """A young series' first seconds are no baseline: e1 at 30 % for 8 s, then 90 %. Taken
+    from those seconds, the trailing 20 s would fire at once (+80 % at t=11); with a
+    quarter of its span watched the series has no baseline yet, which its source says,
+    and nothing goes pending. Once watched, the rule works: a later jump fires."""
+    gauges = _Gauges()
+    gauges.values = {"e1": 0.3}
+    daemon = _daemon(tmp_path, _write(tmp_path, _one_rule("10s", "trailing:20s"),
+                                      receivers=False), gauges)
+    t0 = 3_000_000.0
+    try:
+        for t in range(0, 16):
+            gauges.values["e1"] = 0.3 if t < 8 else 0.9
+            daemon.run_cycle(now=t0 + t)
+            assert daemon.alerts.active() == [], t
+        (instance,) = daemon.alerts.instances.values()
+        assert instance.no_data and instance.baseline is None
+        assert instance.baseline_source == ("trailing 20 s before the window: still building "
+                                            "(25 % of it watched, 50 % needed)")
+        fired = None
+        for t in range(16, 60):
+            gauges.values["e1"] = 0.3 if t < 50 else 0.9
+            daemon.run_cycle(now=t0 + t)
+            if fired is None and [a["state"] for a in daemon.alerts.active()] == [FIRING]:
+                fired = t
+        assert fired is not None and 50 <= fired <= 55, fired
+        (alert,) = daemon.alerts.active()
+        assert alert["baseline"] == pytest.approx(30.0)
+        assert alert["baseline_source"] == "trailing 20 s before the window"
+    finally:
+        daemon.close()
+
+
+def test_a_restarted_daemon_takes_the_trailing_baseline_from_its_history(tmp_path):
+    """A daemon restarted 40 s ago has watched a third of the trailing 2 min: the span is
+    read from the store's minutes, where the first daemon's 30 % fills one of its two
+    minutes (half), so a jump to 90 % fires at once instead of going unseen for another
+    20 s; the source says where it came from. A rule asking for the whole span (more than
+    the history holds) still has no baseline."""
+    rules = _one_rule("10s", "trailing:2m") + _one_rule(
+        "10s", "trailing:2m", "    baseline_min_coverage: 1\n").replace(
+        "UsageDrift", "UsageDriftWhole")
+    path = _write(tmp_path, rules, receivers=False)
+    t0 = time.time() // 60 * 60 - 600  # on a minute, in the past: history keeps it
+    gauges = _Gauges()
+    gauges.values = {"e1": 0.3}
+    first = _daemon(tmp_path, path, gauges)
+    try:
+        for t in range(185, 200):
+            first.run_cycle(now=t0 + t)
+    finally:
+        first.close()
+    second = _daemon(tmp_path, path, gauges)
+    try:
+        for t in range(200, 251):
+            gauges.values["e1"] = 0.3 if t < 240 else 0.9
+            second.run_cycle(now=t0 + t)
+        states = {a["rule"]: a for a in second.alerts.active()}
+        assert set(states) == {"UsageDrift"} and states["UsageDrift"]["state"] == FIRING
+        assert states["UsageDrift"]["baseline"] == pytest.approx(30.0)
+        assert states["UsageDrift"]["baseline_source"] == (
+            "trailing 120 s before the window (from the history's minutes)")
+        whole = [i for (rule, _), i in second.alerts.instances.items()
+                 if rule == "UsageDriftWhole"]
+        assert [i.baseline for i in whole] == [None]
+        assert "still building" in whole[0].baseline_source
+    finally:
+        second.close()
+
+
+def test_baseline_min_coverage_is_a_share_for_a_trailing_baseline_only(tmp_path):
+    for extra, said in [("    baseline_min_coverage: 1.5\n", "a share from 0 to 1"),
+                        ("    baseline_min_coverage: '50%'\n", "a number is required")]:
+        with pytest.raises(AlertConfigError, match=said):
+            load_alerting_config(_write(tmp_path, _one_rule("1m", "trailing:1h", extra)))
+    static = _one_rule("1m", "static:10", "    baseline_min_coverage: 0.5\n")
+    with pytest.raises(AlertConfigError, match="trailing or same_hour_yesterday baseline only"):
+        load_alerting_config(_write(tmp_path, static))

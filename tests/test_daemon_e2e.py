@@ -391,23 +391,26 @@ def _metrics(url):
 def test_up_demo_drift_shows_an_alert_firing_and_resolving(tmp_path):
     """`up --demo-drift`: demo traffic, the engine slowed through its fault route after a
     calm phase, DemoLatencyDrift firing and then resolving once the delay is removed, each
-    said on the terminal and recorded by the daemon."""
+    said on the terminal and recorded by the daemon. Each phase is said before it is asked
+    of the engine, so the firing comes after the slowing is said: the calm phase is long
+    enough for half the rule's one-minute baseline to be watched before the slowing
+    begins (no baseline: no alert)."""
     engine_port, daemon_port = free_port(), free_port()
     daemon_url = f"http://127.0.0.1:{daemon_port}"
     log_path = tmp_path / "up.log"
     log = open(log_path, "w")
     up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port", str(engine_port),
                            "--daemon-port", str(daemon_port), "--demo-drift",
-                           "--demo-drift-schedule", "40s,30s",
+                           "--demo-drift-schedule", "80s,30s",
                            "--telemetry-root", str(tmp_path / "telemetry")],
                           stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: "alert DemoLatencyDrift resolved" in log_path.read_text(), 240,
+        wait_for(lambda: "alert DemoLatencyDrift resolved" in log_path.read_text(), 300,
                  "the demo alert to fire and resolve")
         said = log_path.read_text()
-        slowed = said.index("every engine step is now 150 ms slower")
+        slowed = said.index("slowing every engine step by 150 ms")
         firing = said.index("alert DemoLatencyDrift firing")
-        removed = said.index("the delay is removed")
+        removed = said.index("removing the delay; the alert should resolve")
         assert slowed < firing < removed < said.index("alert DemoLatencyDrift resolved")
         history = httpx.get(daemon_url + "/api/v1/alerts?history=1", timeout=10).json()
         moves = [(h["from_state"], h["to_state"]) for h in reversed(history["history"])
