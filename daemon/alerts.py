@@ -406,6 +406,7 @@ class Instance:
     misses: int = 0  # evaluations in a row with the condition false while firing
     no_data_since: float | None = None
     resolved_because: str = ""
+    waiting_for: str = ""  # why an inactive one cannot be evaluated (no baseline yet)
 
 
 class Evaluator:
@@ -618,6 +619,7 @@ class Evaluator:
             self._step(rule, fp, labels, value, baseline, source, now)
         for (name, fp), instance in list(self.instances.items()):
             if name == rule.name and fp not in seen:
+                instance.waiting_for = "no value in the window"
                 self._no_data(rule, instance, fp, now)  # its series left the window
 
     def _step(self, rule: Rule, fp: str, labels: dict, value: float,
@@ -626,6 +628,7 @@ class Evaluator:
         if instance is None:
             instance = self.instances[rule.name, fp] = Instance(rule.name, labels)
         instance.baseline_source = source
+        instance.waiting_for = "" if baseline is not None else f"no baseline: {source}"
         if instance.state in (PENDING, FIRING) and instance.baseline is not None:
             # Frozen while active (and across a restart): a trailing baseline that caught up
             # with the new level must not resolve an alert whose problem is still there.
@@ -758,6 +761,16 @@ class Evaluator:
                             "baseline_source": i.baseline_source, "no_data": i.no_data,
                             "active_since": i.active_since, "firing_since": i.firing_since})
         return out
+
+    def waiting(self) -> list[dict]:
+        """Inactive instances that cannot be evaluated, and why (a trailing baseline
+        still building, a series gone from the window): a rule that cannot fire yet says
+        so instead of looking calm."""
+        with self._lock:
+            instances = sorted(self.instances.items())
+        return [{"rule": name, "labels": i.labels, "value": i.value, "waiting_for": i.waiting_for}
+                for (name, _), i in instances
+                if i.state in (INACTIVE, RESOLVED) and i.no_data and i.waiting_for]
 
     def history(self, limit: int = 100) -> list[dict]:
         import sqlalchemy as sa

@@ -212,6 +212,10 @@ def show_alerts(obj: dict, history: bool, as_json: bool) -> int:
                ("since", lambda a: _clock(a["firing_since"] or a["active_since"],
                                           "%H:%M:%S"))))
         if body["alerts"] else "no alert pending or firing")
+    for entry in body.get("waiting", []):  # a rule that cannot fire yet says why
+        labels = ",".join(f"{k}={v}" for k, v in sorted(entry["labels"].items()))
+        console.print(Text(f"{entry['rule']} {{{labels}}} waits: {entry['waiting_for']}",
+                           style="dim"))
     if history:
         console.print(alerts_table("latest transitions", body["history"], console.width,
                                    lead=(("at", lambda t: _clock(t["at"], "%m-%d %H:%M:%S")),

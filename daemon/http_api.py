@@ -5,7 +5,8 @@ GET /api/v1/query       ?metric=NAME&window=60s&labels=k=v,k=v[&at=UNIX]  -> sta
                         series, as of the newest cycle at or before `at` (default: now)
 GET /api/v1/metrics     the friendly names
 GET /api/v1/status      collectors (up/down, reason) and engines
-GET /api/v1/alerts      pending and firing alerts (?history=1: the latest transitions)
+GET /api/v1/alerts      pending and firing alerts, the rules' series that cannot be evaluated
+                        yet and why (?history=1: the latest transitions)
 GET /healthz            liveness (no token needed)
 A bearer token, when configured, guards everything but /healthz (RFC 6750: the scheme is
 case-insensitive; the token is compared as bytes, in constant time).
@@ -97,10 +98,12 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
 
     def alerts(params: dict) -> Response:
         if daemon.alerts is None:
-            return json_response(200, {"alerts": [], "history": [], "rules": 0})
+            return json_response(200, {"alerts": [], "history": [], "rules": 0,
+                                       "waiting": []})
         history = (params.get("history") or ["0"])[0] not in ("", "0", "false")
         return json_response(200, {"alerts": daemon.alerts.active(),
                                    "rules": len(daemon.alerts.rules),
+                                   "waiting": daemon.alerts.waiting(),
                                    "history": daemon.alerts.history() if history else []})
 
     def metrics(request: Request) -> Response:

@@ -772,6 +772,9 @@ def test_a_trailing_baseline_waits_until_half_its_span_was_watched(tmp_path):
         assert instance.no_data and instance.baseline is None
         assert instance.baseline_source == ("trailing 20 s before the window: still building "
                                             "(25 % of it watched, 50 % needed)")
+        (waiting,) = daemon.alerts.waiting()  # what `ac-observe alerts` says of it
+        assert waiting["rule"] == "UsageDrift" and waiting["labels"]["engine"] == "e1"
+        assert waiting["waiting_for"] == "no baseline: " + instance.baseline_source
         fired = None
         for t in range(16, 60):
             gauges.values["e1"] = 0.3 if t < 50 else 0.9
@@ -782,6 +785,7 @@ def test_a_trailing_baseline_waits_until_half_its_span_was_watched(tmp_path):
         (alert,) = daemon.alerts.active()
         assert alert["baseline"] == pytest.approx(30.0)
         assert alert["baseline_source"] == "trailing 20 s before the window"
+        assert daemon.alerts.waiting() == []
     finally:
         daemon.close()
 
