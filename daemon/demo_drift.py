@@ -1,9 +1,9 @@
 """`ac-observe up --demo-drift`: watch a drift alert fire and resolve, on the bundled engine.
 
 The engine runs with `--fault-injection` and demo traffic; the daemon gets an alerting
-file with one rule (TTFT p95 of the last 30 s, 50 % over the minute before it, for 10 s;
+file with one rule (TTFT p95 of the last 30 s, 100 % over the minute before it, for 10 s;
 the rule has no baseline until half that minute was watched). A driver thread lets a
-baseline build, slows every engine step by 150 ms through the engine's loopback
+baseline build, slows every engine step by 300 ms through the engine's loopback
 `/admin/faults` route, removes the delay, waits, and repeats; it prints each phase before
 it begins (a change is said before it is asked for, and asked for until the engine
 confirms it) and every alert transition the daemon reports (`GET /api/v1/alerts`).
@@ -28,12 +28,14 @@ rules:
     window: 30s
     baseline: trailing:1m
     comparison: relative_increase
-    threshold: 0.5
+    threshold: 1.0
     for: 10s
     annotations:
       summary: "TTFT p95 {{ value }} ns is {{ delta_percent }} % over its baseline {{ baseline }} ns"
 """
-STEP_DELAY_MS = 150
+# Far above the noise: on 2 busy vCPUs a calm low_latency lane's p95 (a few dozen
+# requests in 30 s) reached 1.46x its previous minute's; 150 ms slower steps gave 1.5-2.3x.
+STEP_DELAY_MS = 300
 DEMO_RULE = "DemoLatencyDrift"
 DRIFT_PATIENCE = 3  # a slowed phase waits for the alert up to this many times its length
 

@@ -408,7 +408,7 @@ def test_up_demo_drift_shows_an_alert_firing_and_resolving(tmp_path):
         wait_for(lambda: "alert DemoLatencyDrift resolved" in log_path.read_text(), 300,
                  "the demo alert to fire and resolve")
         said = log_path.read_text()
-        slowed = said.index("slowing every engine step by 150 ms")
+        slowed = said.index("slowing every engine step by 300 ms")
         firing = said.index("alert DemoLatencyDrift firing")
         removed = said.index("removing the delay; the alert should resolve")
         assert slowed < firing < removed < said.index("alert DemoLatencyDrift resolved")
