@@ -427,15 +427,34 @@ class Evaluator:
         # its coverage}):
         # that baseline moves a minute at a time, so history is read once a minute.
         self._same_hour: dict[str, tuple[int, dict, dict]] = {}
-        # rule -> (the minute its trailing span ended in, values, coverage) from history,
-        # read while a series' windows cover too little of that span:
-        self._trailing_history: dict[str, tuple[int, dict, dict]] = {}
+        # rule -> ((first, last) of the whole minutes read, values, coverage) from history,
+        # for series whose windows cover too little of their trailing span:
+        self._trailing_history: dict[str, tuple[tuple, dict, dict]] = {}
         # (rule, severity) -> firing instances, as the last evaluation left them: the
         # cycle reads it without waiting on an evaluation in progress.
         self.firing_counts: dict[tuple[str, str], int] = {
             (rule.name, rule.severity): 0 for rule in rules}
+        self._warn_unreachable()
         self._load()
         self._publish()
+
+    def _warn_unreachable(self) -> None:
+        """Without the history, a trailing baseline is what the in-memory windows hold: a
+        rule whose window and the needed share of its baseline span do not fit in them
+        never gets one, and is said so at start rather than waiting in silence."""
+        config = getattr(self.daemon, "config", None)
+        if config is None or getattr(self.daemon, "history", None) is not None:
+            return
+        for rule in self.rules.values():
+            if rule.baseline == "static" or rule.comparison in ("above", "below"):
+                continue
+            needed = rule.window_seconds + rule.baseline_min_coverage * rule.baseline_seconds
+            if needed > config.window_seconds:
+                log.warning("alert rule %s: its trailing baseline needs %s s of the in-memory "
+                            "windows, which hold %s s (daemon --window), and the history is "
+                            "off: it will never have one (lower baseline_min_coverage or the "
+                            "baseline, or keep the history)", rule.name, _number(needed),
+                            _number(config.window_seconds))
 
     def _load(self) -> None:
         """Pending and firing alerts survive a restart: no second firing delivery. An
@@ -518,12 +537,12 @@ class Evaluator:
         self.firing_counts = counts
 
     def _statistic(self, rule: Rule, window: float, until: float,
-                   from_history: bool = False) -> tuple[dict, dict]:
+                   source: str = "auto") -> tuple[dict, dict]:
         """(label set -> the rule's statistic, the query's answer)."""
         shares = ({rule.statistic: rule.share_threshold}
                   if rule.statistic.startswith("share_below") else None)
         answer = self.daemon.query(rule.metric, window, rule.match, now=until, shares=shares,
-                                   **({"from_history": True} if from_history else {}))
+                                   **({"source": source} if source != "auto" else {}))
         out = {}
         for series in answer["series"]:
             value = series.get(rule.statistic)
@@ -535,35 +554,59 @@ class Evaluator:
         """label set -> (the trailing baseline or None, where it came from).
 
         A series watched for less than `baseline_min_coverage` of the span has none yet
-        (no data: a young engine's first seconds are no baseline). The windows hold what
-        this daemon watched; a series they cover too little of (the daemon restarted) is
-        read from the store's per-minute history, once a minute per rule, where that
-        covers more of it."""
+        (no data: a young engine's first seconds are no baseline). A span the in-memory
+        windows can hold is read from them; where it begins before they do (a daemon
+        restarted), a series they have watched since they began is read from the store's
+        whole minutes of the span before that (once a minute per rule): those with its
+        data count towards its coverage with what the windows watched, and its baseline
+        is their statistic; a series born since is never filled in from history. A span
+        longer than the windows is read from the whole minutes that end by the window.
+        No minute is read past the span's end: the window's own data is no baseline."""
         end = now - rule.window_seconds
-        text = f"trailing {_number(rule.baseline_seconds)} s before the window"
-        values, answer = self._statistic(rule, rule.baseline_seconds, end)
-        covered = _coverage(answer)
+        span = rule.baseline_seconds
+        text = f"trailing {_number(span)} s before the window"
+        config = getattr(self.daemon, "config", None)
+        history = getattr(self.daemon, "history", None) is not None
+        values: dict = {}
+        covered: dict = {}
+        if config is not None and span > config.window_seconds:
+            began, since_began = end, -math.inf  # all of it from history
+        else:
+            values, answer = self._statistic(rule, span, end, source="windows")
+            covered = _coverage(answer)
+            windows = getattr(self.daemon, "windows", None)
+            began = windows.earliest_time if windows is not None else -math.inf
+            # A series watched since the windows began covers this much of the span:
+            since_began = max(0.0, end - began) - 2.0 * config.interval_seconds \
+                if config is not None else math.inf
         sources = dict.fromkeys(values, text)
-        short = [key for key in keys if covered.get(key, 0.0) < rule.baseline_min_coverage]
-        if short and not answer.get("history") and \
-                getattr(self.daemon, "history", None) is not None:
+        first = math.ceil((end - span) / 60.0) * 60.0  # whole minutes of the span,
+        last = math.floor(min(end, began) / 60.0) * 60.0  # before the windows begin
+        older = [key for key in keys if covered.get(key, 0.0) < rule.baseline_min_coverage
+                 and covered.get(key, 0.0) * span >= since_began]
+        if older and history and last - first >= 60.0:
             cached = self._trailing_history.get(rule.name)
-            if cached is None or cached[0] != int(end // 60):
+            if cached is None or cached[0] != (first, last):
                 try:
-                    past, past_answer = self._statistic(rule, rule.baseline_seconds, end,
-                                                        from_history=True)
-                    cached = (int(end // 60), past, _coverage(past_answer))
+                    past, answer = self._statistic(rule, last - first, last, source="history")
+                    cached = ((first, last), past, _coverage(answer))
                 except (RuntimeError, ValueError):  # the store cannot be read
-                    cached = (int(end // 60), {}, {})
+                    cached = ((first, last), {}, {})
                 self._trailing_history[rule.name] = cached
-            for key in short:
-                if key in cached[1] and cached[2].get(key, 0.0) > covered.get(key, 0.0):
-                    values[key], covered[key] = cached[1][key], cached[2][key]
-                    sources[key] = text + " (from the history's minutes)"
+            for key in older:
+                if key in cached[1]:
+                    values[key] = cached[1][key]
+                    covered[key] = min(1.0, covered.get(key, 0.0)
+                                       + cached[2].get(key, 0.0) * (last - first) / span)
+                    sources[key] = text + (" (from the history's minutes)" if began == end
+                                           else " (its minutes before the daemon's windows "
+                                                "begin, from the history)")
         out = {}
         for key in keys:
             share = covered.get(key, 0.0)
-            if key in values and share >= rule.baseline_min_coverage:
+            if key not in values:
+                out[key] = (None, f"{text}: no value in it yet")
+            elif share >= rule.baseline_min_coverage:
                 out[key] = (values[key], sources[key])
             else:
                 out[key] = (None, f"{text}: still building ({100 * share:.0f} % of it "
@@ -627,13 +670,17 @@ class Evaluator:
         instance = self.instances.get((rule.name, fp))
         if instance is None:
             instance = self.instances[rule.name, fp] = Instance(rule.name, labels)
-        instance.baseline_source = source
-        instance.waiting_for = "" if baseline is not None else f"no baseline: {source}"
         if instance.state in (PENDING, FIRING) and instance.baseline is not None:
             # Frozen while active (and across a restart): a trailing baseline that caught up
             # with the new level must not resolve an alert whose problem is still there.
             baseline = instance.baseline
+            instance.baseline_source = (instance.baseline_source
+                                        or "as it was when it went pending (before a restart)")
+        else:
+            instance.baseline_source = source
+        instance.waiting_for = "" if baseline is not None else f"no baseline: {source}"
         if baseline is None:
+            instance.value = value  # for the waiting list; inactive, so never notified
             self._no_data(rule, instance, fp, now)
             return
         instance.no_data, instance.no_data_since = False, None

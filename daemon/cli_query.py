@@ -193,6 +193,9 @@ def show_status(obj: dict, as_json: bool) -> int:
     return 0
 
 
+WAITING_SHOWN = 10  # series listed as waiting under the alerts table
+
+
 def show_alerts(obj: dict, history: bool, as_json: bool) -> int:
     console = Console()
     try:
@@ -212,10 +215,14 @@ def show_alerts(obj: dict, history: bool, as_json: bool) -> int:
                ("since", lambda a: _clock(a["firing_since"] or a["active_since"],
                                           "%H:%M:%S"))))
         if body["alerts"] else "no alert pending or firing")
-    for entry in body.get("waiting", []):  # a rule that cannot fire yet says why
+    waiting = body.get("waiting", [])  # a rule that cannot fire yet says why
+    for entry in waiting[:WAITING_SHOWN]:
         labels = ",".join(f"{k}={v}" for k, v in sorted(entry["labels"].items()))
         console.print(Text(f"{entry['rule']} {{{labels}}} waits: {entry['waiting_for']}",
                            style="dim"))
+    if len(waiting) > WAITING_SHOWN:
+        console.print(Text(f"and {len(waiting) - WAITING_SHOWN} more series waiting "
+                           "(ac-observe alerts --json)", style="dim"))
     if history:
         console.print(alerts_table("latest transitions", body["history"], console.width,
                                    lead=(("at", lambda t: _clock(t["at"], "%m-%d %H:%M:%S")),

@@ -110,24 +110,39 @@ class DriftDriver:
 
     def _set_delay(self, client: httpx.Client, delay_ms: int) -> bool:
         """Ask the engine for this step delay until it confirms (a request that timed out
-        may have been applied: the delay is set, not added, so asking again is safe);
-        False when asked to stop first."""
-        while not self._faults(client, delay_ms):
-            if self.stop.is_set():
+        may have been applied: the delay is set, not added, so asking again is safe), said
+        once and retried every 2 s while it cannot be reached or fails (5xx); False when
+        asked to stop first, or when the engine refuses it (4xx: the demo stops)."""
+        said = False
+        while not self.stop.is_set():
+            outcome = self._faults(client, delay_ms)
+            if outcome == "ok":
+                return True
+            if outcome.startswith("refused"):
+                _say(f"demo drift: the engine {outcome} the fault route's request; the demo "
+                     "drift stops (is the engine running with --fault-injection and this "
+                     "fault token?)")
+                self.stop.set()
                 return False
-        return True
-
-    def _faults(self, client: httpx.Client, delay_ms: int) -> bool:
-        try:
-            client.post(f"{self.engine_url}/admin/faults", json={"step_delay_ms": delay_ms},
-                        headers={"authorization": f"Bearer {self.fault_token}"}
-                        ).raise_for_status()
-            return True
-        except httpx.HTTPError as exc:
-            _say(f"demo drift: cannot reach the engine's fault route ({type(exc).__name__}); "
-                 "trying again")
+            if not said:
+                _say(f"demo drift: the engine's fault route {outcome}; trying again every 2s")
+                said = True
             self.stop.wait(2.0)
-            return False
+        return False
+
+    def _faults(self, client: httpx.Client, delay_ms: int) -> str:
+        """"ok", "refused (HTTP 4xx)", or why it may work on a later try."""
+        try:
+            response = client.post(f"{self.engine_url}/admin/faults",
+                                   json={"step_delay_ms": delay_ms},
+                                   headers={"authorization": f"Bearer {self.fault_token}"})
+        except httpx.HTTPError as exc:
+            return f"cannot be reached ({type(exc).__name__})"
+        if 400 <= response.status_code < 500:
+            return f"refused (HTTP {response.status_code})"
+        if response.status_code >= 300:
+            return f"failed (HTTP {response.status_code})"
+        return "ok"
 
     def _watch(self, client: httpx.Client, seconds: float) -> bool:
         """Report alert transitions for `seconds`; True when asked to stop."""

@@ -196,8 +196,10 @@ class QueryEngine:
                 stats["trend"] = trend(events, since, window_seconds, friendly.scale)
                 if coverage is None:
                     # The share of the window the daemon watched this series in (its
-                    # points' span): less for a daemon or a series younger than the window.
-                    stats["coverage"] = round(min(1.0, span / window_seconds), 4)
+                    # points' span, and the interval that led to its first): less for a
+                    # daemon or a series younger than the window.
+                    stats["coverage"] = round(min(1.0, (span + self.interval)
+                                                  / window_seconds), 4)
                 if friendly.kind == "histogram":
                     # Observations per second over the span the count's points cover (the
                     # whole window once the daemon has watched it all; less for a daemon

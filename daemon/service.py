@@ -350,10 +350,10 @@ class Daemon:
 
     def query(self, metric: str, window_seconds: float, labels: dict[str, str],
               now: float | None = None, shares: dict[str, float] | None = None,
-              from_history: bool = False) -> dict:
+              source: str = "auto") -> dict:
         """A window within the in-memory hour is answered from the windows; a longer one,
-        or one that ended before the windows begin, from the store's per-minute history
-        (as is any window when `from_history`, if the daemon keeps a history).
+        or one that ended before the windows begin, from the store's per-minute history.
+        `source` "windows" or "history" (if the daemon keeps one) asks one of them alone.
 
         NOTE: the view is copied under the lock the cycle appends under, so an answer
         reads one state; the answer is computed after the lock is released."""
@@ -361,9 +361,9 @@ class Daemon:
         until = time.time() if now is None else now
         since = until - window_seconds
         names = samples_read(friendly)
-        if self.history is not None and (from_history
-                                         or window_seconds > self.config.window_seconds
-                                         or until < self.windows.earliest_time):
+        if self.history is not None and source != "windows" and (
+                source == "history" or window_seconds > self.config.window_seconds
+                or until < self.windows.earliest_time):
             kept = self.config.history_retention_seconds
             if until - since > kept or since < time.time() - kept - 60.0:
                 raise WindowTooLong(f"the window reaches back further than the history is "

@@ -740,41 +740,45 @@ def test_an_alerts_unit_is_its_statistics_unit(tmp_path):
     assert summaries["TtftP95High"].endswith(" ns above 1e+08")
 
 
-def _one_rule(window: str, baseline: str, extra: str = "") -> str:
+def _one_rule(window: str, baseline: str, extra: str = "", engine: str = "e1",
+              name: str = "UsageDrift") -> str:
     return f"""\
-  - name: UsageDrift
+  - name: {name}
     metric: kv_cache_usage
     statistic: mean
     window: {window}
     baseline: {baseline}
     comparison: relative_increase
     threshold: 0.5
-    match: {{engine: e1}}
+    match: {{engine: {engine}}}
 {extra}"""
 
 
 def test_a_trailing_baseline_waits_until_half_its_span_was_watched(tmp_path):
-    """A young series' first seconds are no baseline: e1 at 30 % for 8 s, then 90 %. Taken
-    from those seconds, the trailing 20 s would fire at once (+80 % at t=11); with a
-    quarter of its span watched the series has no baseline yet, which its source says,
-    and nothing goes pending. Once watched, the rule works: a later jump fires."""
+    """A young series' first seconds are no baseline: e1 at 30 % for 8 s, then 90 % for
+    5 s. Taken from those seconds, the trailing 20 s would fire (+60 % at t=10); with 30 %
+    of its span watched (6 s: 0..5 and the interval before) the series has no baseline
+    yet, which its source and the waiting list say, and nothing goes pending; nor does
+    the history fill it in (a daemon started with it). Once watched, a later jump fires.
+    Recent times off the minute: the history is read where a wrong rule would read it."""
     gauges = _Gauges()
     gauges.values = {"e1": 0.3}
     daemon = _daemon(tmp_path, _write(tmp_path, _one_rule("10s", "trailing:20s"),
                                       receivers=False), gauges)
-    t0 = 3_000_000.0
+    t0 = time.time() // 60 * 60 - 600 + 45
     try:
         for t in range(0, 16):
-            gauges.values["e1"] = 0.3 if t < 8 else 0.9
+            gauges.values["e1"] = 0.9 if 8 <= t < 13 else 0.3
             daemon.run_cycle(now=t0 + t)
             assert daemon.alerts.active() == [], t
         (instance,) = daemon.alerts.instances.values()
         assert instance.no_data and instance.baseline is None
         assert instance.baseline_source == ("trailing 20 s before the window: still building "
-                                            "(25 % of it watched, 50 % needed)")
+                                            "(30 % of it watched, 50 % needed)")
         (waiting,) = daemon.alerts.waiting()  # what `ac-observe alerts` says of it
         assert waiting["rule"] == "UsageDrift" and waiting["labels"]["engine"] == "e1"
         assert waiting["waiting_for"] == "no baseline: " + instance.baseline_source
+        assert waiting["value"] == pytest.approx(100 * 6.3 / 11)  # points 5..15 of the window
         fired = None
         for t in range(16, 60):
             gauges.values["e1"] = 0.3 if t < 50 else 0.9
@@ -791,40 +795,79 @@ def test_a_trailing_baseline_waits_until_half_its_span_was_watched(tmp_path):
 
 
 def test_a_restarted_daemon_takes_the_trailing_baseline_from_its_history(tmp_path):
-    """A daemon restarted 40 s ago has watched a third of the trailing 2 min: the span is
-    read from the store's minutes, where the first daemon's 30 % fills one of its two
-    minutes (half), so a jump to 90 % fires at once instead of going unseen for another
-    20 s; the source says where it came from. A rule asking for the whole span (more than
-    the history holds) still has no baseline."""
-    rules = _one_rule("10s", "trailing:2m") + _one_rule(
-        "10s", "trailing:2m", "    baseline_min_coverage: 1\n").replace(
-        "UsageDrift", "UsageDriftWhole")
+    """A daemon restarted 40 s ago has watched a third of e1's trailing 2 min; the span's
+    whole minute before its windows begin is in the store, from the first daemon (30 %):
+    half the span, so a jump to 90 % fires at once instead of going unseen for 20 s more,
+    and the source says where the baseline came from. A rule asking for the whole span
+    still has none; nor has e2, which the store holds too but which came back after the
+    restart (born since the windows began: its minutes before are not its present)."""
+    rules = (_one_rule("10s", "trailing:2m")
+             + _one_rule("10s", "trailing:2m", "    baseline_min_coverage: 1\n",
+                         name="UsageDriftWhole")
+             + _one_rule("10s", "trailing:2m", engine="e2", name="UsageDriftBack"))
     path = _write(tmp_path, rules, receivers=False)
     t0 = time.time() // 60 * 60 - 600  # on a minute, in the past: history keeps it
     gauges = _Gauges()
-    gauges.values = {"e1": 0.3}
+    gauges.values = {"e1": 0.3, "e2": 0.3}
     first = _daemon(tmp_path, path, gauges)
     try:
-        for t in range(185, 200):
+        for t in range(100, 200):
             first.run_cycle(now=t0 + t)
     finally:
         first.close()
+    gauges.values = {"e1": 0.3}
     second = _daemon(tmp_path, path, gauges)
     try:
         for t in range(200, 251):
             gauges.values["e1"] = 0.3 if t < 240 else 0.9
+            if t >= 225:
+                gauges.values["e2"] = 0.3 if t < 240 else 0.9
             second.run_cycle(now=t0 + t)
         states = {a["rule"]: a for a in second.alerts.active()}
         assert set(states) == {"UsageDrift"} and states["UsageDrift"]["state"] == FIRING
         assert states["UsageDrift"]["baseline"] == pytest.approx(30.0)
         assert states["UsageDrift"]["baseline_source"] == (
-            "trailing 120 s before the window (from the history's minutes)")
-        whole = [i for (rule, _), i in second.alerts.instances.items()
-                 if rule == "UsageDriftWhole"]
-        assert [i.baseline for i in whole] == [None]
-        assert "still building" in whole[0].baseline_source
+            "trailing 120 s before the window (its minutes before the daemon's windows "
+            "begin, from the history)")
+        waiting = {w["rule"]: w["waiting_for"] for w in second.alerts.waiting()}
+        assert waiting == {
+            "UsageDriftWhole": "no baseline: trailing 120 s before the window: still building "
+                               "(84 % of it watched, 100 % needed)",
+            "UsageDriftBack": "no baseline: trailing 120 s before the window: still building "
+                              "(13 % of it watched, 50 % needed)"}
     finally:
         second.close()
+
+
+def test_a_trailing_baseline_longer_than_the_windows_is_read_from_history(tmp_path):
+    """trailing:1h beside 10 minutes of windows: the hour's whole minutes come from the
+    store; e1, watched all of it at 30 %, fires when it jumps to 90 %; e2, there for its
+    last 5 minutes, covers 8 % of it and waits."""
+    rules = (_one_rule("5m", "trailing:1h")
+             + _one_rule("5m", "trailing:1h", engine="e2", name="UsageDriftYoung"))
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=10.0, window_seconds=600,
+                                 alerting_file=_write(tmp_path, rules, receivers=False),
+                                 state_dir=tmp_path / "state", alert_interval_seconds=10.0),
+                    collectors=[gauges := _Gauges()])
+    t0 = time.time() // 60 * 60 - 6000
+    gauges.values = {"e1": 0.3}
+    try:
+        for t in range(0, 5410, 10):
+            if t >= 4800:
+                gauges.values["e2"] = 0.3 if t < 5100 else 0.9
+            gauges.values["e1"] = 0.3 if t < 5100 else 0.9
+            daemon.run_cycle(now=t0 + t)
+        (alert,) = daemon.alerts.active()
+        assert (alert["rule"], alert["state"]) == ("UsageDrift", FIRING)
+        assert alert["baseline"] == pytest.approx(30.0)
+        assert alert["baseline_source"] == ("trailing 3600 s before the window (from the "
+                                            "history's minutes)")
+        assert [w["waiting_for"] for w in daemon.alerts.waiting()] == [
+            "no baseline: trailing 3600 s before the window: still building (8 % of it "
+            "watched, 50 % needed)"]
+    finally:
+        daemon.close()
 
 
 def test_baseline_min_coverage_is_a_share_for_a_trailing_baseline_only(tmp_path):
