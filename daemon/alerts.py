@@ -662,7 +662,7 @@ class Evaluator:
             self._step(rule, fp, labels, value, baseline, source, now)
         for (name, fp), instance in list(self.instances.items()):
             if name == rule.name and fp not in seen:
-                instance.waiting_for = "no value in the window"
+                instance.waiting_for = ""  # no value: nothing to evaluate, nor to wait for
                 self._no_data(rule, instance, fp, now)  # its series left the window
 
     def _step(self, rule: Rule, fp: str, labels: dict, value: float,
@@ -810,9 +810,9 @@ class Evaluator:
         return out
 
     def waiting(self) -> list[dict]:
-        """Inactive instances that cannot be evaluated, and why (a trailing baseline
-        still building, a series gone from the window): a rule that cannot fire yet says
-        so instead of looking calm."""
+        """Inactive instances whose series has a value but no baseline, and why (a trailing
+        baseline still building): a rule that cannot fire yet says so instead of looking
+        calm."""
         with self._lock:
             instances = sorted(self.instances.items())
         return [{"rule": name, "labels": i.labels, "value": i.value, "waiting_for": i.waiting_for}

@@ -491,6 +491,25 @@ def test_the_alerts_command_keeps_rules_and_labels_whole_in_their_units(monkeypa
         assert len(figures) == 2 and all("180 ms" in r for r in figures), out
 
 
+def test_the_alerts_command_says_which_series_wait_for_a_baseline(monkeypatch, capsys):
+    """A rule whose baseline is still building is listed with why, labels as they are
+    (an engine name is not rich markup), ten series at most and how many more."""
+    from ac_observe.daemon import cli_query
+    why = ("no baseline: trailing 60 s before the window: still building (25 % of it "
+           "watched, 50 % needed)")
+    body = {"rules": 1, "alerts": [], "history": [], "waiting": [
+        {"rule": "DemoLatencyDrift", "labels": {"engine": f"[red]e{i}", "stream": "x"},
+         "value": 1.0, "waiting_for": why} for i in range(12)]}
+    monkeypatch.setattr(cli_query, "get_json", lambda obj, path, expect, **params: body)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli_query.show_alerts({"url": "http://127.0.0.1:9410"}, False, False) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "no alert pending or firing"
+    assert lines[1:] == [f"DemoLatencyDrift {{engine=[red]e{i},stream=x}} waits: {why}"
+                         for i in range(10)] + [
+        "and 2 more series waiting (ac-observe alerts --json)"]
+
+
 def test_every_help_names_every_option_whole_at_80_columns():
     """Option and environment variable names are what a user copies from --help: whole
     at 80 columns, in every command (rich's panels cut them to '--gpu-memory-utiliz…')."""
