@@ -442,8 +442,8 @@ class Evaluator:
         """Without the history, a trailing baseline is what the in-memory windows hold: a
         rule whose window and the needed share of its baseline span do not fit in them
         never gets one, and is said so at start rather than waiting in silence."""
-        config = getattr(self.daemon, "config", None)
-        if config is None or getattr(self.daemon, "history", None) is not None:
+        config = self.daemon.config
+        if self.daemon.history is not None:
             return
         for rule in self.rules.values():
             if rule.baseline == "static" or rule.comparison in ("above", "below"):
@@ -542,7 +542,7 @@ class Evaluator:
         shares = ({rule.statistic: rule.share_threshold}
                   if rule.statistic.startswith("share_below") else None)
         answer = self.daemon.query(rule.metric, window, rule.match, now=until, shares=shares,
-                                   **({"source": source} if source != "auto" else {}))
+                                   source=source)
         out = {}
         for series in answer["series"]:
             value = series.get(rule.statistic)
@@ -565,26 +565,22 @@ class Evaluator:
         end = now - rule.window_seconds
         span = rule.baseline_seconds
         text = f"trailing {_number(span)} s before the window"
-        config = getattr(self.daemon, "config", None)
-        history = getattr(self.daemon, "history", None) is not None
         values: dict = {}
         covered: dict = {}
-        if config is not None and span > config.window_seconds:
+        if span > self.daemon.config.window_seconds:
             began, since_began = end, -math.inf  # all of it from history
         else:
             values, answer = self._statistic(rule, span, end, source="windows")
             covered = _coverage(answer)
-            windows = getattr(self.daemon, "windows", None)
-            began = windows.earliest_time if windows is not None else -math.inf
+            began = self.daemon.windows.earliest_time
             # A series watched since the windows began covers this much of the span:
-            since_began = max(0.0, end - began) - 2.0 * config.interval_seconds \
-                if config is not None else math.inf
+            since_began = max(0.0, end - began) - 2.0 * self.daemon.config.interval_seconds
         sources = dict.fromkeys(values, text)
         first = math.ceil((end - span) / 60.0) * 60.0  # whole minutes of the span,
         last = math.floor(min(end, began) / 60.0) * 60.0  # before the windows begin
         older = [key for key in keys if covered.get(key, 0.0) < rule.baseline_min_coverage
                  and covered.get(key, 0.0) * span >= since_began]
-        if older and history and last - first >= 60.0:
+        if older and self.daemon.history is not None and last - first >= 60.0:
             cached = self._trailing_history.get(rule.name)
             if cached is None or cached[0] != (first, last):
                 try:
