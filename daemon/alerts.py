@@ -557,9 +557,9 @@ class Evaluator:
         (no data: a young engine's first seconds are no baseline). A span the in-memory
         windows can hold is read from them; where it begins before they do (a daemon
         restarted), a series they have watched since they began is read from the store's
-        whole minutes of the span before that (once a minute per rule): those with its
-        data count towards its coverage with what the windows watched, and its baseline
-        is their statistic; a series born since is never filled in from history. A span
+        whole minutes of the span before that (once a minute per rule): each counts
+        towards its coverage by its cycles in it, with what the windows watched, and its
+        baseline is their statistic; a series born since is never filled in. A span
         longer than the windows is read from the whole minutes that end by the window.
         No minute is read past the span's end: the window's own data is no baseline."""
         end = now - rule.window_seconds
@@ -567,34 +567,39 @@ class Evaluator:
         text = f"trailing {_number(span)} s before the window"
         values: dict = {}
         covered: dict = {}
-        if span > self.daemon.config.window_seconds:
-            began, since_began = end, -math.inf  # all of it from history
+        interval = self.daemon.config.interval_seconds
+        longer = span > self.daemon.config.window_seconds  # all of it from history
+        if longer:
+            began = end
         else:
             values, answer = self._statistic(rule, span, end, source="windows")
             covered = _coverage(answer)
             began = self.daemon.windows.earliest_time
-            # A series watched since the windows began covers this much of the span:
-            since_began = max(0.0, end - began) - 2.0 * self.daemon.config.interval_seconds
         sources = dict.fromkeys(values, text)
         first = math.ceil((end - span) / 60.0) * 60.0  # whole minutes of the span,
         last = math.floor(min(end, began) / 60.0) * 60.0  # before the windows begin
-        older = [key for key in keys if covered.get(key, 0.0) < rule.baseline_min_coverage
-                 and covered.get(key, 0.0) * span >= since_began]
-        if older and self.daemon.history is not None and last - first >= 60.0:
+        short = [key for key in keys if covered.get(key, 0.0) < rule.baseline_min_coverage]
+        if short and self.daemon.history is not None and last - first >= 60.0:
+            if not longer:  # only series the windows have watched since they began
+                watched = now - began
+                _, answer = self._statistic(rule, watched, now, source="windows")
+                present = _coverage(answer)
+                short = [key for key in short
+                         if present.get(key, 0.0) * watched >= watched - 2.0 * interval]
             cached = self._trailing_history.get(rule.name)
-            if cached is None or cached[0] != (first, last):
+            if short and (cached is None or cached[0] != (first, last)):
                 try:
                     past, answer = self._statistic(rule, last - first, last, source="history")
                     cached = ((first, last), past, _coverage(answer))
                 except (RuntimeError, ValueError):  # the store cannot be read
                     cached = ((first, last), {}, {})
                 self._trailing_history[rule.name] = cached
-            for key in older:
+            for key in short:
                 if key in cached[1]:
                     values[key] = cached[1][key]
                     covered[key] = min(1.0, covered.get(key, 0.0)
                                        + cached[2].get(key, 0.0) * (last - first) / span)
-                    sources[key] = text + (" (from the history's minutes)" if began == end
+                    sources[key] = text + (" (from the history's minutes)" if longer
                                            else " (its minutes before the daemon's windows "
                                                 "begin, from the history)")
         out = {}

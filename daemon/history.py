@@ -302,7 +302,9 @@ class HistoryView(WindowView):
     minute's mean; `gauges` keeps each gauge's exact (n, sum, min, max, last) over the
     span and its per-minute (end, sum, n) for the trend; `coverage` is the share of the
     span's points (minutes, or groups of them) that hold any data, `key_coverage` that
-    share for each series."""
+    share for each series (each point counted by the series' cycles in it over the most
+    cycles any series read has there: one seen for 3 of a minute's 60 covers 5 % of it,
+    whatever the interval of the daemon that wrote it)."""
     __slots__ = ("gauges", "coverage", "key_coverage", "resolution_seconds")
 
     def __init__(self, times, series, gauges, coverage, key_coverage=None,
@@ -342,9 +344,14 @@ def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
         index = (in_progress[0] - first_minute) // step + 1
         times[index] = max(times[index - 1] + 1e-3, min(times[index], in_progress[1]))
     series, gauges, used, key_coverage = {}, {}, set(), {}
+    minutes = {key: [r for r in rows if first_minute <= r[0] <= last_minute]
+               for key, rows in minutes.items()}
+    cycles: dict[int, int] = {}  # point -> the most cycles any series has in it
+    for rows in minutes.values():
+        for row in rows:
+            cycles[row[0]] = max(cycles.get(row[0], 0), row[1])
     for key, rows in minutes.items():
         values = array("d", [NAN]) * (count + 1)
-        rows = [r for r in rows if first_minute <= r[0] <= last_minute]
         if not rows:
             continue
         if kinds.get(key[0]) == COUNTER:
@@ -367,7 +374,7 @@ def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
             gauges[key] = (int(n_all), sum_all, low, high, rows[-1][5], trend)
         used.update(r[0] for r in rows)
         series[key] = values
-        key_coverage[key] = len(rows) / count
+        key_coverage[key] = sum(row[1] / cycles[row[0]] for row in rows) / count
     return HistoryView(times, series, gauges, len(used) / count if count > 0 else 0.0,
                        key_coverage, MINUTE * step)
 

@@ -799,12 +799,14 @@ def test_a_restarted_daemon_takes_the_trailing_baseline_from_its_history(tmp_pat
     whole minute before its windows begin is in the store, from the first daemon (30 %):
     half the span, so a jump to 90 % fires at once instead of going unseen for 20 s more,
     and the source says where the baseline came from. A rule asking for the whole span
-    still has none; nor has e2, which the store holds too but which came back after the
-    restart (born since the windows began: its minutes before are not its present)."""
+    still has none; nor has e2, which the store holds too but which came back 6 s after
+    the restart (born since the windows began: its minutes before are not its present),
+    nor e3, which the first daemon saw for the last 3 s of that minute only (5 % of it)."""
     rules = (_one_rule("10s", "trailing:2m")
              + _one_rule("10s", "trailing:2m", "    baseline_min_coverage: 1\n",
                          name="UsageDriftWhole")
-             + _one_rule("10s", "trailing:2m", engine="e2", name="UsageDriftBack"))
+             + _one_rule("10s", "trailing:2m", engine="e2", name="UsageDriftBack")
+             + _one_rule("10s", "trailing:2m", engine="e3", name="UsageDriftBrief"))
     path = _write(tmp_path, rules, receivers=False)
     t0 = time.time() // 60 * 60 - 600  # on a minute, in the past: history keeps it
     gauges = _Gauges()
@@ -812,16 +814,17 @@ def test_a_restarted_daemon_takes_the_trailing_baseline_from_its_history(tmp_pat
     first = _daemon(tmp_path, path, gauges)
     try:
         for t in range(100, 200):
+            if t >= 177:
+                gauges.values["e3"] = 0.3
             first.run_cycle(now=t0 + t)
     finally:
         first.close()
-    gauges.values = {"e1": 0.3}
+    gauges.values = {"e1": 0.3, "e3": 0.3}
     second = _daemon(tmp_path, path, gauges)
     try:
         for t in range(200, 251):
-            gauges.values["e1"] = 0.3 if t < 240 else 0.9
-            if t >= 225:
-                gauges.values["e2"] = 0.3 if t < 240 else 0.9
+            for engine in ("e1", "e3") + (("e2",) if t >= 206 else ()):
+                gauges.values[engine] = 0.3 if t < 240 else 0.9
             second.run_cycle(now=t0 + t)
         states = {a["rule"]: a for a in second.alerts.active()}
         assert set(states) == {"UsageDrift"} and states["UsageDrift"]["state"] == FIRING
@@ -834,7 +837,9 @@ def test_a_restarted_daemon_takes_the_trailing_baseline_from_its_history(tmp_pat
             "UsageDriftWhole": "no baseline: trailing 120 s before the window: still building "
                                "(84 % of it watched, 100 % needed)",
             "UsageDriftBack": "no baseline: trailing 120 s before the window: still building "
-                              "(13 % of it watched, 50 % needed)"}
+                              "(29 % of it watched, 50 % needed)",
+            "UsageDriftBrief": "no baseline: trailing 120 s before the window: still building "
+                               "(37 % of it watched, 50 % needed)"}
     finally:
         second.close()
 
