@@ -83,6 +83,12 @@ class Rule:
     labels: dict = field(default_factory=dict)
     annotations: dict = field(default_factory=dict)
 
+    @property
+    def reads_baseline(self) -> bool:
+        """Compares with a baseline read from the data (trailing, or same hour yesterday
+        with its trailing fallback), not with a number."""
+        return self.baseline != "static" and self.comparison not in ("above", "below")
+
 
 def _field(entry: dict, key: str, where: str, kind, default=None, required=False):
     if key not in entry:
@@ -446,7 +452,7 @@ class Evaluator:
         if self.daemon.history is not None:
             return
         for rule in self.rules.values():
-            if rule.baseline == "static" or rule.comparison in ("above", "below"):
+            if not rule.reads_baseline:
                 continue
             needed = rule.window_seconds + rule.baseline_min_coverage * rule.baseline_seconds
             if needed > config.window_seconds:
@@ -569,15 +575,14 @@ class Evaluator:
         covered: dict = {}
         interval = self.daemon.config.interval_seconds
         longer = span > self.daemon.config.window_seconds  # all of it from history
-        if longer:
-            began = end
-        else:
+        if not longer:
             values, answer = self._statistic(rule, span, end, source="windows")
             covered = _coverage(answer)
-            began = self.daemon.windows.earliest_time
+        began = self.daemon.windows.earliest_time
         sources = dict.fromkeys(values, text)
-        first = math.ceil((end - span) / 60.0) * 60.0  # whole minutes of the span,
-        last = math.floor(min(end, began) / 60.0) * 60.0  # before the windows begin
+        # The span's whole minutes (before the windows begin, unless all from history):
+        first = math.ceil((end - span) / 60.0) * 60.0
+        last = math.floor((end if longer else min(end, began)) / 60.0) * 60.0
         short = [key for key in keys if covered.get(key, 0.0) < rule.baseline_min_coverage]
         if short and self.daemon.history is not None and last - first >= 60.0:
             if not longer:  # only series the windows have watched since they began
@@ -649,7 +654,7 @@ class Evaluator:
     def _inputs(self, rule: Rule, now: float) -> tuple[dict, dict]:
         """(label set -> the window's statistic, label set -> (baseline, its source))."""
         values, _ = self._statistic(rule, rule.window_seconds, now)
-        if rule.baseline == "static" or rule.comparison in ("above", "below"):
+        if not rule.reads_baseline:
             return values, {key: (rule.baseline_value, "static") for key in values}
         return values, self._baselines(rule, now, list(values))
 
