@@ -21,6 +21,8 @@ LANE_HEADER = "x-ac-stream"
 REQUEST_STATUSES = ("ok", "error", "aborted", "rejected")
 DEFAULT_ENGINE_PORT = 8000
 DEFAULT_DAEMON_PORT = 9410  # dcgm-exporter already takes 9400
+# Every Grafana annotation the daemon makes carries this tag; the dashboards filter on it.
+GRAFANA_ANNOTATION_TAG = "ac-observe"
 OTHER_SKELETON = "other"
 NO_SKELETON = "none"  # requests sent as token ids carry no text, so no skeleton
 # Why a looked-up prefix block missed (ARCHITECTURE.md, "Cache-miss attribution").

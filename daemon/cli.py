@@ -236,9 +236,16 @@ def alerts_list(ctx: typer.Context,
 @alerts_app.command("defaults")
 def alerts_defaults() -> None:
     """Print the shipped rules (what `rules: defaults` in an alerting file stands for)."""
-    from ac_observe.daemon.alerts import DEFAULT_RULES
-    typer.echo("rules:\n" + "".join(f"  {line}\n" for line in DEFAULT_RULES.splitlines()),
-               nl=False)
+    from ac_observe.daemon.alerting.rules import default_rules_text
+    typer.echo("rules:\n" + "".join(f"  {line}\n" for line in
+                                     default_rules_text().splitlines()), nl=False)
+
+
+@alerts_app.command("schema")
+def alerts_schema() -> None:
+    """Print the alerting file's JSON Schema (for an editor's YAML support, or a CI check)."""
+    from ac_observe.daemon.alerting.file import schema
+    typer.echo(json.dumps(schema(), indent=2))
 
 
 @alerts_app.command("test")
@@ -258,7 +265,8 @@ def alerts_test(
     from sqlalchemy.exc import SQLAlchemyError
 
     from ac_observe.daemon.store import PENDING, Store
-    from ac_observe.daemon.webhooks import WebhookSender, load_alerting
+    from ac_observe.daemon.alerting.file import load_alerting
+    from ac_observe.daemon.alerting.outbox import WebhookSender
 
     try:
         receivers = load_alerting(alerting)
@@ -574,7 +582,8 @@ def rules_export(
     """Print the drift rules as a Prometheus rule file: one source, two evaluators."""
     import yaml
 
-    from ac_observe.daemon.alerts import default_rules, load_alerting_config
+    from ac_observe.daemon.alerting.file import load_alerting_config
+    from ac_observe.daemon.alerting.rules import default_rules
     from ac_observe.dashboards import promql
     if fmt != "prometheus":
         typer.echo(f"error: unknown format {fmt!r}; use prometheus", err=True)

@@ -35,7 +35,7 @@ class DaemonConfig:
     ebpf_probes: tuple[str, ...] = ()     # probe groups (empty: all)
     ebpf_pids: tuple[int, ...] = ()       # only these processes (empty: every CUDA process)
     ebpf_comm: str = ""                   # only processes whose name matches this regex
-    alerting_file: Path | None = None     # receivers and rules: daemon/webhooks.py, alerts.py
+    alerting_file: Path | None = None     # receivers and rules: daemon/alerting/
     alert_interval_seconds: float = 5.0   # rules are evaluated this often
     store_url: str | None = None          # SQLAlchemy URL; None: SQLite in state_dir
     state_dir: Path | None = None         # None: $AC_OBSERVE_STATE_DIR, $XDG_STATE_HOME/ac-observe

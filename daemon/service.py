@@ -119,11 +119,11 @@ class Daemon:
         self.history = self.history_writer = None
         receivers, rules = {}, []
         if config.alerting_file is not None:
-            from ac_observe.daemon.alerts import load_alerting_config
+            from ac_observe.daemon.alerting.file import load_alerting_config
             # AlertConfigError (a ValueError) names the file and field: fail fast.
             receivers, rules = load_alerting_config(config.alerting_file)
         if config.grafana_url:
-            from ac_observe.daemon.webhooks import grafana_receiver
+            from ac_observe.daemon.alerting.receivers import grafana_receiver
             grafana = grafana_receiver(config.grafana_url, config.grafana_token)
             if grafana.name in receivers:
                 raise ValueError(f"--grafana-url adds a receiver named {grafana.name!r}, and "
@@ -154,8 +154,8 @@ class Daemon:
             self.history = MinuteAggregator()
             self.history_writer = HistoryWriter(self.store, config.history_retention_seconds)
         if receivers or rules:
-            from ac_observe.daemon.alerts import Evaluator
-            from ac_observe.daemon.webhooks import WebhookSender
+            from ac_observe.daemon.alerting.evaluator import Evaluator
+            from ac_observe.daemon.alerting.outbox import WebhookSender
             if receivers:
                 self.webhooks = WebhookSender(self.store, receivers,
                                               external_url=f"http://{config.host}:{config.port}")
@@ -306,14 +306,15 @@ class Daemon:
         if scrape:
             self._gzip_pace.scraped(self._generation)
         text = self._text(wait=not scrape)
-        made = self._gzipped
-        if made[0] is text:
-            return made[1]
+        compressed = self._gzipped
+        if compressed[0] is text:
+            return compressed[1]
         with self._gzip_lock:  # 40 scrapes of a snapshot not compressed yet: one compress
-            made = self._gzipped
-            if made[0] is not text:
-                made = self._gzipped = (text, gzip.compress(text, compresslevel=1, mtime=0))
-            return made[1]
+            compressed = self._gzipped
+            if compressed[0] is not text:
+                compressed = self._gzipped = (text, gzip.compress(text, compresslevel=1,
+                                                                  mtime=0))
+            return compressed[1]
 
     def _text(self, wait: bool) -> bytes:
         if wait:
@@ -340,11 +341,11 @@ class Daemon:
         if generation != self._generation:
             return None
         if gzipped:
-            made = self._gzipped
-            if made[0] is not body:
+            compressed = self._gzipped
+            if compressed[0] is not body:
                 return None
             self._gzip_pace.scraped(generation)
-            return made[1]
+            return compressed[1]
         self._pace.scraped(generation)
         return body
 
@@ -393,6 +394,24 @@ class Daemon:
                 merge_minutes(minutes, group_minute(minute, first, step), rows, names)
         return build_view(minutes, self.history.kinds, first, last,
                           (current[0], current[2]) if current else None, step)
+
+    # ----- what the alerting reads (alerting.baselines.SeriesSource) -------------------------
+
+    @property
+    def interval_seconds(self) -> float:
+        return self.config.interval_seconds
+
+    @property
+    def window_seconds(self) -> float:
+        return self.config.window_seconds
+
+    @property
+    def has_history(self) -> bool:
+        return self.history is not None
+
+    @property
+    def windows_began(self) -> float:
+        return self.windows.earliest_time
 
     def status(self) -> dict:
         engines = []

@@ -140,6 +140,41 @@ def migrate(connection: Connection) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Transition:
+    """One move of an alert instance between states (a row of alert_transitions)."""
+    rule: str
+    fingerprint: str
+    labels: dict[str, str]   # the series' labels
+    from_state: str
+    to_state: str
+    at: float
+    value: float | None
+    baseline: float | None
+    summary: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SavedAlert:
+    """An alert instance pending or firing, kept across a restart (a row of
+    alert_instances)."""
+    rule: str
+    fingerprint: str
+    labels: dict[str, str]          # the series' labels
+    state: str
+    active_since: float | None
+    firing_since: float | None
+    value: float | None
+    baseline: float | None
+    updated_at: float
+    alert_labels: dict[str, str] | None = None  # the notification's labels (all of them)
+    annotations: dict[str, str] | None = None   # the last notification's annotations
+
+
+def _json(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+@dataclass(frozen=True, slots=True)
 class Delivery:
     id: str
     receiver: str
@@ -294,6 +329,56 @@ class Store:
             self._history_ids = {k: v for k, v in self._history_ids.items() if v not in gone}
         return {"minutes": minutes, "series": len(gone), "transitions": transitions,
                 "deliveries": finished}
+
+    # ----- alert states ---------------------------------------------------------------------
+
+    def record_transition(self, transition: Transition, saved: SavedAlert | None,
+                          deliveries_queued: list[tuple[str, str, dict]],
+                          queued_at: float) -> None:
+        """In one transaction: the transition, the instance as it now stands (`saved`;
+        None: inactive or resolved, so no row) and the deliveries it causes ((receiver,
+        kind, body), due at `queued_at`). All of it is committed, or none."""
+        with self.engine.begin() as connection:
+            connection.execute(alert_transitions.insert().values(
+                rule=transition.rule, fingerprint=transition.fingerprint,
+                labels=_json(transition.labels), from_state=transition.from_state,
+                to_state=transition.to_state, at=transition.at, value=transition.value,
+                baseline=transition.baseline, summary=transition.summary))
+            connection.execute(alert_instances.delete().where(
+                alert_instances.c.rule == transition.rule,
+                alert_instances.c.fingerprint == transition.fingerprint))
+            if saved is not None:
+                connection.execute(alert_instances.insert().values(
+                    rule=saved.rule, fingerprint=saved.fingerprint, labels=_json(saved.labels),
+                    state=saved.state, active_since=saved.active_since,
+                    firing_since=saved.firing_since, value=saved.value,
+                    baseline=saved.baseline, updated_at=saved.updated_at,
+                    alert_labels=None if saved.alert_labels is None
+                    else _json(saved.alert_labels),
+                    annotations=None if saved.annotations is None
+                    else _json(saved.annotations)))
+            for receiver, kind, body in deliveries_queued:
+                self.enqueue(connection, receiver, kind, body, queued_at)
+
+    def saved_alerts(self) -> list[SavedAlert]:
+        """The alert instances pending or firing when the daemon last wrote them."""
+        with self.engine.connect() as connection:
+            rows = list(connection.execute(sa.select(alert_instances)).mappings())
+        return [SavedAlert(
+            rule=row["rule"], fingerprint=row["fingerprint"], labels=json.loads(row["labels"]),
+            state=row["state"], active_since=row["active_since"],
+            firing_since=row["firing_since"], value=row["value"], baseline=row["baseline"],
+            updated_at=row["updated_at"],
+            alert_labels=json.loads(row["alert_labels"]) if row["alert_labels"] else None,
+            annotations=json.loads(row["annotations"]) if row["annotations"] else None)
+            for row in rows]
+
+    def recent_transitions(self, limit: int = 100) -> list[dict]:
+        """The latest transitions, newest first, labels decoded."""
+        with self.engine.connect() as connection:
+            rows = connection.execute(sa.select(alert_transitions)
+                                      .order_by(alert_transitions.c.id.desc()).limit(limit))
+            return [{**dict(r), "labels": json.loads(r["labels"])} for r in rows.mappings()]
 
     # ----- the outbox ---------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def prometheus_rule(rules) -> dict:
 
 def files(rules=None) -> dict[str, str]:
     """Path from the repository's root -> content."""
-    from ac_observe.daemon.alerts import default_rules
+    from ac_observe.daemon.alerting.rules import default_rules
     rules = default_rules() if rules is None else rules
     out = {}
     for board in grafana.boards(rules):

@@ -298,7 +298,7 @@ def drift_and_alerts(rules) -> Board:
 
 def boards(rules=None) -> list[Board]:
     if rules is None:
-        from ac_observe.daemon.alerts import default_rules
+        from ac_observe.daemon.alerting.rules import default_rules
         rules = default_rules()
     return [overview(), kv_and_prompts(), gpu_and_cuda(), drift_and_alerts(rules)]
 
@@ -370,13 +370,13 @@ def annotation_queries(query, target) -> list:
     annotation tagged `ac-observe`, from a receiver of format grafana or --grafana-url)."""
     from grafana_foundation_sdk.models.dashboard import DataSourceRef
 
-    from ac_observe.daemon.webhooks import ANNOTATION_TAG
+    from ac_observe.metrics import GRAFANA_ANNOTATION_TAG
     builtin = DataSourceRef(type_val=GRAFANA_BUILTIN["type"], uid=GRAFANA_BUILTIN["uid"])
     return [
         query().name("Annotations & Alerts").datasource(builtin).enable(True).hide(True)
         .icon_color("rgba(0, 211, 255, 1)").type("dashboard").built_in(1),
         query().name("ac-observe alerts").datasource(builtin).enable(True).hide(False)
-        .icon_color("red").target(target().type("tags").tags([ANNOTATION_TAG])
+        .icon_color("red").target(target().type("tags").tags([GRAFANA_ANNOTATION_TAG])
                                   .match_any(False).limit(100)),
     ]
 

@@ -1,7 +1,7 @@
 """The daemon's statistics as PromQL, and its drift rules as Prometheus alert rules.
 
 One source, two evaluators: `ac-observe rules export --format prometheus` turns the rules
-the daemon evaluates (DEFAULT_RULES, or an alerting file's) into a Prometheus rule group,
+the daemon evaluates (the shipped defaults, or an alerting file's) into a Prometheus rule group,
 so users who route through Alertmanager get the same rules from Prometheus. What each
 statistic means is the daemon's (daemon/query.py):
 
@@ -30,9 +30,9 @@ from __future__ import annotations
 import math
 import re
 
+from ac_observe.daemon.alerting.rules import SAME_HOUR_SPAN_SECONDS, TEMPLATE
 from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec
 
-SAME_HOUR_SPAN_SECONDS = 3600.0
 # The daemon resolves an alert at the second evaluation in a row without its condition (one
 # odd sample never resolves it); Prometheus at the first, unless told to keep firing.
 # Prometheus starts that clock at the first miss and resolves once it has run at least
@@ -207,7 +207,7 @@ def baseline_expr(rule, regex: dict | None = None) -> str:
 
 
 def rule_expr(rule) -> str:
-    """A daemon rule (daemon/alerts.py Rule) as one PromQL alert expression."""
+    """A daemon rule (daemon/alerting/rules.py Rule) as one PromQL alert expression."""
     friendly = FRIENDLY[rule.metric]
     current = statistic_expr(friendly, rule.statistic, duration(rule.window_seconds),
                              rule.match, share_threshold=rule.share_threshold,
@@ -268,7 +268,7 @@ def _series_value(expr: str, labels: tuple[str, ...]) -> str:
 def template_fields(rule) -> dict[str, str]:
     """The daemon's annotation fields ({{ value }}, {{ baseline }}, ...) as Prometheus
     templates: the same figures, queried at the alert's evaluation for its series, so an
-    alerting file's annotations read alike from both evaluators (daemon/alerts.py
+    alerting file's annotations read alike from both evaluators (daemon/alerting/evaluator.py
     `Evaluator._alert`)."""
     friendly = FRIENDLY[rule.metric]
     by = group_labels(friendly, rule.match) + (INSTANCE,)
@@ -304,7 +304,6 @@ def template_fields(rule) -> dict[str, str]:
 
 
 def alert_rule(rule) -> dict:
-    from ac_observe.daemon.alerts import TEMPLATE
     value = ("the change" if rule.comparison.startswith("relative")
              else "the difference" if rule.comparison.startswith("absolute") else "the value")
     entry = {"alert": rule.name, "expr": rule_expr(rule)}

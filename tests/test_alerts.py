@@ -15,11 +15,12 @@ from standardwebhooks.webhooks import Webhook
 
 from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, new_family
-from ac_observe.daemon.alerts import FIRING, PENDING, load_alerting_config
+from ac_observe.daemon.alerting.file import load_alerting_config
+from ac_observe.daemon.alerting.rules import AlertConfigError
+from ac_observe.daemon.alerting.state import FIRING, PENDING
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
 from ac_observe.daemon.store import deliveries
-from ac_observe.daemon.webhooks import AlertConfigError
 
 from support.servers import AC_OBSERVE, EngineServer, wait_for
 from test_webhooks import SECRET, _Receiver
@@ -573,7 +574,7 @@ def test_a_removed_or_changed_rule_resolves_what_it_left_firing(tmp_path, edit):
 
 
 def test_a_firing_alert_whose_series_is_gone_resolves_after_an_hour_without_data(tmp_path):
-    from ac_observe.daemon.alerts import NO_DATA_RESOLVE_SECONDS
+    from ac_observe.daemon.alerting.state import NO_DATA_RESOLVE_SECONDS
     gauges, t0 = _Gauges(), 6_000_000.0
     firing = _fire_kv_usage_high(tmp_path, gauges, t0)
     daemon = _daemon(tmp_path, _write(tmp_path, RULES), gauges)
@@ -609,7 +610,7 @@ def test_a_slow_rule_never_delays_a_collection_cycle(tmp_path):
                                  state_dir=tmp_path / "state", alert_interval_seconds=0.2),
                     collectors=[gauges])
     entered, release, returned = threading.Event(), threading.Event(), threading.Event()
-    inputs = daemon.alerts._inputs
+    inputs = daemon.alerts.read_inputs
 
     def slow(rule, now):
         entered.set()
@@ -617,7 +618,7 @@ def test_a_slow_rule_never_delays_a_collection_cycle(tmp_path):
         returned.set()
         return inputs(rule, now)
 
-    daemon.alerts._inputs = slow
+    daemon.alerts.read_inputs = slow
     daemon.start()
     try:
         assert entered.wait(10), "no evaluation began"
@@ -883,3 +884,39 @@ def test_baseline_min_coverage_is_a_share_for_a_trailing_baseline_only(tmp_path)
     static = _one_rule("1m", "static:10", "    baseline_min_coverage: 0.5\n")
     with pytest.raises(AlertConfigError, match="trailing or same_hour_yesterday baseline only"):
         load_alerting_config(_write(tmp_path, static))
+
+
+def test_the_printed_schema_holds_the_shipped_alerting_files_and_refuses_bad_ones(tmp_path):
+    """`ac-observe alerts schema` is what an editor checks a file against: the compose
+    stack's alerting file and the shipped rules written out pass it, and the mistakes the
+    daemon refuses that a schema can see (an unknown field, a comparison or metric that
+    does not exist, a threshold that is no number) fail it."""
+    import jsonschema
+    import yaml
+
+    from support.stack import REPO
+
+    printed = subprocess.run([AC_OBSERVE, "alerts", "schema"], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    schema = json.loads(printed)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    shipped = yaml.safe_load((REPO / "dashboards/ac-observe/alerting.yaml").read_text())
+    assert list(validator.iter_errors(shipped)) == []
+    defaults = subprocess.run([AC_OBSERVE, "alerts", "defaults"], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+    written = yaml.safe_load(defaults)
+    assert len(written["rules"]) == 8 and list(validator.iter_errors(written)) == []
+    path = tmp_path / "alerts.yaml"
+    path.write_text(f"receivers:\n  - {{name: ops, url: 'http://h/x', secret: '{SECRET}'}}\n"
+                    "rules:\n" + RULES)
+    good = yaml.safe_load(path.read_text())
+    assert list(validator.iter_errors(good)) == []
+    load_alerting_config(path)  # and the daemon takes it
+    rule = good["rules"][0]
+    for bad in ({**rule, "when": "now"}, {**rule, "comparison": "sideways"},
+                {**rule, "metric": "nope"}, {**rule, "threshold": "hi"},
+                {key: value for key, value in rule.items() if key != "window"}):
+        assert list(validator.iter_errors({"rules": [bad]})), bad
+    assert list(validator.iter_errors({"receivers": [{"name": "a", "url": "http://h/",
+                                                      "format": "teams"}]}))

@@ -21,7 +21,7 @@ import yaml
 
 from ac_observe import metrics as m
 from ac_observe.dashboards import generate, grafana, promql
-from ac_observe.daemon.alerts import default_rules, parse_rules
+from ac_observe.daemon.alerting.rules import default_rules, parse_rules
 from support.grafana import Grafana
 from support.servers import AC_OBSERVE, DaemonProcess, EngineServer, run_cli, wait_for
 from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of, finite
@@ -119,7 +119,9 @@ def test_durations_are_promql_ones_down_to_the_millisecond():
 def test_every_board_shows_the_alert_annotations_the_daemon_writes():
     """Each board queries Grafana's annotation store for the tag every annotation of the
     daemon's grafana receiver carries (and keeps Grafana's built-in one)."""
-    from ac_observe.daemon.webhooks import ANNOTATION_TAG, Alert, grafana_annotation
+    from ac_observe.daemon.alerting.alert import Alert
+    from ac_observe.daemon.alerting.notify.grafana import grafana_annotation
+    from ac_observe.metrics import GRAFANA_ANNOTATION_TAG as ANNOTATION_TAG
     written = grafana_annotation([Alert({"alertname": "X"}, {}, "firing", 1.0)])
     for uid, model in _models().items():
         queries = {q["name"]: q for q in model["annotations"]["list"]}

@@ -17,8 +17,11 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Store
-from ac_observe.daemon.webhooks import (AlertConfigError, Backoff, Receiver, WebhookSender,
-                                        fingerprint, load_alerting, retry_after)
+from ac_observe.daemon.alerting.alert import fingerprint
+from ac_observe.daemon.alerting.file import load_alerting
+from ac_observe.daemon.alerting.outbox import Backoff, WebhookSender, retry_after
+from ac_observe.daemon.alerting.receivers import Receiver
+from ac_observe.daemon.alerting.rules import AlertConfigError
 
 from support.grafana import Grafana
 from support.servers import parse_metrics, wait_for
@@ -250,7 +253,7 @@ def _grafana_sender(store, grafana, clock):
 
 
 def _transition(status: str, starts_at: float, ends_at: float | None = None):
-    from ac_observe.daemon.webhooks import Alert
+    from ac_observe.daemon.alerting.alert import Alert
     return Alert(labels={"alertname": "TtftDrift", "severity": "warning", "engine": "e1"},
                  annotations={"summary": "TTFT p99 0.9 s", "description": "baseline 0.3 s"},
                  status=status, starts_at=starts_at, ends_at=ends_at)
@@ -350,7 +353,8 @@ def test_a_grafana_that_refuses_the_request_itself_is_not_retried(store, status,
 
 
 def test_long_label_values_become_tags_grafana_keeps():
-    from ac_observe.daemon.webhooks import Alert, grafana_annotation
+    from ac_observe.daemon.alerting.alert import Alert
+    from ac_observe.daemon.alerting.notify.grafana import grafana_annotation
     long = "/models/" + "x" * 300
     tags = grafana_annotation([Alert({"alertname": "A", "model": long}, {}, "firing",
                                      1.0)])["tags"]
@@ -370,8 +374,9 @@ def test_retry_after_forms():
 
 _DAEMON = textwrap.dedent("""
     import sys, time
+    from ac_observe.daemon.alerting.outbox import WebhookSender
+    from ac_observe.daemon.alerting.receivers import Receiver
     from ac_observe.daemon.store import Store
-    from ac_observe.daemon.webhooks import Receiver, WebhookSender
     store = Store(sys.argv[1] or None, state_dir=sys.argv[2])
     sender = WebhookSender(store, {"ops": Receiver("ops", sys.argv[3], secret=sys.argv[4])})
     print(sender.send_test(host="n")[0], flush=True)
@@ -463,7 +468,8 @@ def test_the_body_is_the_one_alertmanager_itself_posts(tmp_path, receiver):
     fields, group key, common labels and fingerprint as ours."""
     import socket
 
-    from ac_observe.daemon.webhooks import Alert, alertmanager_body
+    from ac_observe.daemon.alerting.alert import Alert
+    from ac_observe.daemon.alerting.notify.alertmanager import alertmanager_body
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -514,7 +520,7 @@ def test_the_body_is_the_one_alertmanager_itself_posts(tmp_path, receiver):
 
 
 def datetime_rfc3339(seconds: float) -> str:
-    from ac_observe.daemon.webhooks import rfc3339
+    from ac_observe.daemon.alerting.alert import rfc3339
     return rfc3339(seconds)
 
 
