@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from ac_observe import __version__
+from ac_observe.auth import FAULT_TOKEN_ENV
 from ac_observe.metrics import DEFAULT_DAEMON_PORT, DEFAULT_ENGINE_PORT, LOW_LATENCY, THROUGHPUT
 
 # Click's plain help: rich's panels cut long option names ("--gpu-memory-utiliz…") and env
@@ -44,7 +45,6 @@ def daemon_address(url: str) -> str:
     """--daemon as typed: host:port alone means http://host:port."""
     url = url.strip().rstrip("/")
     return url if "://" in url else "http://" + url
-FAULT_TOKEN_ENV = "AC_OBSERVE_FAULT_TOKEN"
 
 
 @app.callback(invoke_without_command=True)
@@ -326,7 +326,7 @@ def up(
 ) -> None:
     """Start an engine and a daemon on the embedded defaults; Ctrl-C stops both."""
     from ac_observe.daemon.query import parse_duration
-    from ac_observe.daemon.up import run_up
+    from ac_observe.daemon.supervisor import run_up
     schedule = None
     if demo_drift:
         try:
