@@ -1,0 +1,53 @@
+"""`ac-observe dashboards`: the Grafana dashboards, provisioning and Prometheus rules
+generated from the metric contract (generate, push)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ac_observe.daemon.cli.app import EXIT_OK, EXIT_REFUSED, PLAIN_HELP, app
+
+
+dashboards_app = typer.Typer(
+    **PLAIN_HELP, help="Grafana dashboards and Prometheus rules generated from the metric "
+                       "contract.")
+app.add_typer(dashboards_app, name="dashboards")
+
+
+@dashboards_app.command("generate")
+def dashboards_generate(
+    out: Path = typer.Option(Path("."), "--root", help="The repository's root (dashboards/ "
+                             "and deploy/kubernetes/ are written under it)."),
+    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 if any "
+                               "generated file is missing or differs."),
+) -> None:
+    """Write the dashboards' JSON, Grafana provisioning, Prometheus rules and the
+    Kubernetes PrometheusRule."""
+    from ac_observe.dashboards import generate
+    if check:
+        stale = generate.stale(out)
+        for path in stale:
+            typer.echo(f"stale: {out / path}", err=True)
+        raise typer.Exit(EXIT_REFUSED if stale else EXIT_OK)
+    for path in generate.write(out):
+        typer.echo(f"wrote {out / path}")
+
+
+@dashboards_app.command("push")
+def dashboards_push(
+    grafana_url: str = typer.Option(..., envvar="GRAFANA_URL", help="Grafana's URL."),
+    token: str = typer.Option(None, envvar="GRAFANA_TOKEN", help="A service account token "
+                              "(Editor); the environment is safer than the command line."),
+    folder: str = typer.Option("ac-observe", help="Folder to put the dashboards in."),
+    datasource_uid: str = typer.Option("", help="Uid of the Prometheus datasource to point "
+                                       "the dashboards at (default: the stack's own)."),
+) -> None:
+    """Upload the dashboards to a Grafana that is not file-provisioned (Grafana Cloud)."""
+    from ac_observe.dashboards import push
+    try:
+        for line in push.push(grafana_url, token, folder, datasource_uid or None):
+            typer.echo(line)
+    except push.PushError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_REFUSED)
