@@ -9,6 +9,13 @@
 - client.py: the daemon's HTTP API (get_json, DaemonError, DaemonUnreachable)
 - render.py: figures scaled for reading, sparklines, tables that fit, error lines
 
+Exit codes, the same for every command (also in `ac-observe --help`):
+  0  ok
+  1  the daemon answered no (an error body, a refused token), a failed delivery in
+     `alerts test`, stale files in `dashboards generate --check`
+  2  usage: a bad option value, an unreadable file
+  3  the daemon cannot be reached
+
 NOTE: torch-free at import: engine code loads inside the `engine` and `skeleton` commands
 only, and the alerting code inside the alerts and rules commands.
 """

@@ -8,9 +8,21 @@ import typer
 
 from ac_observe.metrics import DEFAULT_DAEMON_PORT
 
+# Exit codes, the same for every command (the package docstring and --help's epilog list
+# them). Click's own usage errors (an unknown option, a missing value) exit 2 too.
 EXIT_OK = 0
-EXIT_REFUSED = 1  # the daemon answered no or cannot be reached, a test delivery failed, ...
+EXIT_REFUSED = 1  # the daemon answered no, a test delivery failed, generated files are stale
 EXIT_USAGE = 2  # a bad option value, an unreadable file
+EXIT_UNREACHABLE = 3  # no daemon answers at --daemon
+
+# "\b": click prints the paragraph as it is, not rewrapped into one line.
+EXIT_CODES_HELP = f"""\b
+Exit codes:
+  {EXIT_OK}  ok
+  {EXIT_REFUSED}  the daemon answered no (an error, a refused token); a test delivery
+     failed (alerts test); stale files (dashboards generate --check)
+  {EXIT_USAGE}  usage: a bad option value, an unreadable file
+  {EXIT_UNREACHABLE}  the daemon cannot be reached"""
 
 # Click's plain help: rich's panels cut long option names ("--gpu-memory-utiliz…") and env
 # var names at 80 columns, the very text a user copies; click's wraps, whole.
@@ -35,7 +47,8 @@ def _whole_words_in_help() -> None:
 
 _whole_words_in_help()
 app = typer.Typer(add_completion=False, no_args_is_help=False, **PLAIN_HELP,
-                  help="Kernel-level observability for self-hosted LLM inference.")
+                  help="Kernel-level observability for self-hosted LLM inference.",
+                  epilog=EXIT_CODES_HELP)
 
 
 DEFAULT_DAEMON_URL = f"http://127.0.0.1:{DEFAULT_DAEMON_PORT}"

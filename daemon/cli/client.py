@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from ac_observe.daemon.cli.app import EXIT_REFUSED
+from ac_observe.daemon.cli.app import EXIT_REFUSED, EXIT_UNREACHABLE
 
 
 class DaemonError(RuntimeError):
@@ -13,7 +13,7 @@ class DaemonError(RuntimeError):
 
 
 class DaemonUnreachable(DaemonError):
-    pass
+    exit_code = EXIT_UNREACHABLE
 
 
 def get_json(obj: dict, path: str, expect: str, **params) -> dict:

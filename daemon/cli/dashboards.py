@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ac_observe.daemon.cli.app import EXIT_OK, EXIT_REFUSED, PLAIN_HELP, app
+from ac_observe.daemon.cli.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, PLAIN_HELP, app
 
 
 dashboards_app = typer.Typer(
@@ -25,13 +25,17 @@ def dashboards_generate(
     """Write the dashboards' JSON, Grafana provisioning, Prometheus rules and the
     Kubernetes PrometheusRule."""
     from ac_observe.dashboards import generate
-    if check:
-        stale = generate.stale(out)
-        for path in stale:
-            typer.echo(f"stale: {out / path}", err=True)
-        raise typer.Exit(EXIT_REFUSED if stale else EXIT_OK)
-    for path in generate.write(out):
-        typer.echo(f"wrote {out / path}")
+    try:
+        if check:
+            stale = generate.stale(out)
+            for path in stale:
+                typer.echo(f"stale: {out / path}", err=True)
+            raise typer.Exit(EXIT_REFUSED if stale else EXIT_OK)
+        for path in generate.write(out):
+            typer.echo(f"wrote {out / path}")
+    except OSError as exc:  # a --root that cannot be read or written
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE)
 
 
 @dashboards_app.command("push")
@@ -45,6 +49,10 @@ def dashboards_push(
 ) -> None:
     """Upload the dashboards to a Grafana that is not file-provisioned (Grafana Cloud)."""
     from ac_observe.dashboards import push
+    if not grafana_url.startswith(("http://", "https://")):  # usage, before any request
+        typer.echo(f"error: the Grafana URL must start with http:// or https://: "
+                   f"{grafana_url!r}", err=True)
+        raise typer.Exit(EXIT_USAGE)
     try:
         for line in push.push(grafana_url, token, folder, datasource_uid or None):
             typer.echo(line)

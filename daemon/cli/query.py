@@ -57,8 +57,17 @@ def root(ctx: typer.Context,
         if at is not None and watch:
             typer.echo("error: --at names one instant; --watch follows the present", err=True)
             raise typer.Exit(EXIT_USAGE)
+        from ac_observe.daemon.query import parse_duration, parse_instant, parse_labels
+        # A malformed value is this command line's mistake (2), told before any daemon is
+        # asked; whether the metric has such a label is the daemon's to say (1).
+        for option, parse, value in (("--window", parse_duration, window),
+                                     ("--labels", parse_labels, labels)):
+            try:
+                parse(value)
+            except ValueError as exc:
+                typer.echo(f"error: {option}: {exc}", err=True)
+                raise typer.Exit(EXIT_USAGE)
         if at is not None:  # read here: a clock time is this terminal's, not the daemon's
-            from ac_observe.daemon.query import parse_instant
             try:
                 at = repr(parse_instant(at))
             except ValueError as exc:

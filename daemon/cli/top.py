@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ac_observe.daemon.cli.app import EXIT_OK, app
+from ac_observe.daemon.cli.app import EXIT_OK, EXIT_USAGE, app
 from ac_observe.daemon.cli.client import DaemonError, get_json
 from ac_observe.daemon.cli.render import alert_state, alerts_table, human
 
@@ -43,6 +43,9 @@ def top(ctx: typer.Context,
         window: str = typer.Option("60s", help="Window of the figures: 30s, 60s, 5m, 15m, "
                                                "1h (w cycles through them).")) -> None:
     """One live screen per engine and lane: TTFT, ITL, KV hit rate, stream use, queue."""
+    if window not in WINDOWS:  # w cycles through these: another has no place in the cycle
+        typer.echo(f"error: --window {window!r}: use one of {', '.join(WINDOWS)}", err=True)
+        raise typer.Exit(EXIT_USAGE)
     raise typer.Exit(run_top(ctx.obj, window))
 
 
@@ -146,8 +149,6 @@ def render(snap: dict, url: str, width: int | None = None) -> Group:
 
 def run_top(obj: dict, window: str) -> int:
     console = Console()
-    if window not in WINDOWS:
-        window = WINDOWS[1]
     try:
         if not console.is_terminal or not sys.stdin.isatty():
             console.print(render(snapshot(obj, window), obj["url"], console.width))
