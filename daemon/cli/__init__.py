@@ -4,7 +4,7 @@
 - status.py, top.py: what the daemon sees; one live screen per engine and lane
 - daemon.py, up.py, engine.py: run the daemon, engine + daemon supervised, the engine
 - alerts.py, rules.py: drift alerts (list, defaults, test), the rules for Prometheus
-- dashboards.py: generate and push the dashboards
+- dashboards.py: generate, push, and the path of the installed dashboard and stack files
 - skeleton.py: a prompt's structural skeleton
 - client.py: the daemon's HTTP API (get_json, DaemonError, DaemonUnreachable)
 - render.py: figures scaled for reading, sparklines, tables that fit, error lines

@@ -1,5 +1,6 @@
 """`ac-observe dashboards`: the Grafana dashboards, provisioning and Prometheus rules
-generated from the metric contract (generate, push)."""
+generated from the metric contract (generate, push), and where the installed package keeps
+them and the stack's other files (path)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -59,3 +60,11 @@ def dashboards_push(
     except push.PushError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_REFUSED)
+
+
+@dashboards_app.command("path")
+def dashboards_path() -> None:
+    """Print the folder of the installed dashboards and stack files (grafana/,
+    prometheus/, alertmanager/), to mount or copy into a Grafana and Prometheus."""
+    import ac_observe.dashboards
+    typer.echo(Path(ac_observe.dashboards.__file__).parent)
