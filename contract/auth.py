@@ -1,6 +1,10 @@
 """Bearer tokens (RFC 6750), shared by the daemon's API and the engine's fault route."""
 from __future__ import annotations
 
+# The engine's /admin/faults token when no --fault-token-file names one; `up --demo-drift`
+# hands its engine one this way (the engine's environment alone, not the daemon's).
+FAULT_TOKEN_ENV = "AC_OBSERVE_FAULT_TOKEN"
+
 
 def bearer_token(header: str | None) -> bytes | None:
     """The token of an `Authorization: Bearer <token>` header, as the client's bytes."""

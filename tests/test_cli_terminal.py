@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from ac_observe import metrics as m
-from ac_observe.daemon.cli_render import human
-from ac_observe.daemon.cli_top import LANE_COLUMNS
+from ac_observe.daemon.cli.render import human
+from ac_observe.daemon.cli.top import LANE_COLUMNS
 from ac_observe.engine.telemetry import TelemetryWriter
 from support.servers import AC_OBSERVE, EngineServer, free_port, run_cli, sample_value, wait_for
 
@@ -162,7 +162,7 @@ def test_watch_into_a_pipe_prints_a_stamped_frame_every_two_seconds(live):
 
 
 def test_flat_trends_and_unitless_metrics_read_right():
-    from ac_observe.daemon.cli_render import metric_table, sparkline
+    from ac_observe.daemon.cli.render import metric_table, sparkline
     assert sparkline([0, 0, None, 0]) == "▁▁ ▁"  # nothing happened: at the bottom
     assert sparkline([1, 1, 1]) == "▅▅▅"
     assert sparkline([0, 1]) == "▁█"
@@ -331,7 +331,7 @@ def test_top_keeps_headers_numbers_and_names_whole(columns):
     the lanes split into a latency and a load table: every header and number stays whole
     (a long name may wrap)."""
     from rich.console import Console
-    from ac_observe.daemon.cli_top import render
+    from ac_observe.daemon.cli.top import render
     name = "prod-engine-with-a-long-name-7"
     key = (name, "low_latency")
     wide = {"ttft_p50": "1.05 s", "ttft_p95": "12.3 s", "itl_p95": "999 ms", "util": "99.9%",
@@ -366,7 +366,7 @@ def test_top_keeps_headers_numbers_and_names_whole(columns):
 def test_every_figure_of_a_top_screen_is_asked_at_the_same_cycle(monkeypatch):
     """The status's as_of pins every query of the snapshot (a cycle landing between two
     of its queries cannot mix two cycles on one screen)."""
-    from ac_observe.daemon import cli_top
+    from ac_observe.daemon.cli import top as cli_top
     asked = []
 
     def get_json(obj, path, expect, **params):
@@ -387,7 +387,7 @@ def test_every_figure_of_a_top_screen_is_asked_at_the_same_cycle(monkeypatch):
 
 def test_top_lists_the_alerts_pending_or_firing_in_their_metrics_units():
     from rich.console import Console
-    from ac_observe.daemon.cli_top import _alerts
+    from ac_observe.daemon.cli.top import _alerts
     body = {"rules": 3, "alerts": [
         {"rule": "TtftDrift", "state": "firing", "no_data": False, "value": 12_300_000.0,
          "baseline": 8_000_000.0, "metric": "inference_latency_ns", "statistic": "p95",
@@ -425,7 +425,8 @@ def test_top_says_in_one_line_when_the_daemon_goes_away(start_daemon, tmp_path):
     try:
         wait_for(lambda: "lanes" in tmux.screen(), 30, "top's screen")
         daemon.stop()
-        wait_for(lambda: out_file.exists() and out_file.read_text().strip().endswith("1"), 15,
+        # Exit code 3: the daemon cannot be reached.
+        wait_for(lambda: out_file.exists() and out_file.read_text().strip().endswith("3"), 15,
                  "top to exit")
     finally:
         tmux.close()
@@ -453,7 +454,7 @@ def test_the_list_shows_every_friendly_name_whole(columns):
 def test_the_alerts_command_keeps_rules_and_labels_whole_in_their_units(monkeypatch, capsys):
     """At 80 columns two alerts of one rule on two lanes are told apart (rule names and
     label sets whole, never '…'), and values read in the metric's unit, not 2.296e+08."""
-    from ac_observe.daemon import cli_query
+    from ac_observe.daemon.cli import alerts as cli_alerts
     drift = {"rule": "InferenceLatencyDrift", "severity": "warning", "no_data": False,
              "metric": "inference_latency_ns", "statistic": "p95", "value": 229_600_000.0,
              "baseline": 180_000_000.0, "active_since": 1.7e9, "firing_since": 1.7e9 + 120}
@@ -466,9 +467,9 @@ def test_the_alerts_command_keeps_rules_and_labels_whole_in_their_units(monkeypa
                      "to_state": "firing", "value": 71.25, "baseline": 93.0,
                      "metric": "kv_cache_hit_rate", "statistic": "mean",
                      "labels": {"engine": "engine-8000"}}]}
-    monkeypatch.setattr(cli_query, "get_json", lambda obj, path, expect, **params: body)
+    monkeypatch.setattr(cli_alerts, "get_json", lambda obj, path, expect, **params: body)
     monkeypatch.setenv("COLUMNS", "80")
-    assert cli_query.show_alerts({"url": "http://127.0.0.1:9410"}, True, False) == 0
+    assert cli_alerts.show_alerts({"url": "http://127.0.0.1:9410"}, True, False) == 0
     out = capsys.readouterr().out
     assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
     flat = " ".join(out.split())
@@ -483,7 +484,7 @@ def test_the_alerts_command_keeps_rules_and_labels_whole_in_their_units(monkeypa
     body["alerts"][1].update(no_data=True, labels={"model": "Meta-Llama-3.1-8B-Instruct"})
     for columns in ("80", "60"):
         monkeypatch.setenv("COLUMNS", columns)
-        assert cli_query.show_alerts({"url": "http://127.0.0.1:9410"}, False, False) == 0
+        assert cli_alerts.show_alerts({"url": "http://127.0.0.1:9410"}, False, False) == 0
         out = capsys.readouterr().out
         assert "…" not in out and max(map(len, out.splitlines())) <= int(columns), out
         figures = [r for r in (_cells(line) for line in out.splitlines())
@@ -494,15 +495,15 @@ def test_the_alerts_command_keeps_rules_and_labels_whole_in_their_units(monkeypa
 def test_the_alerts_command_says_which_series_wait_for_a_baseline(monkeypatch, capsys):
     """A rule whose baseline is still building is listed with why, labels as they are
     (an engine name is not rich markup), ten series at most and how many more."""
-    from ac_observe.daemon import cli_query
+    from ac_observe.daemon.cli import alerts as cli_alerts
     why = ("no baseline: trailing 60 s before the window: still building (25 % of it "
            "watched, 50 % needed)")
     body = {"rules": 1, "alerts": [], "history": [], "waiting": [
         {"rule": "DemoLatencyDrift", "labels": {"engine": f"[red]e{i}", "stream": "x"},
          "value": 1.0, "waiting_for": why} for i in range(12)]}
-    monkeypatch.setattr(cli_query, "get_json", lambda obj, path, expect, **params: body)
+    monkeypatch.setattr(cli_alerts, "get_json", lambda obj, path, expect, **params: body)
     monkeypatch.setenv("COLUMNS", "200")
-    assert cli_query.show_alerts({"url": "http://127.0.0.1:9410"}, False, False) == 0
+    assert cli_alerts.show_alerts({"url": "http://127.0.0.1:9410"}, False, False) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "no alert pending or firing"
     assert lines[1:] == [f"DemoLatencyDrift {{engine=[red]e{i},stream=x}} waits: {why}"
@@ -546,7 +547,7 @@ def test_every_help_names_every_option_whole_at_80_columns():
 def test_status_keeps_engine_names_and_addresses_whole_at_80_columns(monkeypatch, capsys):
     """Names, models (an HF folder's name is long) and API addresses are what a user types
     next: whole at 80 columns, each engine's under its name, beside its state."""
-    from ac_observe.daemon import cli_query
+    from ac_observe.daemon.cli import status as cli_status
     reason = "NVML library libnvidia-ml.so.1 not found (no NVIDIA driver on this host)"
     body = {"version": "0.1.0", "interval_seconds": 1, "window_seconds": 3600,
             "telemetry_root": "/tmp/ac-observe-0/telemetry",
@@ -562,9 +563,9 @@ def test_status_keeps_engine_names_and_addresses_whole_at_80_columns(monkeypatch
                          "heartbeat_age_seconds": 120.0, "restarts": 0},
                         {"engine": "bad-one", "model": "?", "pid": "?", "api_address": "",
                          "error": "engine.json: not JSON", "directory": "/t/bad-one"}]}
-    monkeypatch.setattr(cli_query, "get_json", lambda *args, **kwargs: body)
+    monkeypatch.setattr(cli_status, "get_json", lambda *args, **kwargs: body)
     monkeypatch.setenv("COLUMNS", "80")
-    assert cli_query.show_status({"url": "http://127.0.0.1:9410"}, False) == 0
+    assert cli_status.show_status({"url": "http://127.0.0.1:9410"}, False) == 0
     out = capsys.readouterr().out
     assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
     rows = [_cells(line) for line in out.splitlines()]

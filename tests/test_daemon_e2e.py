@@ -221,7 +221,7 @@ def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
     out = subprocess.run([AC_OBSERVE, "--daemon",
                           f"http://127.0.0.1:{port}", "--metric", "gpu_utilization"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "cannot reach the ac-observe daemon" in out.stderr
+    assert out.returncode == 3 and "cannot reach the ac-observe daemon" in out.stderr
     daemon = start_daemon(None, "--collectors", "engine")
     out = subprocess.run([AC_OBSERVE, "--daemon", daemon.url,
                           "--metric", "gpu_utilisation"], capture_output=True, text=True,

@@ -54,6 +54,17 @@ def test_a_stale_or_hand_edited_file_is_caught(tmp_path):
     assert out.returncode == 1 and "ac-overview.json" in out.stderr
 
 
+def test_dashboards_path_names_the_installed_dashboard_and_stack_files():
+    """`ac-observe dashboards path`: the installed package's folder of the files a user
+    mounts into Grafana and Prometheus."""
+    import ac_observe.dashboards
+    out = run_cli("dashboards", "path")
+    assert out.returncode == 0, out.stderr
+    path = Path(out.stdout.strip())
+    assert path == Path(ac_observe.dashboards.__file__).parent
+    assert path.is_dir() and (path / "grafana").is_dir(), sorted(p.name for p in path.iterdir())
+
+
 def test_every_query_names_families_of_the_contract_through_the_pinned_datasource():
     models = _models()
     assert set(models) == {"ac-overview", "ac-kv-cache", "ac-gpu-cuda", "ac-drift"}

@@ -17,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ac_observe.auth import FAULT_TOKEN_ENV
+
 PR_SET_PDEATHSIG = 1
 FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
@@ -93,7 +95,6 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
     driver = None
     if demo_drift:
         from ac_observe.daemon.demo_drift import DriftDriver, write_demo_alerting
-        from ac_observe.daemon.cli import FAULT_TOKEN_ENV
         engine_cmd.append("--fault-injection")
         daemon_cmd += ["--alerting", str(write_demo_alerting()), "--alert-interval", "2s"]
         fault_token = os.environ.get(FAULT_TOKEN_ENV) or secrets.token_urlsafe(24)

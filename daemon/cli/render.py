@@ -7,6 +7,7 @@ text without escape codes; `--json` never comes here and stays raw.
 from __future__ import annotations
 
 import math
+import time
 
 from rich.text import Text
 
@@ -210,3 +211,16 @@ def fitted(table_for, first_cells: list, width: int):
     probe = Console(width=10_000, file=io.StringIO()).measure(table_for(1, True)).maximum
     room = width - (probe - 1)
     return table_for(max(12, min(longest, room)), room >= 12)
+
+
+def print_error(message: str) -> None:
+    """`error: MESSAGE` on stderr: one line, never wrapped."""
+    from rich.console import Console
+    from rich.markup import escape
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(message)}",
+                                               highlight=False)
+
+
+def clock(at: float | None, layout: str) -> str:
+    """A unix time as local clock time in `layout`; empty for none."""
+    return time.strftime(layout, time.localtime(at)) if at else ""

@@ -14,6 +14,7 @@ import termios
 import time
 import tty
 
+import typer
 from rich import box
 from rich.console import Console, Group
 from rich.measure import Measurement
@@ -21,8 +22,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ac_observe.daemon.cli_query import DaemonError, get_json
-from ac_observe.daemon.cli_render import alert_state, alerts_table, human
+from ac_observe.daemon.cli.app import EXIT_OK, EXIT_USAGE, app
+from ac_observe.daemon.cli.client import DaemonError, get_json
+from ac_observe.daemon.cli.render import alert_state, alerts_table, human
 
 WINDOWS = ("30s", "60s", "5m", "15m", "1h")
 # (key in a snapshot, friendly name, statistic)
@@ -34,6 +36,17 @@ FIGURES = (
     ("skeleton", "skeleton_complexity", "p50"),
     ("gpu_util", "gpu_utilization", "last"), ("sm", "gpu_sm_occupancy", "last"),
 )
+
+
+@app.command()
+def top(ctx: typer.Context,
+        window: str = typer.Option("60s", help="Window of the figures: 30s, 60s, 5m, 15m, "
+                                               "1h (w cycles through them).")) -> None:
+    """One live screen per engine and lane: TTFT, ITL, KV hit rate, stream use, queue."""
+    if window not in WINDOWS:  # w cycles through these: another has no place in the cycle
+        typer.echo(f"error: --window {window!r}: use one of {', '.join(WINDOWS)}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    raise typer.Exit(run_top(ctx.obj, window))
 
 
 LANE_COLUMNS = ("lane", "TTFT p50", "TTFT p95", "ITL p95", "stream", "run", "wait")
@@ -136,19 +149,17 @@ def render(snap: dict, url: str, width: int | None = None) -> Group:
 
 def run_top(obj: dict, window: str) -> int:
     console = Console()
-    if window not in WINDOWS:
-        window = WINDOWS[1]
     try:
         if not console.is_terminal or not sys.stdin.isatty():
             console.print(render(snapshot(obj, window), obj["url"], console.width))
-            return 0
+            return EXIT_OK
         return _live(console, obj, window)
     except KeyboardInterrupt:
-        return 0
+        return EXIT_OK
     except DaemonError as exc:  # printed after the screen is given back
         Console(stderr=True, soft_wrap=True).print(
             f"ac-observe top: {exc}", highlight=False, markup=False)
-        return 1
+        return exc.exit_code
 
 
 def _live(console: Console, obj: dict, window: str) -> int:
@@ -168,7 +179,7 @@ def _live(console: Console, obj: dict, window: str) -> int:
                 if ready:
                     key = os.read(fd, 1).lower()
                     if key == b"q":
-                        return 0
+                        return EXIT_OK
                     if key == b"w":
                         window = WINDOWS[(WINDOWS.index(window) + 1) % len(WINDOWS)]
                         due = 0.0

@@ -1,0 +1,141 @@
+"""`ac-observe alerts`: the drift alerts pending and firing (and the latest transitions),
+the shipped rules, and signed test deliveries to the receivers.
+
+NOTE: the alerting code (ac_observe.daemon.alerting, .store) is imported inside the
+commands only."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from ac_observe.daemon.cli.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, PLAIN_HELP, app
+from ac_observe.daemon.cli.client import DaemonError, get_json
+from ac_observe.daemon.cli.render import alert_state, alerts_table, clock, print_error
+
+
+alerts_app = typer.Typer(
+    **PLAIN_HELP, help="Drift alerts: what is pending and firing, history, test deliveries.")
+app.add_typer(alerts_app, name="alerts")
+
+
+@alerts_app.callback(invoke_without_command=True)
+def alerts_list(ctx: typer.Context,
+                history: bool = typer.Option(False, "--history",
+                                             help="Also the latest transitions."),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """Alerts pending and firing now, with value and baseline."""
+    if ctx.invoked_subcommand is None:
+        raise typer.Exit(show_alerts(ctx.obj, history, as_json))
+
+
+@alerts_app.command("defaults")
+def alerts_defaults() -> None:
+    """Print the shipped rules (what `rules: defaults` in an alerting file stands for)."""
+    from ac_observe.daemon.alerting.rules import default_rules_text
+    typer.echo("rules:\n" + "".join(f"  {line}\n" for line in
+                                     default_rules_text().splitlines()), nl=False)
+
+
+@alerts_app.command("schema")
+def alerts_schema() -> None:
+    """Print the alerting file's JSON Schema (for an editor's YAML support, or a CI check)."""
+    from ac_observe.daemon.alerting.file import schema
+    typer.echo(json.dumps(schema(), indent=2))
+
+
+@alerts_app.command("test")
+def alerts_test(
+    alerting: Path = typer.Option(..., help="Alerting file (YAML) naming the receivers."),
+    receiver: str = typer.Option("", help="Only this receiver (default: all)."),
+    store: str = typer.Option(None, envvar="AC_OBSERVE_STORE", help="Store URL (default: "
+                              "SQLite in the state directory)."),
+    state_dir: Path = typer.Option(None, help="State directory."),
+    wait: float = typer.Option(15.0, help="Seconds to wait for the receivers' answers."),
+) -> None:
+    """Send a signed test delivery to each receiver through the outbox; print what each
+    answered. One still failing stays in the outbox for the daemon to retry."""
+    import socket
+    import time
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ac_observe.daemon.store import PENDING, Store
+    from ac_observe.daemon.alerting.file import load_alerting
+    from ac_observe.daemon.alerting.outbox import WebhookSender
+
+    try:
+        receivers = load_alerting(alerting)
+        if receiver:
+            if receiver not in receivers:
+                raise ValueError(f"{alerting}: no receiver named {receiver!r}")
+            receivers = {receiver: receivers[receiver]}
+        if not receivers:
+            raise ValueError(f"{alerting}: no receivers")
+        outbox = Store(store, state_dir)
+    except (ValueError, OSError, SQLAlchemyError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    sender = WebhookSender(outbox, receivers)
+    try:
+        ids = dict(zip(receivers, sender.send_test(host=socket.gethostname())))
+        deadline = time.monotonic() + wait
+        rows = {}
+        while True:
+            sender.run_once(only=list(ids.values()))  # the daemon's own deliveries stay its
+            rows = {name: outbox.delivery(i) for name, i in ids.items()}
+            if all(r["state"] != PENDING or r["attempts"] for r in rows.values()) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        failed = 0
+        for name, row in rows.items():
+            answer = row["last_status"] or row["last_error"] or "no answer yet"
+            typer.echo(f"{name}: {row['state']} ({answer}) webhook-id {row['id']}")
+            failed += row["state"] != "delivered"
+    finally:
+        sender.stop()
+        outbox.close()
+    raise typer.Exit(EXIT_REFUSED if failed else EXIT_OK)
+
+
+WAITING_SHOWN = 10  # series listed as waiting under the alerts table
+
+
+def show_alerts(obj: dict, history: bool, as_json: bool) -> int:
+    console = Console()
+    try:
+        body = get_json(obj, "/api/v1/alerts", "alerts", history="1" if history else "0")
+    except DaemonError as exc:
+        print_error(str(exc))
+        return exc.exit_code
+    if as_json:
+        print(json.dumps(body))
+        return EXIT_OK
+    if not body["rules"]:
+        console.print("no alert rules (start the daemon with --alerting FILE)")
+        return EXIT_OK
+    console.print(alerts_table(
+        f"alerts ({body['rules']} rules)", body["alerts"], console.width,
+        lead=(("state", alert_state),),
+        trail=(("severity", lambda a: a["severity"]),
+               ("since", lambda a: clock(a["firing_since"] or a["active_since"],
+                                         "%H:%M:%S"))))
+        if body["alerts"] else "no alert pending or firing")
+    waiting = body.get("waiting", [])  # a rule that cannot fire yet says why
+    for entry in waiting[:WAITING_SHOWN]:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(entry["labels"].items()))
+        console.print(Text(f"{entry['rule']} {{{labels}}} waits: {entry['waiting_for']}",
+                           style="dim"))
+    if len(waiting) > WAITING_SHOWN:
+        console.print(Text(f"and {len(waiting) - WAITING_SHOWN} more series waiting "
+                           "(ac-observe alerts --json)", style="dim"))
+    if history:
+        console.print(alerts_table("latest transitions", body["history"], console.width,
+                                   lead=(("at", lambda t: clock(t["at"], "%m-%d %H:%M:%S")),
+                                         ("change", lambda t: f"{t['from_state']} → "
+                                                              f"{t['to_state']}"))))
+    return EXIT_OK

@@ -1,0 +1,120 @@
+"""`ac-observe daemon`: the collectors, /metrics, the query API, drift alerts and webhooks,
+served until Ctrl-C or SIGTERM."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from ac_observe.daemon.cli.app import EXIT_USAGE, app, read_token
+from ac_observe.metrics import DEFAULT_DAEMON_PORT
+
+
+@app.command()
+def daemon(
+    host: str = typer.Option("127.0.0.1", help="Interface to bind; off loopback needs a token."),
+    port: int = typer.Option(DEFAULT_DAEMON_PORT, help="HTTP port (dcgm-exporter has 9400)."),
+    token: str = typer.Option(None, envvar="AC_OBSERVE_TOKEN", show_envvar=True,
+                              help="Bearer token (prefer --token-file or the environment: "
+                                   "a command line is readable by every local user)."),
+    token_file: Path = typer.Option(None, help="File holding the bearer token."),
+    interval: str = typer.Option("1s", help="Collection interval."),
+    window: str = typer.Option("1h", help="In-memory window (every cycle) for queries; "
+                                          "longer ones come from per-minute history."),
+    collectors: str = typer.Option("engine,nvml,ebpf", envvar="AC_OBSERVE_COLLECTORS",
+                                   show_envvar=True,
+                                   help="Enabled collectors, comma-separated."),
+    ebpf_probes: str = typer.Option("", help="eBPF probe groups (default all): launch, graph, "
+                                             "sync, memcpy, launch_latency."),
+    ebpf_pids: str = typer.Option("", help="eBPF: only these pids (default every CUDA "
+                                           "process)."),
+    ebpf_comm: str = typer.Option("", help="eBPF: only processes whose name matches this "
+                                           "regex."),
+    collector_timeout: str = typer.Option("2s", help="A collector slower than this is down."),
+    telemetry_root: str = typer.Option("", help="Where engines write telemetry "
+                                                "(default $AC_OBSERVE_TELEMETRY_DIR)."),
+    engine_stale: str = typer.Option("5s", help="Heartbeat age after which an engine is gone."),
+    engine_grace: str = typer.Option("30s", help="How long a gone engine's series remain."),
+    max_requests: int = typer.Option(40, help="HTTP requests handled at once; more wait "
+                                              "(up to 10 s) or get 503."),
+    alerting: Path = typer.Option(None, help="Alerting file (YAML): drift rules and their "
+                                                  "receivers."),
+    store: str = typer.Option(None, envvar="AC_OBSERVE_STORE", help="Store URL, e.g. "
+                              "postgresql+psycopg://user@host/db (default: SQLite in the "
+                              "state directory)."),
+    state_dir: Path = typer.Option(None, help="State directory (default "
+                                              "$AC_OBSERVE_STATE_DIR, else "
+                                              "$XDG_STATE_HOME/ac-observe)."),
+    alert_interval: str = typer.Option("5s", help="How often alert rules are evaluated."),
+    history: bool = typer.Option(True, "--history/--no-history",
+                                 help="Keep per-minute history in the store, so windows "
+                                      "longer than the in-memory one (24h, 7d) and "
+                                      "same_hour_yesterday baselines can be answered."),
+    history_retention: str = typer.Option("8d", help="How long history, alert "
+                                                      "transitions and finished deliveries "
+                                                      "are kept."),
+    grafana_url: str = typer.Option(None, envvar="AC_OBSERVE_GRAFANA_URL", show_envvar=True,
+                                    help="A Grafana to mark alert transitions in, as "
+                                         "annotations (a receiver named 'grafana')."),
+    grafana_token_file: Path = typer.Option(None, envvar="AC_OBSERVE_GRAFANA_TOKEN_FILE",
+                                            show_envvar=True,
+                                            help="File holding that Grafana's service "
+                                                 "account token (Editor); else "
+                                                 "$GRAFANA_TOKEN."),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
+    import logging
+
+    from ac_observe.daemon.config import DaemonConfig
+    from ac_observe.daemon.http_api import make_server
+    from ac_observe.daemon.query import parse_duration
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ac_observe.daemon.service import Daemon, tune_interpreter
+    from ac_observe.telemetry_format import default_telemetry_root
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs URLs: webhook secrets
+    try:
+        config = DaemonConfig(
+            host=host, port=port, token=read_token(token, token_file),
+            interval_seconds=parse_duration(interval), window_seconds=parse_duration(window),
+            collectors=tuple(c.strip() for c in collectors.split(",") if c.strip()),
+            collector_timeout_seconds=parse_duration(collector_timeout),
+            telemetry_root=telemetry_root or default_telemetry_root(),
+            engine_stale_seconds=parse_duration(engine_stale),
+            engine_grace_seconds=parse_duration(engine_grace),
+            ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,
+            ebpf_pids=tuple(int(p) for p in _names(ebpf_pids)),
+            alerting_file=alerting, store_url=store, state_dir=state_dir,
+            alert_interval_seconds=parse_duration(alert_interval), history=history,
+            history_retention_seconds=parse_duration(history_retention),
+            grafana_url=grafana_url or None,
+            grafana_token=read_token(os.environ.get("GRAFANA_TOKEN") or None,
+                                      grafana_token_file) if grafana_url else None)
+        service = Daemon(config)
+    except (ValueError, OSError, SQLAlchemyError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    server = make_server(service, host, port, config.token, max_requests)
+    tune_interpreter()
+
+    def serving() -> None:
+        service.start()
+        typer.echo(f"ac-observe daemon: http://{host}:{server.port}/metrics  "
+                   f"telemetry root {config.telemetry_root}", err=True)
+
+    try:
+        server.run(on_ready=serving)
+    except OSError as exc:  # the port is taken, the address is not ours, ...
+        typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    finally:
+        service.close()
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())

@@ -1,0 +1,40 @@
+"""`ac-observe up`: an engine and a daemon on the embedded defaults, supervised
+(daemon/supervisor.py) until Ctrl-C."""
+from __future__ import annotations
+
+import typer
+
+from ac_observe.daemon.cli.app import EXIT_USAGE, app
+from ac_observe.metrics import DEFAULT_DAEMON_PORT, DEFAULT_ENGINE_PORT
+
+
+@app.command()
+def up(
+    engine_port: int = typer.Option(DEFAULT_ENGINE_PORT, help="Engine HTTP port."),
+    daemon_port: int = typer.Option(DEFAULT_DAEMON_PORT, help="Daemon HTTP port."),
+    model: str = typer.Option("tiny", help="'tiny' or a local Hugging Face folder."),
+    demo_load: bool = typer.Option(False, "--demo-load", help="Send demo traffic."),
+    demo_drift: bool = typer.Option(False, "--demo-drift",
+                                    help="With demo traffic, slow the engine down now and "
+                                         "then so a drift alert fires and resolves "
+                                         "(ac-observe alerts)."),
+    demo_drift_schedule: str = typer.Option("150s,90s", help="--demo-drift's calm and "
+                                                             "slowed phases."),
+    telemetry_root: str = typer.Option("", help="Telemetry root shared by engine and daemon."),
+    engine_arg: list[str] = typer.Option([], "--engine-arg", help="Extra `engine` option."),
+    daemon_arg: list[str] = typer.Option([], "--daemon-arg", help="Extra `daemon` option."),
+) -> None:
+    """Start an engine and a daemon on the embedded defaults; Ctrl-C stops both."""
+    from ac_observe.daemon.query import parse_duration
+    from ac_observe.daemon.supervisor import run_up
+    schedule = None
+    if demo_drift:
+        try:
+            calm, slowed = (parse_duration(p) for p in demo_drift_schedule.split(","))
+        except ValueError as exc:
+            typer.echo(f"error: --demo-drift-schedule {demo_drift_schedule!r}: use CALM,SLOWED "
+                       f"such as 150s,90s ({exc})", err=True)
+            raise typer.Exit(EXIT_USAGE)
+        schedule = (calm, slowed)
+    raise typer.Exit(run_up(engine_port, daemon_port, model, demo_load, telemetry_root,
+                            engine_arg, daemon_arg, schedule))
