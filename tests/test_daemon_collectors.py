@@ -174,7 +174,7 @@ def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tm
                 for e, t in started.items()}
         seen.update({f"dir-{e}": EngineState(f"dir-{e}", {}, False, 0.0, "bad") for e in bad})
         collector._note_new_engines({e: f"dir-{e}" for e in started}, seen, now)
-        return sorted(s["engine"] for s in collector.with_past())
+        return sorted(s["engine"] for s in collector.counted_before_seen())
 
     assert look(100.0, a=50.0) == ["a"]                   # the first look: all have a past
     assert look(101.0, a=50.0, b=100.5, x=99.0) == ["x"]  # b started after the last look;
@@ -226,7 +226,7 @@ w.close()
         writer.inc(REQUESTS, 1, stream="throughput", status="ok")
         collector.collect()
         assert collector.engines["e1"].inherited and not collector.engines["e2"].inherited
-        assert collector.with_past() == [{"engine": "e1"}]
+        assert collector.counted_before_seen() == [{"engine": "e1"}]
     finally:
         writer.close()
         other.close()

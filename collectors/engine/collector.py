@@ -56,10 +56,10 @@ class EngineCollector(Collector):
         self._last_look: float | None = None         # start of the last look (None: not yet)
         self._look_before_last: float | None = None  # and of the one before it
         self._seen_dirs: set[str] = set()   # directories the last look read as engines
-        self._with_past: list[dict[str, str]] = []
+        self._counted_before_seen: list[dict[str, str]] = []
 
-    def with_past(self) -> list[dict[str, str]]:
-        return self._with_past
+    def counted_before_seen(self) -> list[dict[str, str]]:
+        return self._counted_before_seen
 
     def _note_new_engines(self, served: dict[str, str], seen: dict, now: float) -> None:
         """An engine exported now and not last time brings counters with a past when the
@@ -76,7 +76,7 @@ class EngineCollector(Collector):
         writers may take it earlier. An engine started just before the last look whose
         file came just after it was unseen by that look, yet counted nothing the daemon
         missed: it counts from zero (its first requests are increases, not a base)."""
-        self._with_past = []
+        self._counted_before_seen = []
         before_last, last = self._look_before_last, self._last_look
         for engine, name in served.items():
             if engine in self._exported:
@@ -86,7 +86,7 @@ class EngineCollector(Collector):
             since = last if name in self._seen_dirs or before_last is None else before_last
             if last is None or state.inherited or not isinstance(started, (int, float)) or \
                     not math.isfinite(started) or started < since:
-                self._with_past.append({"engine": engine})
+                self._counted_before_seen.append({"engine": engine})
         self._exported, self._seen_dirs = set(served), set(seen)
         self._look_before_last, self._last_look = last, now
 
