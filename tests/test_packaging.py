@@ -30,8 +30,11 @@ def _modules() -> dict[str, Path]:
         found[name] = root / (name.rsplit(".", 1)[1] + ".py")
     for package in PACKAGES:
         (location,) = importlib.util.find_spec(package).submodule_search_locations
-        for path in Path(location).glob("*.py"):
-            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in Path(location).rglob("*.py"):  # subpackages too (collectors.engine)
+            parts = path.relative_to(location).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
     return found
 
 
