@@ -137,14 +137,14 @@ def phases(num_engines: int, cycles: int, load: int) -> dict:
     windows, the minute history, the render), ms a cycle."""
     import collections
 
-    from ac_observe.collectors import engine as collector
+    from ac_observe.collectors.engine import families, files, plan
     from ac_observe.daemon import exposition, history, windows
     spent: collections.Counter = collections.Counter()
     for owner, name, label in (
             (Daemon, "run_cycle", "the whole cycle (not scrapes)"),
-            (collector.EngineCollector, "_read_samples", "read the files, all in"),
-            (collector._Plan, "evaluate", "  of which: sum into series"),
-            (collector._EngineValues, "add_to", "add to the families"),
+            (files.EngineFiles, "read", "read the files, all in"),
+            (plan.SeriesPlan, "evaluate", "  of which: sum into series"),
+            (families.EngineValues, "add_to", "add to the families"),
             (windows.Windows, "append", "windows"),
             (history.MinuteAggregator, "add", "minute history"),
             (exposition.Renderer, "render", "render"),

@@ -32,9 +32,9 @@ class Collector:
     def collect(self) -> Iterable[Metric]:
         raise NotImplementedError
 
-    def with_past(self) -> list[dict[str, str]]:
+    def counted_before_seen(self) -> list[dict[str, str]]:
         """Label sets (each a subset of a series' labels) of the series new in the last
-        collect() that existed before this collector could see them: their counters' first
+        collect() that counted before this collector could see them: their counters' first
         values are bases, not increases from zero. (A collector's first cycle up, and its
         first after an outage, count so whole; the daemon sees to that.)"""
         return []

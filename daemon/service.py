@@ -171,13 +171,15 @@ class Daemon:
             runner.start()
         families: list[Metric] = []
         returning: list[Metric] = []
-        with_past: list[tuple[list[Metric], list[dict]]] = []
+        counted_before_seen: list[tuple[list[Metric], list[dict]]] = []
         for runner in self.runners:
             got = runner.finish()
             if runner.up and not self._reporting.get(runner.name):
                 returning.extend(got)  # up for the first time, or again after an outage
-            elif runner.up and (subsets := getattr(runner.collector, "with_past", list)()):
-                with_past.append((got, subsets))  # e.g. an engine back, its process the same
+            elif runner.up and (subsets := getattr(runner.collector, "counted_before_seen",
+                                                   list)()):
+                # e.g. an engine back, its process the same
+                counted_before_seen.append((got, subsets))
             self._reporting[runner.name] = runner.up
             families.extend(got)
         families.extend(self._utilization(families, now))
@@ -187,7 +189,7 @@ class Daemon:
         # reports then have a past the daemon did not see (an engine up for days, found
         # now); a new one among them is a base, not an increase from zero.
         preexisting = set(self._watched_samples(returning).keys()) if returning else set()
-        for got, subsets in with_past:
+        for got, subsets in counted_before_seen:
             for key in self._watched_samples(got).keys():
                 labels = dict(key[1])
                 if any(all(labels.get(k) == v for k, v in s.items()) for s in subsets):

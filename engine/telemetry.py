@@ -77,7 +77,7 @@ class TelemetryWriter:
         self.flush()
         # started_at (unless given): the moment engine.json is written, after every series
         # is declared. The daemon tells an engine it watched being born (counts from zero)
-        # from one found with a past by it (collectors/engine.py `_note_new_engines`).
+        # from one found with a past by it (collectors/engine/collector.py `_note_new_engines`).
         self._write_info({"started_at": time.time(), **info, "engine": engine, "model": model,
                           "pid": pid, "telemetry_format": TELEMETRY_FORMAT})
         # The daemon reads engine.json's mtime as a heartbeat: a separate thread keeps it

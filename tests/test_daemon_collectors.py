@@ -174,7 +174,7 @@ def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tm
                 for e, t in started.items()}
         seen.update({f"dir-{e}": EngineState(f"dir-{e}", {}, False, 0.0, "bad") for e in bad})
         collector._note_new_engines({e: f"dir-{e}" for e in started}, seen, now)
-        return sorted(s["engine"] for s in collector.with_past())
+        return sorted(s["engine"] for s in collector.counted_before_seen())
 
     assert look(100.0, a=50.0) == ["a"]                   # the first look: all have a past
     assert look(101.0, a=50.0, b=100.5, x=99.0) == ["x"]  # b started after the last look;
@@ -226,7 +226,7 @@ w.close()
         writer.inc(REQUESTS, 1, stream="throughput", status="ok")
         collector.collect()
         assert collector.engines["e1"].inherited and not collector.engines["e2"].inherited
-        assert collector.with_past() == [{"engine": "e1"}]
+        assert collector.counted_before_seen() == [{"engine": "e1"}]
     finally:
         writer.close()
         other.close()
@@ -406,7 +406,7 @@ def test_an_engine_over_the_series_limit_is_refused_alone_before_its_keys_are_pa
     import sys
 
     from ac_observe import metrics as m
-    from ac_observe.collectors import engine as collector
+    from ac_observe.collectors.engine import collector, files, plan
     from ac_observe.engine.telemetry import TelemetryWriter
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from daemon_cost import write_engine
@@ -419,20 +419,20 @@ def test_an_engine_over_the_series_limit_is_refused_alone_before_its_keys_are_pa
     try:
         reference = collector.EngineCollector(config)
         reference.collect()
-        sizes = {name: [len(index.entries) for index in reader.files.values()]
-                 for name, reader in reference._readers.items()}
+        sizes = {name: [len(index.entries) for index in directory.files.indexes.values()]
+                 for name, directory in reference._directories.items()}
         limit = sum(sizes["a"])  # every file of both under it, big's sum over it
         assert max(sizes["big"]) <= limit < sum(sizes["big"])
-        monkeypatch.setattr(collector, "MAX_SERIES_PER_ENGINE", limit)
+        monkeypatch.setattr(files, "MAX_SERIES_PER_ENGINE", limit)
         plans, counts = [], []
-        monkeypatch.setattr(collector._Plan, "__init__", _counting(collector._Plan.__init__,
+        monkeypatch.setattr(plan.SeriesPlan, "__init__", _counting(plan.SeriesPlan.__init__,
                                                                    plans))
-        real_count = collector._too_many_keys
-        monkeypatch.setattr(collector, "_too_many_keys",
+        real_count = files.too_many_keys
+        monkeypatch.setattr(files, "too_many_keys",
                             lambda indexes: counts.append(1) or real_count(indexes))
         checked = []
-        real_check = collector._check_key
-        monkeypatch.setattr(collector, "_check_key",
+        real_check = plan.check_key
+        monkeypatch.setattr(plan, "check_key",
                             lambda key, expected: checked.append(expected["engine"])
                             or real_check(key, expected))
         limited = collector.EngineCollector(config)
@@ -451,7 +451,7 @@ def test_an_engine_over_the_series_limit_is_refused_alone_before_its_keys_are_pa
         assert len(counts) == 2  # a's and big's, once: the refusal stands while big's
         # files stay as they are
         # Entries across many pids' files are bounded apart, reading no further.
-        monkeypatch.setattr(collector, "MAX_ENTRIES_PER_ENGINE", limit)
+        monkeypatch.setattr(files, "MAX_ENTRIES_PER_ENGINE", limit)
         capped = collector.EngineCollector(config)
         capped.collect()
         errors = {s["engine"] or s["directory"].rsplit("/", 1)[-1]: s["error"]

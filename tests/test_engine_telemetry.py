@@ -210,7 +210,7 @@ def test_a_decode_step_that_takes_a_block_moves_the_usage_gauge_and_close_writes
 def test_the_start_time_is_taken_after_the_series_are_declared(tmp_path, monkeypatch):
     """engine.json's started_at comes after the writer declared every series and just
     before it writes that file: a daemon look that found no engine.json was earlier than
-    the start it then reads (collectors/engine.py tells a born engine by it)."""
+    the start it then reads (collectors/engine/collector.py tells a born engine by it)."""
     import time
 
     from ac_observe.engine.telemetry import TelemetryWriter

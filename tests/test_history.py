@@ -504,7 +504,7 @@ def test_a_collector_up_late_or_back_from_an_outage_books_no_lifetime_as_one_inc
 
 class _EnginesComeAndGo(Collector):
     """Always up. e1 counts 10 a cycle throughout. From cycle 50, e2 (a process that ran
-    unseen: a million requests, said through with_past) and e3 (started just now: 10)."""
+    unseen: a million requests, said through counted_before_seen) and e3 (started just now: 10)."""
     name = "engines"
 
     def __init__(self):
@@ -519,7 +519,7 @@ class _EnginesComeAndGo(Collector):
             family.add_metric(["e3", "m", "throughput", "ok"], 10.0 * (self.cycle - 49))
         return [family]
 
-    def with_past(self):
+    def counted_before_seen(self):
         return [{"engine": "e2"}] if self.cycle == 50 else []
 
 

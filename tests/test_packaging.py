@@ -30,7 +30,7 @@ def _modules() -> dict[str, Path]:
         found[name] = root / (name.rsplit(".", 1)[1] + ".py")
     for package in PACKAGES:
         (location,) = importlib.util.find_spec(package).submodule_search_locations
-        for path in Path(location).rglob("*.py"):  # subpackages too (ac_observe.daemon.cli)
+        for path in Path(location).rglob("*.py"):  # subpackages too (daemon.cli, collectors.engine)
             parts = path.relative_to(location).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]

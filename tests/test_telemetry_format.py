@@ -224,7 +224,7 @@ def test_the_reader_follows_a_file_rewritten_with_as_many_entries_and_one_append
     """The daemon gathers a file's values in one call, laid out from its entries: a file
     replaced by another of the same size, and entries appended, are read by their own
     keys and values, never by the layout of the file before."""
-    from ac_observe.collectors.engine import _FileIndex
+    from ac_observe.collectors.engine import FileIndex
     from ac_observe.telemetry_format import ValueFile
     fd = os.open(tmp_path, os.O_RDONLY)
     try:
@@ -238,7 +238,7 @@ def test_the_reader_follows_a_file_rewritten_with_as_many_entries_and_one_append
             values = index.read(fd, "counter_1.db")
             return {} if values is None else dict(zip(index.keys, values.tolist()))
         write([("a-key", 1.0), ("b", 2.0)])
-        index = _FileIndex()
+        index = FileIndex()
         assert read() == {"a-key": 1.0, "b": 2.0}
         os.unlink("counter_1.db", dir_fd=fd)
         write([("c-longer-key", 3.0), ("d", 4.0)])

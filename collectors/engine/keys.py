@@ -1,0 +1,84 @@
+"""The keys of an engine's `.db` files, checked against the metric contract.
+
+A key is exported only as a series of the contract: a family it declares, one of that
+family's samples, exactly its labels, values allowed for them (engine.json's engine and
+model where those are labels) and, for a histogram's bucket, one of its bounds spelt as
+the writer spells it. Anything else is skipped with the reason, so a bad file cannot
+inject series.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.utils import floatToGoString
+
+from ac_observe.metrics import COUNTER, ENGINE_METRICS, HISTOGRAM, LABEL_VALUES
+from ac_observe.telemetry_format import parse_sample_key
+
+MAX_LABEL_VALUE_CHARS = 256
+SPECS = {spec.family: spec for spec in ENGINE_METRICS}
+_ALLOWED_VALUES = {label: frozenset(values) for label, values in LABEL_VALUES.items()}
+
+# A series' key in the daemon's windows (daemon.windows.SeriesKey): (sample name,
+# ((label, value), ...)) with the labels in the exposition's order. A plain tuple.
+SeriesKey = tuple
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedKey:
+    """One key that is a series of the contract: where its value goes in the exposition,
+    built once per key so a cycle only adds values (NOTE: the label dicts are shared;
+    nobody mutates them)."""
+    family: str
+    sample: str
+    labels: tuple              # ((label, value), ...) in the contract's order, without le
+    le: float | None
+    sample_labels: dict        # the sample's labels, le included for a bucket
+    count_labels: dict         # a bucket's `_count` labels (its labels without le)
+    series_key: SeriesKey      # its key in the daemon's windows (one per series)
+
+
+def _bound_texts(spec) -> frozenset[str]:
+    """The `le` values the writer puts in a histogram's keys, exactly as it spells them."""
+    return frozenset([repr(float(b)) for b in spec.buckets] + ["+Inf"])
+
+
+_LE_TEXTS = {spec.family: _bound_texts(spec) for spec in ENGINE_METRICS
+             if spec.type == HISTOGRAM}
+
+
+def check_key(key: str, expected: dict[str, str]) -> CheckedKey | str:
+    """The series a key stands for if it is one of the contract, else why not.
+    `expected`: the label values engine.json gives (engine, model)."""
+    try:
+        family, sample, labels, _ = parse_sample_key(key)
+    except ValueError as exc:
+        return str(exc)
+    spec = SPECS.get(family)
+    if spec is None:
+        return f"{family[:80]!r} is not an engine family"
+    le = labels.pop("le", None)
+    if spec.type == HISTOGRAM:
+        if sample == f"{family}_bucket" and le is not None:
+            if le not in _LE_TEXTS[family]:  # one spelling per bound: no duplicate buckets
+                return f"{family}: le={le[:20]!r} is not one of its buckets"
+            le = float(le)
+        elif sample != f"{family}_sum" or le is not None:
+            return f"{sample[:80]!r} is not a sample of {family}"
+    elif le is not None or sample != (spec.name if spec.type == COUNTER else family):
+        return f"{sample[:80]!r} is not a sample of {family}"
+    if set(labels) != set(spec.labels):
+        return f"{family}: labels {sorted(labels)[:8]} are not {list(spec.labels)}"
+    for label, value in labels.items():
+        allowed = _ALLOWED_VALUES.get(label)
+        if label in expected and value != expected[label]:
+            return f"{family}: {label}={value[:40]!r}, engine.json says {expected[label]!r}"
+        if (allowed is not None and value not in allowed) or \
+                not 0 < len(value) <= MAX_LABEL_VALUE_CHARS:
+            return f"{family}: {label}={value[:40]!r} is not allowed"
+    ordered = tuple((label, labels[label]) for label in spec.labels)
+    sample_labels = dict(ordered)
+    if le is not None:
+        sample_labels["le"] = floatToGoString(le)
+    return CheckedKey(family, sample, ordered, le, sample_labels, dict(ordered),
+                      (sample, tuple(sample_labels.items())))
