@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import ast
 import importlib.util
 import os
 import subprocess
@@ -16,61 +15,16 @@ import zipfile
 from pathlib import Path
 
 import ac_observe
+from support.imports import imports_of, installed_modules
 from support.servers import run_cli
 
 PACKAGES = ("ac_observe.engine", "ac_observe.daemon", "ac_observe.collectors")
-CONTRACT = ("ac_observe", "ac_observe.metrics", "ac_observe.telemetry_format")
-
-
-def _modules() -> dict[str, Path]:
-    """Every module of the installed package: name -> source file."""
-    found = {"ac_observe": Path(ac_observe.__file__)}
-    root = Path(ac_observe.__file__).parent
-    for name in CONTRACT[1:]:
-        found[name] = root / (name.rsplit(".", 1)[1] + ".py")
-    for package in PACKAGES:
-        (location,) = importlib.util.find_spec(package).submodule_search_locations
-        for path in Path(location).rglob("*.py"):  # subpackages too (daemon.cli, collectors.engine)
-            parts = path.relative_to(location).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join((package, *parts))] = path
-    return found
-
-
-def _imports(path: Path, module: str) -> tuple[set[str], set[str]]:
-    """(imported at module level, imported anywhere) as absolute module names."""
-    tree = ast.parse(path.read_text())
-    top, anywhere = set(), set()
-
-    def names(node) -> list[str]:
-        if isinstance(node, ast.Import):
-            return [alias.name for alias in node.names]
-        if node.level:  # relative: resolve against this module's package
-            base = module.rsplit(".", node.level)[0]
-            prefix = f"{base}.{node.module}" if node.module else base
-        else:
-            prefix = node.module
-        # `from pkg import mod` may import a submodule: count both.
-        return [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
-
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            anywhere.update(names(node))
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            top.update(names(node))
-        elif isinstance(node, ast.If):  # `if TYPE_CHECKING:` and friends count as top level
-            for child in ast.walk(node):
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    top.update(names(child))
-    return top, anywhere
+CONTRACT = ("ac_observe", "ac_observe.metrics", "ac_observe.telemetry_format", "ac_observe.auth")
 
 
 def _graph():
-    modules = _modules()
-    graph = {name: _imports(path, name) for name, path in modules.items()}
-    return modules, graph
+    modules = installed_modules()
+    return modules, {name: imports_of(path, name) for name, path in modules.items()}
 
 
 def _part(name: str) -> str:
