@@ -20,25 +20,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import json
-import subprocess
-import sys
+import math
 import random
 import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+from timed_calls import time_calls
+
 from ac_observe import metrics as m
-from ac_observe.metrics import LANES
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.http_api import make_server
 from ac_observe.daemon.service import Daemon, tune_interpreter
 from ac_observe.engine.telemetry import TelemetryWriter
-from timed_calls import time_calls
-
+from ac_observe.metrics import LANES
 
 SCALE_SERIES = 10_000  # the second size
 SCRAPE_EVERY = 15  # cycles (1 s) between two scrapes: Prometheus at its usual 15 s

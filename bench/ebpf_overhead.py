@@ -18,9 +18,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.standins import Pattern, build_cuda  # noqa: E402  (test helper, not shipped)
-
 from ac_observe.collectors.ebpf import EbpfCollector  # noqa: E402
+from support.standins import Pattern, build_cuda  # noqa: E402  (test helper, not shipped)
 
 MODES = {"unprobed": None, "counting": ("launch", "graph", "sync", "memcpy"),
          "with latency": ("launch", "graph", "sync", "memcpy", "launch_latency"),

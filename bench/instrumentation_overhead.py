@@ -30,9 +30,10 @@ import sys
 import tempfile
 import time
 
+from timed_calls import time_calls
+
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.llm_engine import Engine, SamplingParams
-from timed_calls import time_calls
 
 SYSTEM = "You are a careful assistant. Answer in short markdown.\n" * 8
 MODULES = ("engine/stats.py", "engine/telemetry.py", "engine/kernel_sampler.py",

@@ -32,9 +32,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.servers import EngineServer  # noqa: E402  (test helper, not shipped)
-
 from ac_observe.metrics import LANE_HEADER, LOW_LATENCY, THROUGHPUT  # noqa: E402
+from support.servers import EngineServer  # noqa: E402  (test helper, not shipped)
 
 
 def _body(i: int, tokens: int) -> dict:

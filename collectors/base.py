@@ -8,14 +8,18 @@ Families are built from the metric contract (`new_family`), never declared by ha
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from ac_observe.metrics import COUNTER, GAUGE, HISTOGRAM, MetricSpec
 
-REGISTRY: dict[str, Callable[..., "Collector"]] = {}
+REGISTRY: dict[str, Callable[..., Collector]] = {}
 BUILTIN = ("engine", "nvml", "ebpf")
 _FAMILY_CLASSES = {COUNTER: CounterMetricFamily, GAUGE: GaugeMetricFamily,
                    HISTOGRAM: HistogramMetricFamily}

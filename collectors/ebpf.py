@@ -26,10 +26,22 @@ from prometheus_client.utils import floatToGoString
 
 from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, CollectorUnavailable, new_family, register
-from ac_observe.collectors.ebpf_program import (DEFAULT_GROUPS, DIRECTIONS, GROUPS,
-                                                LATENCY_GROUP, PROBES, PROGRAM, WAIT_APIS)
-from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_INFO_BYTES, open_trusted_dir,
-                                         parse_engine_info, read_regular_file)
+from ac_observe.collectors.ebpf_program import (
+    DEFAULT_GROUPS,
+    DIRECTIONS,
+    GROUPS,
+    LATENCY_GROUP,
+    PROBES,
+    PROGRAM,
+    WAIT_APIS,
+)
+from ac_observe.telemetry_format import (
+    ENGINE_INFO_FILE,
+    MAX_INFO_BYTES,
+    open_trusted_dir,
+    parse_engine_info,
+    read_regular_file,
+)
 
 log = logging.getLogger("ac_observe.collectors.ebpf")
 _LIBRARY = re.compile(r"/lib(cuda|cudart)\.so[.0-9]*$")

@@ -16,13 +16,12 @@ from __future__ import annotations
 import hmac
 import json
 import math
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import parse_qs
 
 from ac_observe.auth import bearer_token
 from ac_observe.daemon.http_server import HttpServer, Request, Response
-from ac_observe.daemon.query import (describe_friendly, parse_duration, parse_instant,
-                                     parse_labels)
+from ac_observe.daemon.query import describe_friendly, parse_duration, parse_instant, parse_labels
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
 from ac_observe.metrics import FRIENDLY
 

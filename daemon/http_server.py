@@ -20,10 +20,10 @@ import resource
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Callable
 from urllib.parse import unquote
 
 log = logging.getLogger("ac_observe.daemon.http")

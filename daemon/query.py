@@ -12,8 +12,8 @@ import re
 import time
 from datetime import datetime
 
+from ac_observe.daemon.windows import Windows, WindowView
 from ac_observe.metrics import FRIENDLY, Friendly
-from ac_observe.daemon.windows import WindowView, Windows
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 MAX_DURATION_SECONDS = 366 * 86400.0

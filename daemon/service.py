@@ -378,8 +378,7 @@ class Daemon:
         return self.queries.answer(view, friendly, window_seconds, since, labels, shares)
 
     def _history_view(self, names: set[str], since: float, until: float):
-        from ac_observe.daemon.history import (build_view, group_minute, history_step,
-                                               merge_minutes)
+        from ac_observe.daemon.history import build_view, group_minute, history_step, merge_minutes
         first, last = int(since // 60), math.ceil(until / 60) - 1
         step = history_step(until - since)
         with self.history_writer.io_lock:  # no minute both in the store and still queued

@@ -50,7 +50,7 @@ class Frame:
         self.loose: dict[SeriesKey, float] = {} if loose is None else loose
 
     @classmethod
-    def of(cls, samples) -> "Frame":
+    def of(cls, samples) -> Frame:
         return samples if isinstance(samples, Frame) else cls(loose=samples)
 
     def keys(self):
@@ -205,7 +205,7 @@ class Windows:
         """Timestamp of the newest cycle (None before the first)."""
         return self.times[(self.cycle - 1) % self.capacity] if self.cycle else None
 
-    def view(self, sample_names, since: float, until: float | None = None) -> "WindowView":
+    def view(self, sample_names, since: float, until: float | None = None) -> WindowView:
         """Copies of the series of `sample_names` over the cycles at or after `since` (and
         at or before `until`, when given: a window that ended in the past)."""
         count = min(self.cycle, self.capacity)

@@ -311,8 +311,13 @@ def build(board: Board) -> dict:
     from grafana_foundation_sdk.builders import stat as sdk_stat
     from grafana_foundation_sdk.builders import table as sdk_table
     from grafana_foundation_sdk.builders import timeseries as sdk_timeseries
-    from grafana_foundation_sdk.builders.dashboard import (AnnotationQuery, AnnotationTarget,
-                                                           Dashboard, QueryVariable, Row)
+    from grafana_foundation_sdk.builders.dashboard import (
+        AnnotationQuery,
+        AnnotationTarget,
+        Dashboard,
+        QueryVariable,
+        Row,
+    )
     from grafana_foundation_sdk.builders.prometheus import Dataquery
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos

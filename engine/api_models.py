@@ -9,7 +9,7 @@ honoured on both routes: `ignore_eos`, `min_tokens`, `stop_token_ids`, `top_k`.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,8 +21,8 @@ class ContentBlock(BaseModel):
     # rather than complain about an image's `source`.
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
-    text: Optional[str] = None
-    cache_control: Optional[dict] = None  # a caching hint: the prefix cache is automatic
+    text: str | None = None
+    cache_control: dict | None = None  # a caching hint: the prefix cache is automatic
 
 
 class SamplingExtensions(BaseModel):
@@ -31,7 +31,7 @@ class SamplingExtensions(BaseModel):
     model_config = _STRICT
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -58,7 +58,7 @@ def check_text_blocks(blocks: list[ContentBlock]) -> list[ContentBlock]:
 class AnthropicMessage(BaseModel):
     model_config = _STRICT
     role: Literal["user", "assistant"]
-    content: Union[str, list[ContentBlock]]
+    content: str | list[ContentBlock]
 
     @field_validator("content")
     @classmethod
@@ -68,7 +68,7 @@ class AnthropicMessage(BaseModel):
 
 class Metadata(BaseModel):
     model_config = _STRICT
-    user_id: Optional[str] = None
+    user_id: str | None = None
 
 
 class MessagesRequest(SamplingExtensions):
@@ -76,12 +76,12 @@ class MessagesRequest(SamplingExtensions):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Union[str, list[ContentBlock], None] = None
-    stop_sequences: Optional[list[str]] = Field(default=None, max_length=16)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: Optional[int] = Field(default=None, ge=0)
-    metadata: Optional[Metadata] = None
+    system: str | list[ContentBlock] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: Metadata | None = None
     stream: bool = False
 
     @field_validator("max_tokens")
@@ -108,13 +108,13 @@ class CountTokensRequest(BaseModel):
     model_config = _STRICT
     model: str = Field(min_length=1, max_length=256)
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Union[str, list[ContentBlock], None] = None
+    system: str | list[ContentBlock] | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentBlock], None] = None
+    content: str | list[ContentBlock] | None = None
 
     @field_validator("content")
     @classmethod
@@ -138,21 +138,21 @@ class ChatCompletionRequest(SamplingExtensions):
     model_config = _STRICT
     model: str = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: Optional[int] = Field(default=None, ge=0)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0)
     n: int = Field(default=1, ge=1, le=1)
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # int64, as vLLM
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # int64, as vLLM
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = Field(default=None, max_length=256)  # an identifier, no effect
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)  # an identifier, no effect
     # Sent at their neutral values by some clients; anything else would change sampling.
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    logprobs: Optional[bool] = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | None = None
 
     @field_validator("frequency_penalty", "presence_penalty", "logprobs")
     @classmethod

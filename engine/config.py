@@ -45,7 +45,7 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     @classmethod
-    def tiny(cls) -> "ModelConfig":
+    def tiny(cls) -> ModelConfig:
         """The built-in preset: byte-level vocabulary, fast on two CPU cores."""
         return cls(vocab_size=259, hidden_size=256, intermediate_size=688,
                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -53,7 +53,7 @@ class ModelConfig:
                    bos_token_id=256, eos_token_ids=(257,), name=TINY_PRESET)
 
     @classmethod
-    def random_1b(cls) -> "ModelConfig":
+    def random_1b(cls) -> ModelConfig:
         """A ~1.1B-parameter Llama shape (TinyLlama's), randomly initialised: large enough
         that a GPU is busy with it (the GPU check and benchmarks); byte tokenizer."""
         return cls(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
@@ -62,7 +62,7 @@ class ModelConfig:
                    bos_token_id=256, eos_token_ids=(257,), name=RANDOM_1B_PRESET)
 
     @classmethod
-    def from_hf_folder(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_hf_folder(cls, path: str | os.PathLike) -> ModelConfig:
         """Read a Hugging Face `config.json` (Llama / Qwen2 / Mistral)."""
         folder = Path(path)
         raw = json.loads((folder / "config.json").read_text())

@@ -5,7 +5,7 @@ import json
 import re
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from ac_observe.engine.api_format import new_request_id
 

@@ -13,22 +13,21 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.evicted_hashes import DEFAULT_CAPACITY as DEFAULT_EVICTED_MEMORY
-from ac_observe.engine.model_runner import ModelRunner
 from ac_observe.engine.kernel_sampler import KernelSampler, prime_profiler
-from ac_observe.engine.scheduler import (NeverFitsError, QueueFullError, ScheduledBatch,
-                                         Scheduler)
+from ac_observe.engine.model_runner import ModelRunner
+from ac_observe.engine.scheduler import NeverFitsError, QueueFullError, ScheduledBatch, Scheduler
 from ac_observe.engine.sequence import FinishReason, SamplingParams, Sequence
 from ac_observe.engine.skeleton import Skeleton, skeleton_of_request, skeleton_of_text
 from ac_observe.engine.stats import NS, EngineStats, NullStats
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
-from ac_observe.metrics import DEFAULT_LANE, MISS_REASONS, PHASE_DECODE, PHASE_PREFILL
 from ac_observe.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from ac_observe.metrics import DEFAULT_LANE, MISS_REASONS, PHASE_DECODE, PHASE_PREFILL
 
 log = logging.getLogger("ac_observe.engine")
 
@@ -74,7 +73,7 @@ class RequestHandle:
     A consumer that only wants the result is woken once, at the finish, not per token.
     """
 
-    def __init__(self, engine: "Engine", request_id: str):
+    def __init__(self, engine: Engine, request_id: str):
         self.engine = engine
         self.request_id = request_id
         self._outputs: deque[RequestOutput] = deque()
@@ -329,7 +328,7 @@ class Engine:
         if self.stats.writer:
             self.stats.writer.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

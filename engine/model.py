@@ -23,8 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ac_observe.engine.config import ModelConfig
-from ac_observe.engine.kernel_sampler import (SCOPE_ACTIVATION, SCOPE_ATTENTION, SCOPE_GEMM,
-                                              SCOPE_NORM, SCOPE_ROPE, scope, scoped)
+from ac_observe.engine.kernel_sampler import (
+    SCOPE_ACTIVATION,
+    SCOPE_ATTENTION,
+    SCOPE_GEMM,
+    SCOPE_NORM,
+    SCOPE_ROPE,
+    scope,
+    scoped,
+)
 
 _COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 

@@ -17,17 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ac_observe.metrics import LOW_LATENCY, PHASE_DECODE, PHASE_PREFILL
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.cuda_graphs import DecodeGraphs
 from ac_observe.engine.kernel_sampler import SCOPE_SAMPLING, sampling, scoped, step_scope
 from ac_observe.engine.loader import build_model, resolve_dtype
-from ac_observe.engine.model import (AttentionMetadata, PrefillSequence, decode_mask,
-                                    long_tensor)
+from ac_observe.engine.model import AttentionMetadata, PrefillSequence, decode_mask, long_tensor
 from ac_observe.engine.sampler import sample
-from ac_observe.engine.workspace import DecodeWorkspace
 from ac_observe.engine.scheduler import ScheduledBatch
-
+from ac_observe.engine.workspace import DecodeWorkspace
+from ac_observe.metrics import LOW_LATENCY, PHASE_DECODE, PHASE_PREFILL
 
 CPU_KV_POOL_BYTES = 256 << 20
 log = logging.getLogger("ac_observe.engine.model_runner")

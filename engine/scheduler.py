@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.config import EngineConfig
-from ac_observe.metrics import LOW_LATENCY, THROUGHPUT
 from ac_observe.engine.sequence import FinishReason, Sequence, SequenceStatus
+from ac_observe.metrics import LOW_LATENCY, THROUGHPUT
 
 
 class QueueFullError(RuntimeError):

@@ -22,13 +22,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ac_observe import __version__
 from ac_observe.auth import bearer_token
 from ac_observe.engine import api_format as fmt
-from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 from ac_observe.engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.http_middleware import BodyLimitAndIdsMiddleware
 from ac_observe.engine.kernel_sampler import prime_profiler
-from ac_observe.engine.llm_engine import (Engine, FinishReason, NeverFitsError, QueueFullError,
-                               RequestOutput, SamplingParams)
+from ac_observe.engine.llm_engine import (
+    Engine,
+    FinishReason,
+    NeverFitsError,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+)
+from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 
 log = logging.getLogger("ac_observe.engine.api")
 DISCONNECT_POLL_SECONDS = 0.5

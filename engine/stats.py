@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 
 from ac_observe import metrics as m
-
 from ac_observe.engine.block_manager import BlockManager
 from ac_observe.engine.scheduler import Scheduler
 from ac_observe.engine.sequence import FinishReason, Sequence

@@ -24,11 +24,24 @@ import secrets
 import threading
 import time
 
-from ac_observe.metrics import (COUNTER, ENGINE_METRICS, GAUGE, HISTOGRAM, LABEL_VALUES,
-                                OTHER_SKELETON, MetricSpec)
-from ac_observe.telemetry_format import (ENGINE_INFO_FILE, TELEMETRY_FORMAT, ValueFile,
-                                         db_file_name, open_engine_dir, remove_dead_gauges,
-                                         sample_key)
+from ac_observe.metrics import (
+    COUNTER,
+    ENGINE_METRICS,
+    GAUGE,
+    HISTOGRAM,
+    LABEL_VALUES,
+    OTHER_SKELETON,
+    MetricSpec,
+)
+from ac_observe.telemetry_format import (
+    ENGINE_INFO_FILE,
+    TELEMETRY_FORMAT,
+    ValueFile,
+    db_file_name,
+    open_engine_dir,
+    remove_dead_gauges,
+    sample_key,
+)
 
 log = logging.getLogger("ac_observe.engine")
 
@@ -197,7 +210,7 @@ class TelemetryWriter:
                     value_file.write(key, value, now)
                 dirty.clear()
 
-    def series(self, spec: MetricSpec, **labels) -> "Series":
+    def series(self, spec: MetricSpec, **labels) -> Series:
         """One series with its keys resolved once (prometheus_client's `labels()` child):
         the engine's hot path holds these, so an event costs no label handling."""
         with self._lock:

@@ -42,10 +42,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.checkpoints import write_hf_checkpoint  # noqa: E402  (test helper, not shipped)
-
 from ac_observe.engine.config import EngineConfig  # noqa: E402
 from ac_observe.engine.llm_engine import Engine, FinishReason, SamplingParams  # noqa: E402
+from support.checkpoints import write_hf_checkpoint  # noqa: E402  (test helper, not shipped)
 
 RESULTS: dict = {"checks": [], "figures": {}}
 DRY_RUN = False  # on CPU: GPU-only verdicts are shown, not judged
@@ -237,9 +236,8 @@ def kernel_classes(model: str, device: str) -> None:
     sampled step equal the profiler's own figures (its FunctionEvent tree and the kernels
     it links to each op), named classes hold >= 95 % of the kernel time, and the exported
     seconds are those figures."""
-    from support.kernel_reference import classes_from_function_events
-
     from ac_observe.engine.kernel_sampler import attribute
+    from support.kernel_reference import classes_from_function_events
     with Engine(EngineConfig(model=model, device=device, overlap_lanes="off",
                              kernel_sample_steps=1, kernel_sample_budget=1.0),
                 start=False) as engine:

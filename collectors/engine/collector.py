@@ -18,13 +18,18 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from ac_observe.collectors.base import (Collector, CollectorUnavailable, new_family,
-                                        register)
-from ac_observe.collectors.engine.discovery import (BadEngine, EngineIdentity, EngineState,
-                                                    EngineUp, engine_info_stat,
-                                                    open_engine_dir, read_engine_info,
-                                                    read_engine_info_or_none,
-                                                    remove_gone_engine)
+from ac_observe.collectors.base import Collector, CollectorUnavailable, new_family, register
+from ac_observe.collectors.engine.discovery import (
+    BadEngine,
+    EngineIdentity,
+    EngineState,
+    EngineUp,
+    engine_info_stat,
+    open_engine_dir,
+    read_engine_info,
+    read_engine_info_or_none,
+    remove_gone_engine,
+)
 from ac_observe.collectors.engine.families import EngineValues
 from ac_observe.collectors.engine.files import EngineFiles
 from ac_observe.metrics import ENGINE_RESTARTS

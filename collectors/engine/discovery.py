@@ -23,9 +23,15 @@ from prometheus_client.core import Metric
 
 from ac_observe.collectors.base import new_family
 from ac_observe.metrics import ENGINE_UP
-from ac_observe.telemetry_format import (ENGINE_INFO_FILE, MAX_INFO_BYTES, open_dir_nofollow,
-                                         parse_engine_info, pid_alive, read_regular_file,
-                                         remove_engine_dir)
+from ac_observe.telemetry_format import (
+    ENGINE_INFO_FILE,
+    MAX_INFO_BYTES,
+    open_dir_nofollow,
+    parse_engine_info,
+    pid_alive,
+    read_regular_file,
+    remove_engine_dir,
+)
 
 log = logging.getLogger("ac_observe.collectors.engine")
 

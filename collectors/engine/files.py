@@ -22,8 +22,7 @@ import numpy as np
 from ac_observe.collectors.engine.discovery import BadEngine
 from ac_observe.collectors.engine.keys import CheckedKey
 from ac_observe.collectors.engine.plan import SeriesPlan
-from ac_observe.telemetry_format import (MAX_DB_BYTES, parse_db_file_name, scan_entries,
-                                         used_size)
+from ac_observe.telemetry_format import MAX_DB_BYTES, parse_db_file_name, scan_entries, used_size
 
 MAX_SERIES_PER_ENGINE = 50_000
 MAX_ENTRIES_PER_ENGINE = 4 * MAX_SERIES_PER_ENGINE  # across the files of all its pids

@@ -13,8 +13,12 @@ import math
 import time
 from typing import Protocol
 
-from ac_observe.daemon.alerting.rules import (SAME_HOUR_MIN_COVERAGE, SAME_HOUR_SPAN_SECONDS,
-                                              Rule, figure)
+from ac_observe.daemon.alerting.rules import (
+    SAME_HOUR_MIN_COVERAGE,
+    SAME_HOUR_SPAN_SECONDS,
+    Rule,
+    figure,
+)
 
 SeriesKey = tuple[tuple[str, str], ...]  # a series' labels, sorted
 Baseline = tuple[float | None, str]      # (the baseline, or None while it has none; whence)

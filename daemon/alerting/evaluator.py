@@ -9,12 +9,18 @@ import math
 import threading
 
 from ac_observe.daemon.alerting.alert import Alert, fingerprint
-from ac_observe.daemon.alerting.baselines import (Baseline, BaselineReader, SeriesKey,
-                                                  SeriesSource)
+from ac_observe.daemon.alerting.baselines import Baseline, BaselineReader, SeriesKey, SeriesSource
 from ac_observe.daemon.alerting.outbox import WebhookSender
 from ac_observe.daemon.alerting.rules import TEMPLATE, Rule, alert_labels, figure
-from ac_observe.daemon.alerting.state import (ACTIVE, FIRING, INACTIVE, RESOLVED,
-                                              AlertInstance, lack_data, observe)
+from ac_observe.daemon.alerting.state import (
+    ACTIVE,
+    FIRING,
+    INACTIVE,
+    RESOLVED,
+    AlertInstance,
+    lack_data,
+    observe,
+)
 from ac_observe.daemon.store import SavedAlert, Store, Transition
 from ac_observe.metrics import FRIENDLY
 

@@ -12,8 +12,14 @@ import yaml
 from pydantic import Field
 
 from ac_observe.daemon.alerting.receivers import Receiver, ReceiverSpec, parse_receivers
-from ac_observe.daemon.alerting.rules import (AlertConfigError, Rule, RuleSpec, Spec,
-                                              default_rules_text, parse_rules)
+from ac_observe.daemon.alerting.rules import (
+    AlertConfigError,
+    Rule,
+    RuleSpec,
+    Spec,
+    default_rules_text,
+    parse_rules,
+)
 
 SECTIONS = ("receivers", "rules")
 

@@ -25,8 +25,7 @@ from importlib import resources
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
 from ac_observe.daemon.query import parse_duration

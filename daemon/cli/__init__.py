@@ -24,8 +24,18 @@ from __future__ import annotations
 # Every command module, so that every command is registered on the app whatever the entry
 # point (the console script, `python -m ac_observe.daemon.cli`). Commands list in this
 # order in --help, then the groups.
-from ac_observe.daemon.cli import query, status, top, daemon, up, skeleton, engine  # noqa: F401
-from ac_observe.daemon.cli import alerts, dashboards, rules  # noqa: F401
+from ac_observe.daemon.cli import (  # noqa: F401  # noqa: F401
+    alerts,
+    daemon,
+    dashboards,
+    engine,
+    query,
+    rules,
+    skeleton,
+    status,
+    top,
+    up,
+)
 from ac_observe.daemon.cli.app import app
 
 __all__ = ["app", "main"]

@@ -16,7 +16,6 @@ from ac_observe.daemon.cli.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, PLAIN_H
 from ac_observe.daemon.cli.client import DaemonError, get_json
 from ac_observe.daemon.cli.render import alert_state, alerts_table, clock, print_error
 
-
 alerts_app = typer.Typer(
     **PLAIN_HELP, help="Drift alerts: what is pending and firing, history, test deliveries.")
 app.add_typer(alerts_app, name="alerts")
@@ -63,9 +62,9 @@ def alerts_test(
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ac_observe.daemon.store import PENDING, Store
     from ac_observe.daemon.alerting.file import load_alerting
     from ac_observe.daemon.alerting.outbox import WebhookSender
+    from ac_observe.daemon.store import PENDING, Store
 
     try:
         receivers = load_alerting(alerting)

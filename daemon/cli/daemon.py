@@ -67,11 +67,11 @@ def daemon(
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
     import logging
 
+    from sqlalchemy.exc import SQLAlchemyError
+
     from ac_observe.daemon.config import DaemonConfig
     from ac_observe.daemon.http_api import make_server
     from ac_observe.daemon.query import parse_duration
-    from sqlalchemy.exc import SQLAlchemyError
-
     from ac_observe.daemon.service import Daemon, tune_interpreter
     from ac_observe.telemetry_format import default_telemetry_root
 

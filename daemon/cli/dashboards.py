@@ -9,7 +9,6 @@ import typer
 
 from ac_observe.daemon.cli.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, PLAIN_HELP, app
 
-
 dashboards_app = typer.Typer(
     **PLAIN_HELP, help="Grafana dashboards and Prometheus rules generated from the metric "
                        "contract.")

@@ -77,11 +77,11 @@ def engine(
 
     import uvicorn
 
+    from ac_observe.auth import header_token_ok
     from ac_observe.daemon.demo_load import run_demo_load, wait_healthy
     from ac_observe.engine.config import EngineConfig, LaneConfig
-    from ac_observe.engine.server import EngineService, create_app
-    from ac_observe.auth import header_token_ok
     from ac_observe.engine.http_middleware import arrival_stamping_protocol
+    from ac_observe.engine.server import EngineService, create_app
     from ac_observe.telemetry_format import default_telemetry_root, open_engine_dir
 
     logging.basicConfig(level=log_level.upper(),

@@ -16,8 +16,14 @@ from rich.live import Live
 from rich.table import Table
 
 from ac_observe import __version__
-from ac_observe.daemon.cli.app import (DEFAULT_DAEMON_URL, EXIT_OK, EXIT_USAGE, app,
-                                      daemon_address, read_token)
+from ac_observe.daemon.cli.app import (
+    DEFAULT_DAEMON_URL,
+    EXIT_OK,
+    EXIT_USAGE,
+    app,
+    daemon_address,
+    read_token,
+)
 from ac_observe.daemon.cli.client import DaemonError, get_json
 from ac_observe.daemon.cli.render import metric_table, print_error
 

@@ -10,7 +10,6 @@ import typer
 
 from ac_observe.daemon.cli.app import EXIT_USAGE, PLAIN_HELP, app
 
-
 rules_app = typer.Typer(**PLAIN_HELP, help="The drift rules for other evaluators.")
 app.add_typer(rules_app, name="rules")
 

@@ -17,8 +17,8 @@ import tty
 import typer
 from rich import box
 from rich.console import Console, Group
-from rich.measure import Measurement
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
