@@ -25,11 +25,11 @@ DEFAULT_DAEMON_PORT = 9410  # dcgm-exporter already takes 9400
 GRAFANA_ANNOTATION_TAG = "ac-observe"
 OTHER_SKELETON = "other"
 NO_SKELETON = "none"  # requests sent as token ids carry no text, so no skeleton
-# Why a looked-up prefix block missed (ARCHITECTURE.md, "Cache-miss attribution").
+# Why a looked-up prefix block missed (docs/engine.md, "Cache-miss attribution").
 MISS_EVICTED, MISS_COLD, MISS_DIVERGED = MISS_REASONS = ("evicted", "cold", "diverged")
 PHASE_PREFILL, PHASE_DECODE = PHASES = ("prefill", "decode")
 # Sampled kernel time: every profiled op or kernel lands in one of these classes, decided
-# by its name (ARCHITECTURE.md, "Sampled kernel time"); kernel names never become labels.
+# by its name (docs/engine.md, "Sampled kernel time"); kernel names never become labels.
 KERNEL_CLASSES = ("attention", "gemm", "norm", "rope", "activation", "sampling", "memcpy",
                   "other")
 
