@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
@@ -25,6 +26,10 @@ from ac_observe.daemon.exposition import Renderer
 from ac_observe.daemon.query import QueryEngine, samples_read
 from ac_observe.daemon.runner import CollectorRunner
 from ac_observe.daemon.windows import Frame, Windows
+
+if TYPE_CHECKING:  # alerting is imported only when the daemon has alerts
+    from ac_observe.daemon.alerting.receivers import Receiver
+    from ac_observe.daemon.alerting.rules import Rule
 
 log = logging.getLogger("ac_observe.daemon")
 
@@ -87,6 +92,33 @@ class WindowTooLong(ValueError):
     """A window reaching further back than the history is kept."""
 
 
+def _receivers_and_rules(config: DaemonConfig) -> tuple[dict[str, Receiver], list[Rule]]:
+    """The alerting file's receivers and rules, with Grafana's receiver when --grafana-url
+    is set."""
+    receivers: dict[str, Receiver] = {}
+    rules: list[Rule] = []
+    if config.alerting_file is not None:
+        from ac_observe.daemon.alerting.file import load_alerting_config
+        # AlertConfigError (a ValueError) names the file and field: fail fast.
+        receivers, rules = load_alerting_config(config.alerting_file)
+    if config.grafana_url:
+        from ac_observe.daemon.alerting.receivers import grafana_receiver
+        grafana = grafana_receiver(config.grafana_url, config.grafana_token)
+        if grafana.name in receivers:
+            raise ValueError(f"--grafana-url adds a receiver named {grafana.name!r}, and "
+                             f"{config.alerting_file} has one: rename it")
+        receivers = {**receivers, grafana.name: grafana}
+        if grafana.token is None:
+            log.warning("--grafana-url without a token (--grafana-token-file or "
+                        "$GRAFANA_TOKEN): only a Grafana that lets anonymous users "
+                        "write annotations will take them")
+        if not rules:
+            log.warning("--grafana-url is set but no alert rules are: nothing will be "
+                        "annotated (an alerting file with `rules: defaults` adds the "
+                        "shipped ones)")
+    return receivers, rules
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig, collectors: list[Collector] | None = None):
         self.config = config
@@ -117,26 +149,7 @@ class Daemon:
         self._alert_now = 0.0
         self.webhooks = self.alerts = self.store = None
         self.history = self.history_writer = None
-        receivers, rules = {}, []
-        if config.alerting_file is not None:
-            from ac_observe.daemon.alerting.file import load_alerting_config
-            # AlertConfigError (a ValueError) names the file and field: fail fast.
-            receivers, rules = load_alerting_config(config.alerting_file)
-        if config.grafana_url:
-            from ac_observe.daemon.alerting.receivers import grafana_receiver
-            grafana = grafana_receiver(config.grafana_url, config.grafana_token)
-            if grafana.name in receivers:
-                raise ValueError(f"--grafana-url adds a receiver named {grafana.name!r}, and "
-                                 f"{config.alerting_file} has one: rename it")
-            receivers = {**receivers, grafana.name: grafana}
-            if grafana.token is None:
-                log.warning("--grafana-url without a token (--grafana-token-file or "
-                            "$GRAFANA_TOKEN): only a Grafana that lets anonymous users "
-                            "write annotations will take them")
-            if not rules:
-                log.warning("--grafana-url is set but no alert rules are: nothing will be "
-                            "annotated (an alerting file with `rules: defaults` adds the "
-                            "shipped ones)")
+        receivers, rules = _receivers_and_rules(config)
         if receivers or rules or config.history:
             from ac_observe.daemon.store import Store
             try:
@@ -185,15 +198,7 @@ class Daemon:
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
         watched = self._watched_samples(families)
-        # A collector's first cycle up, and its first after an outage: the counters it
-        # reports then have a past the daemon did not see (an engine up for days, found
-        # now); a new one among them is a base, not an increase from zero.
-        preexisting = set(self._watched_samples(returning).keys()) if returning else set()
-        for got, subsets in counted_before_seen:
-            for key in self._watched_samples(got).keys():
-                labels = dict(key[1])
-                if any(all(labels.get(k) == v for k, v in s.items()) for s in subsets):
-                    preexisting.add(key)
+        preexisting = self._preexisting(returning, counted_before_seen)
         if self.alerts is None:
             with self._lock:  # queries see a window and a snapshot from one and the same cycle
                 self._remember(now, watched, preexisting)
@@ -217,6 +222,19 @@ class Daemon:
             self.render_metrics_gzip(scrape=False)  # a scrape then only copies bytes
         elif self._pace.due(generation):
             self.render_metrics(scrape=False)
+
+    def _preexisting(self, returning: list[Metric],
+                     counted_before_seen: list[tuple[list[Metric], list[dict]]]) -> set:
+        """A collector's first cycle up, and its first after an outage: the counters it
+        reports then have a past the daemon did not see (an engine up for days, found
+        now); a new one among them is a base, not an increase from zero."""
+        preexisting = set(self._watched_samples(returning).keys()) if returning else set()
+        for got, subsets in counted_before_seen:
+            for key in self._watched_samples(got).keys():
+                labels = dict(key[1])
+                if any(all(labels.get(k) == v for k, v in s.items()) for s in subsets):
+                    preexisting.add(key)
+        return preexisting
 
     def _remember(self, now: float, watched: Frame, preexisting=()) -> None:
         """The cycle into the windows and the minute's history (under the lock)."""

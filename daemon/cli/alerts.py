@@ -77,7 +77,7 @@ def alerts_test(
         outbox = Store(store, state_dir)
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     sender = WebhookSender(outbox, receivers)
     try:
         ids = dict(zip(receivers, sender.send_test(host=socket.gethostname())))

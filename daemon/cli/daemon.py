@@ -98,7 +98,7 @@ def daemon(
         service = Daemon(config)
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     server = make_server(service, host, port, config.token, max_requests)
     tune_interpreter()
 
@@ -111,7 +111,7 @@ def daemon(
         server.run(on_ready=serving)
     except OSError as exc:  # the port is taken, the address is not ours, ...
         typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     finally:
         service.close()
 
