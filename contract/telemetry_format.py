@@ -95,7 +95,9 @@ def parse_sample_key(key: str) -> tuple[str, str, dict[str, str], str]:
 
 # ----- the mmap layout -----------------------------------------------------------------------
 
-def scan_entries(data: bytes, start: int, used: int) -> tuple[list[tuple[int, str]], int]:
+FileBytes = bytes | mmap.mmap  # a `.db` file's contents, read or mapped
+
+def scan_entries(data: FileBytes, start: int, used: int) -> tuple[list[tuple[int, str]], int]:
     """Entries that begin at `start`, up to `used`: ([(value offset, key)], next start).
 
     A partly written last entry is left for the next scan; anything else that does not
@@ -119,14 +121,14 @@ def scan_entries(data: bytes, start: int, used: int) -> tuple[list[tuple[int, st
     return entries, pos
 
 
-def used_size(data: bytes) -> int:
+def used_size(data: FileBytes) -> int:
     used = _INT.unpack_from(data, 0)[0] if len(data) >= 4 else 0
     if used < 8:
         raise ValueError(f"header says {used} bytes used")
     return used
 
 
-def value_at(data: bytes, offset: int) -> float:
+def value_at(data: FileBytes, offset: int) -> float:
     return _DOUBLE.unpack_from(data, offset)[0]
 
 
@@ -183,18 +185,18 @@ class ValueFile:
         return at
 
     def close(self) -> None:
-        if self._map is not None:
+        if not self._map.closed:
             self._map.close()
             os.close(self._fd)
-            self._map = None
 
 
 # ----- engine.json ---------------------------------------------------------------------------
 
-_INFO_FIELDS = {"engine": str, "model": str, "pid": int, "telemetry_format": str}
-_OPTIONAL_FIELDS = {"engine_id": str, "api_address": str, "started_at": (int, float),
-                    "device": str, "num_kv_blocks": int, "block_size": int,
-                    "cuda_streams": dict}  # lane -> CUDA stream handle, on a GPU
+_INFO_FIELDS: dict[str, type] = {"engine": str, "model": str, "pid": int, "telemetry_format": str}
+_OPTIONAL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "engine_id": str, "api_address": str, "started_at": (int, float), "device": str,
+    "num_kv_blocks": int, "block_size": int,
+    "cuda_streams": dict}  # lane -> CUDA stream handle, on a GPU
 
 
 def parse_engine_info(raw: bytes) -> dict:
@@ -225,8 +227,8 @@ def _check_field_types(info: dict) -> None:
     for name, typ in _INFO_FIELDS.items():
         if not isinstance(info.get(name), typ) or isinstance(info.get(name), bool):
             raise ValueError(f"engine.json: {name!r} is missing or not a {typ.__name__}")
-    for name, typ in _OPTIONAL_FIELDS.items():
-        if name in info and (not isinstance(info[name], typ) or isinstance(info[name], bool)):
+    for name, types in _OPTIONAL_FIELDS.items():
+        if name in info and (not isinstance(info[name], types) or isinstance(info[name], bool)):
             raise ValueError(f"engine.json: {name!r} has the wrong type")
     streams = info.get("cuda_streams", {})
     if len(streams) > 8 or not all(isinstance(k, str) and isinstance(v, int)
