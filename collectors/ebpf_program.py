@@ -181,8 +181,8 @@ WAIT_APIS = ("cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize",
              "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 DIRECTIONS = ("htoh", "htod", "dtoh", "dtod", "default")
 
-# probe group -> [(library, symbol, entry function, return function or None)]
-PROBES = {
+# probe group -> [(library, symbol, entry function or None, return function or None)]
+PROBES: dict[str, list[tuple[str, str, str | None, str | None]]] = {
     "launch": [
         ("cuda", "cuLaunchKernel", "cu_launch", None),
         ("cuda", "cuLaunchKernel_ptsz", "cu_launch", None),

@@ -73,15 +73,16 @@ def check_key(key: str, expected: dict[str, str]) -> CheckedKey | str:
     spec = SPECS.get(family)
     if spec is None:
         return f"{family[:80]!r} is not an engine family"
-    le = labels.pop("le", None)
+    le_text = labels.pop("le", None)
+    le: float | None = None
     if spec.type == HISTOGRAM:
-        if sample == f"{family}_bucket" and le is not None:
-            if le not in _LE_TEXTS[family]:  # one spelling per bound: no duplicate buckets
-                return f"{family}: le={le[:20]!r} is not one of its buckets"
-            le = float(le)
-        elif sample != f"{family}_sum" or le is not None:
+        if sample == f"{family}_bucket" and le_text is not None:
+            if le_text not in _LE_TEXTS[family]:  # one spelling per bound: no duplicate buckets
+                return f"{family}: le={le_text[:20]!r} is not one of its buckets"
+            le = float(le_text)
+        elif sample != f"{family}_sum" or le_text is not None:
             return f"{sample[:80]!r} is not a sample of {family}"
-    elif le is not None or sample != (spec.name if spec.type == COUNTER else family):
+    elif le_text is not None or sample != (spec.name if spec.type == COUNTER else family):
         return f"{sample[:80]!r} is not a sample of {family}"
     problem = _labels_problem(family, spec, labels, expected)
     if problem is not None:
