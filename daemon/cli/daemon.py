@@ -84,7 +84,7 @@ def daemon(
             interval_seconds=parse_duration(interval), window_seconds=parse_duration(window),
             collectors=tuple(c.strip() for c in collectors.split(",") if c.strip()),
             collector_timeout_seconds=parse_duration(collector_timeout),
-            telemetry_root=telemetry_root or default_telemetry_root(),
+            telemetry_root=Path(telemetry_root) if telemetry_root else default_telemetry_root(),
             engine_stale_seconds=parse_duration(engine_stale),
             engine_grace_seconds=parse_duration(engine_grace),
             ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,

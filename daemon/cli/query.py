@@ -49,11 +49,11 @@ def root(ctx: typer.Context,
                                          help="File holding the bearer token."),
          version: bool = typer.Option(False, "--version", help="Print the version.")) -> None:
     try:
-        token = read_token(token, token_file)
+        bearer = read_token(token, token_file)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    ctx.obj = {"url": daemon_address(daemon_url or DEFAULT_DAEMON_URL), "token": token}
+    ctx.obj = {"url": daemon_address(daemon_url or DEFAULT_DAEMON_URL), "token": bearer}
     if version:
         typer.echo(f"ac-observe {__version__}")
         raise typer.Exit()
