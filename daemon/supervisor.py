@@ -58,6 +58,7 @@ class Child:
                 self.restarts += 1
                 self.start()
             return
+        assert self.proc is not None  # started before its first check
         code = self.proc.poll()
         if code is None:
             return
