@@ -122,7 +122,8 @@ def main() -> None:
         summary = {}
         for batch in (int(b) for b in args.batches.split(",")):
             args.batch = batch
-            pairs = [(_worker("ours", str(folder), args), _worker("transformers", str(folder), args))
+            pairs = [(_worker("ours", str(folder), args),
+                      _worker("transformers", str(folder), args))
                      for _ in range(args.rounds)]
             ours, ref = max(p[0] for p in pairs), max(p[1] for p in pairs)
             ratios = sorted(o / r for o, r in pairs)

@@ -29,6 +29,14 @@ def _time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def _forms(h: torch.Tensor, layer_weights: list, layer_packed: list) -> dict:
+    """The three GEMM forms over every layer's weight, each a call to time."""
+    return {"h @ W^T": lambda: [F.linear(h, w) for w in layer_weights],
+            "W @ h^T": lambda: [torch.mm(w, h.t()) for w in layer_weights],
+            "packed": lambda: [torch.ops.mkldnn._linear_pointwise(
+                h, p, None, "none", [], "") for p in layer_packed]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", default="1,16,64,1024")
@@ -51,11 +59,7 @@ def main() -> None:
     for T in (int(t) for t in args.tokens.split(",")):
         repeats = max(1, 256 // T)
         for name, (_, k) in shapes.items():
-            h = torch.randn(T, k)
-            forms = {"h @ W^T": lambda: [F.linear(h, w) for w in weights[name]],
-                     "W @ h^T": lambda: [torch.mm(w, h.t()) for w in weights[name]],
-                     "packed": lambda: [torch.ops.mkldnn._linear_pointwise(
-                         h, p, None, "none", [], "") for p in packed[name]]}
+            forms = _forms(torch.randn(T, k), weights[name], packed[name])
             results: dict[str, list[float]] = {form: [] for form in forms}
             for _ in range(args.rounds):
                 for form, fn in forms.items():

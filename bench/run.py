@@ -55,96 +55,136 @@ def _pct(x: float) -> str:
     return f"{x * 100:.2f} %"
 
 
-def lines_for(row: int, r: dict) -> list[tuple[str, str, str, str]]:
-    """(row, figure, aim, status) lines of one row's result."""
-    out = []
-    if row == 1:
-        for batch, b in r["batches"].items():
-            ok = b["overhead"] <= 0.01
-            spread = b["overhead_max"] - b["overhead_min"]
-            out.append((f"1 instrumentation, batch {batch}",
-                        f"{_pct(b['overhead'])} (pairs {_pct(b['overhead_min'])} .. "
-                        f"{_pct(b['overhead_max'])}; {b['on_tokens_per_s']:.0f} vs "
-                        f"{b['off_tokens_per_s']:.0f} tok/s)", "<= 1 %",
-                        # Pairs spread over more than 5x the aim cannot tell 1 % from 0.
-                        f"not resolved: the pairs spread {_pct(spread)}" if spread > 0.05
-                        else "met" if ok else f"missed by {_pct(b['overhead'] - 0.01)}"))
-        for batch, b in r.get("in_process", {}).items():
-            ok = b["overhead"] <= 0.01
-            out.append((f"1 instrumentation, one process, batch {batch}",
-                        f"{_pct(b['overhead'])} (turns p10..p90 {_pct(b['overhead_p10'])} .. "
-                        f"{_pct(b['overhead_p90'])})", "<= 1 %",
-                        "met" if ok else f"missed by {_pct(b['overhead'] - 0.01)}"))
-        for batch, h in r.get("hooks", {}).items():
-            total = h["share"] + SAMPLING_BUDGET
-            out.append((f"1 instrumentation timed in place, batch {batch}",
-                        f"hooks {h['us_per_step']:.0f} us a {h['step_ms']:.1f} ms step = "
-                        f"{_pct(h['share'])} (sampler's bookkeeping in), + kernel sampling's "
-                        f"budget "
-                        f"{_pct(SAMPLING_BUDGET)} = {_pct(total)}", "<= 1 %",
-                        "met" if total <= 0.01 else f"missed by {_pct(total - 0.01)}"))
-        share = sum(r["profile_share"].values())
-        out.append(("1 profile: instrumentation", f"{_pct(share)} of the step loop's working "
-                    f"time (cProfile self time); skeleton parsing "
-                    f"{r['skeleton_parse_us_per_request']:.0f} us a request", "", ""))
-    elif row == 2:
-        for d in r:
-            cpu_ok = d["core_percent_at_1s"] < 1.0
-            out.append((f"2 daemon, {d['series']} series ({d['engines']} engines)",
-                        f"{d['cpu_ms_per_cycle']:.1f} ms CPU/cycle = "
-                        f"{d['core_percent_at_1s']:.2f} % of a core @1 s",
-                        "< 1 % core", "met" if cpu_ok else
-                        f"missed {d['core_percent_at_1s'] / 1.0:.1f}x over"))
-            for clients in (1, 50):
-                p99 = d[f"scrape_p99_ms_{clients}"]
-                out.append((f"2 /metrics, {d['engines']} engines, {clients} scraper"
-                            f"{'s' if clients > 1 else ''}",
-                            f"p50 {d[f'scrape_p50_ms_{clients}']:.1f} ms, p99 {p99:.1f} ms",
-                            "p99 < 20 ms", "met" if p99 < 20 else
-                            f"missed by {p99 - 20:.1f} ms"))
-    elif row == 3:
-        for mode in ("counting", "with latency"):
-            m = r[mode]
-            added = m["added_ns"]
-            out.append((f"3 probe, {mode}", f"+{added:.0f} ns/call; {m['core_percent_10k']:.2f}"
-                        f" % core @10k/s, {m['core_percent_100k']:.2f} % @100k/s",
-                        "< 2000 ns", "met" if added < 2000 else
-                        f"missed by {added - 2000:.0f} ns"))
-    elif row == 4:
-        for batch, b in r.items():
-            aim = batch == "16"
-            out.append((f"4 engine/transformers, batch {batch}",
-                        f"{b['ratio']:.2f}x ({b['ours_tokens_per_s']:.0f} vs "
-                        f"{b['transformers_tokens_per_s']:.0f} tok/s; pairs "
-                        f"{b['ratio_min']:.2f}..{b['ratio_max']:.2f})",
-                        ">= 2x" if aim else "", ("met" if b["ratio"] >= 2 else
-                                                 f"missed: {b['ratio']:.2f}x of 2x")
-                        if aim else ""))
-    elif row == 5:
-        out.append(("5 prefix cache, warm vs cold TTFT",
-                    f"{r['speedup']:.2f}x ({r['cold_ttft_ms']:.1f} -> "
-                    f"{r['warm_ttft_ms']:.1f} ms; pairs {r['speedup_min']:.2f}.."
-                    f"{r['speedup_max']:.2f}x)", ">= 3x",
-                    "met" if r["speedup"] >= 3 else f"missed: {r['speedup']:.2f}x"))
-    elif row == 6:
-        for clients, c in r.items():
-            ratio = c["lanes_p99_ratio"]
-            out.append((f"6 low_latency TTFT p99, {clients} clients, throughput flooded",
-                        f"lanes {c['lanes']['p99_ms']:.0f} ms = {ratio:.2f}x unloaded "
-                        f"({c['unloaded']['p99_ms']:.0f} ms); one lane "
-                        f"{c['one_lane']['p99_ms']:.0f} ms = {c['one_lane_p99_ratio']:.2f}x",
-                        "lanes <= 2x", "met" if ratio <= 2 else
-                        f"missed: {ratio:.2f}x"))
-    elif row == 7:
-        raw, via_httpx = r["raw"], r["httpx"]
-        out.append(("7 client's first event - engine TTFT, bare socket",
-                    f"median {raw['median_ms']:.2f} ms (min {raw['min_ms']:.2f}, p90 "
-                    f"{raw['p90_ms']:.2f}; {raw['requests']} requests)", "median < 1 ms",
-                    "met" if raw["median_ms"] < 1 else
-                    f"missed by {raw['median_ms'] - 1:.2f} ms"))
-        out.append(("7 the same, httpx client", f"median {via_httpx['median_ms']:.2f} ms "
-                    f"(min {via_httpx['min_ms']:.2f}, p90 {via_httpx['p90_ms']:.2f})", "", ""))
+# One result line: (row, figure, aim, status).
+Line = tuple[str, str, str, str]
+
+
+def _instrumentation_lines(r: dict) -> list[Line]:
+    """Row 1: instrumentation overhead, per batch, in process, hooks, profile."""
+    out: list[Line] = []
+    for batch, b in r["batches"].items():
+        ok = b["overhead"] <= 0.01
+        spread = b["overhead_max"] - b["overhead_min"]
+        out.append((f"1 instrumentation, batch {batch}",
+                    f"{_pct(b['overhead'])} (pairs {_pct(b['overhead_min'])} .. "
+                    f"{_pct(b['overhead_max'])}; {b['on_tokens_per_s']:.0f} vs "
+                    f"{b['off_tokens_per_s']:.0f} tok/s)", "<= 1 %",
+                    # Pairs spread over more than 5x the aim cannot tell 1 % from 0.
+                    f"not resolved: the pairs spread {_pct(spread)}" if spread > 0.05
+                    else "met" if ok else f"missed by {_pct(b['overhead'] - 0.01)}"))
+    for batch, b in r.get("in_process", {}).items():
+        ok = b["overhead"] <= 0.01
+        out.append((f"1 instrumentation, one process, batch {batch}",
+                    f"{_pct(b['overhead'])} (turns p10..p90 {_pct(b['overhead_p10'])} .. "
+                    f"{_pct(b['overhead_p90'])})", "<= 1 %",
+                    "met" if ok else f"missed by {_pct(b['overhead'] - 0.01)}"))
+    for batch, h in r.get("hooks", {}).items():
+        total = h["share"] + SAMPLING_BUDGET
+        out.append((f"1 instrumentation timed in place, batch {batch}",
+                    f"hooks {h['us_per_step']:.0f} us a {h['step_ms']:.1f} ms step = "
+                    f"{_pct(h['share'])} (sampler's bookkeeping in), + kernel sampling's "
+                    f"budget "
+                    f"{_pct(SAMPLING_BUDGET)} = {_pct(total)}", "<= 1 %",
+                    "met" if total <= 0.01 else f"missed by {_pct(total - 0.01)}"))
+    share = sum(r["profile_share"].values())
+    out.append(("1 profile: instrumentation", f"{_pct(share)} of the step loop's working "
+                f"time (cProfile self time); skeleton parsing "
+                f"{r['skeleton_parse_us_per_request']:.0f} us a request", "", ""))
     return out
+
+
+def _daemon_cost_lines(r: list) -> list[Line]:
+    """Row 2: the daemon's CPU per cycle and /metrics latency."""
+    out: list[Line] = []
+    for d in r:
+        cpu_ok = d["core_percent_at_1s"] < 1.0
+        out.append((f"2 daemon, {d['series']} series ({d['engines']} engines)",
+                    f"{d['cpu_ms_per_cycle']:.1f} ms CPU/cycle = "
+                    f"{d['core_percent_at_1s']:.2f} % of a core @1 s",
+                    "< 1 % core", "met" if cpu_ok else
+                    f"missed {d['core_percent_at_1s'] / 1.0:.1f}x over"))
+        for clients in (1, 50):
+            p99 = d[f"scrape_p99_ms_{clients}"]
+            out.append((f"2 /metrics, {d['engines']} engines, {clients} scraper"
+                        f"{'s' if clients > 1 else ''}",
+                        f"p50 {d[f'scrape_p50_ms_{clients}']:.1f} ms, p99 {p99:.1f} ms",
+                        "p99 < 20 ms", "met" if p99 < 20 else
+                        f"missed by {p99 - 20:.1f} ms"))
+    return out
+
+
+def _probe_cost_lines(r: dict) -> list[Line]:
+    """Row 3: what a uprobe adds per call."""
+    out: list[Line] = []
+    for mode in ("counting", "with latency"):
+        m = r[mode]
+        added = m["added_ns"]
+        out.append((f"3 probe, {mode}", f"+{added:.0f} ns/call; {m['core_percent_10k']:.2f}"
+                    f" % core @10k/s, {m['core_percent_100k']:.2f} % @100k/s",
+                    "< 2000 ns", "met" if added < 2000 else
+                    f"missed by {added - 2000:.0f} ns"))
+    return out
+
+
+def _engine_vs_transformers_lines(r: dict) -> list[Line]:
+    """Row 4: tokens/s against transformers."""
+    out: list[Line] = []
+    for batch, b in r.items():
+        aim = batch == "16"
+        out.append((f"4 engine/transformers, batch {batch}",
+                    f"{b['ratio']:.2f}x ({b['ours_tokens_per_s']:.0f} vs "
+                    f"{b['transformers_tokens_per_s']:.0f} tok/s; pairs "
+                    f"{b['ratio_min']:.2f}..{b['ratio_max']:.2f})",
+                    ">= 2x" if aim else "", ("met" if b["ratio"] >= 2 else
+                                             f"missed: {b['ratio']:.2f}x of 2x")
+                    if aim else ""))
+    return out
+
+
+def _prefix_cache_lines(r: dict) -> list[Line]:
+    """Row 5: warm vs cold TTFT."""
+    return [("5 prefix cache, warm vs cold TTFT",
+             f"{r['speedup']:.2f}x ({r['cold_ttft_ms']:.1f} -> "
+             f"{r['warm_ttft_ms']:.1f} ms; pairs {r['speedup_min']:.2f}.."
+             f"{r['speedup_max']:.2f}x)", ">= 3x",
+             "met" if r["speedup"] >= 3 else f"missed: {r['speedup']:.2f}x")]
+
+
+def _latency_isolation_lines(r: dict) -> list[Line]:
+    """Row 6: low_latency TTFT p99 with throughput flooded."""
+    out: list[Line] = []
+    for clients, c in r.items():
+        ratio = c["lanes_p99_ratio"]
+        out.append((f"6 low_latency TTFT p99, {clients} clients, throughput flooded",
+                    f"lanes {c['lanes']['p99_ms']:.0f} ms = {ratio:.2f}x unloaded "
+                    f"({c['unloaded']['p99_ms']:.0f} ms); one lane "
+                    f"{c['one_lane']['p99_ms']:.0f} ms = {c['one_lane_p99_ratio']:.2f}x",
+                    "lanes <= 2x", "met" if ratio <= 2 else
+                    f"missed: {ratio:.2f}x"))
+    return out
+
+
+def _ttft_gap_lines(r: dict) -> list[Line]:
+    """Row 7: the client's first event against the engine's TTFT."""
+    raw, via_httpx = r["raw"], r["httpx"]
+    return [("7 client's first event - engine TTFT, bare socket",
+             f"median {raw['median_ms']:.2f} ms (min {raw['min_ms']:.2f}, p90 "
+             f"{raw['p90_ms']:.2f}; {raw['requests']} requests)", "median < 1 ms",
+             "met" if raw["median_ms"] < 1 else
+             f"missed by {raw['median_ms'] - 1:.2f} ms"),
+            ("7 the same, httpx client", f"median {via_httpx['median_ms']:.2f} ms "
+             f"(min {via_httpx['min_ms']:.2f}, p90 {via_httpx['p90_ms']:.2f})", "", "")]
+
+
+LINES_BY_ROW = {1: _instrumentation_lines, 2: _daemon_cost_lines, 3: _probe_cost_lines,
+                4: _engine_vs_transformers_lines, 5: _prefix_cache_lines,
+                6: _latency_isolation_lines, 7: _ttft_gap_lines}
+
+
+def lines_for(row: int, r: dict | list) -> list[Line]:
+    """(row, figure, aim, status) lines of one row's result."""
+    lines = LINES_BY_ROW.get(row)
+    return lines(r) if lines is not None else []
 
 
 def run_row(row: int, quick: bool) -> tuple[dict | list | None, str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -23,6 +24,7 @@ REGISTRY: dict[str, Callable[..., Collector]] = {}
 BUILTIN = ("engine", "nvml", "ebpf")
 _FAMILY_CLASSES = {COUNTER: CounterMetricFamily, GAUGE: GaugeMetricFamily,
                    HISTOGRAM: HistogramMetricFamily}
+Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)
 
 
 class CollectorUnavailable(RuntimeError):
@@ -48,8 +50,30 @@ class Collector:
 
 
 def new_family(spec: MetricSpec) -> Metric:
-    """An empty family of the contract, to fill with `add_metric`."""
+    """An empty family of the contract, of its type (new_counter & co. to fill one)."""
     return _FAMILY_CLASSES[spec.type](spec.family, spec.help, labels=spec.labels)
+
+
+def _typed_family(spec: MetricSpec, cls: type[Family]) -> Family:
+    if _FAMILY_CLASSES[spec.type] is not cls:
+        raise TypeError(f"{spec.family} is a {spec.type}, not a {cls.__name__}")
+    return cls(spec.family, spec.help, labels=spec.labels)
+
+
+def new_counter(spec: MetricSpec) -> CounterMetricFamily:
+    """An empty counter of the contract, to fill with `add_metric(labels, value)`."""
+    return _typed_family(spec, CounterMetricFamily)
+
+
+def new_gauge(spec: MetricSpec) -> GaugeMetricFamily:
+    """An empty gauge of the contract, to fill with `add_metric(labels, value)`."""
+    return _typed_family(spec, GaugeMetricFamily)
+
+
+def new_histogram(spec: MetricSpec) -> HistogramMetricFamily:
+    """An empty histogram of the contract, to fill with `add_metric(labels, buckets,
+    sum_value)`."""
+    return _typed_family(spec, HistogramMetricFamily)
 
 
 def register(name: str):

@@ -21,11 +21,19 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
 from ac_observe import metrics as m
-from ac_observe.collectors.base import Collector, CollectorUnavailable, new_family, register
+from ac_observe.collectors.base import (
+    Collector,
+    CollectorUnavailable,
+    new_counter,
+    new_gauge,
+    new_histogram,
+    register,
+)
 from ac_observe.collectors.ebpf_program import (
     DEFAULT_GROUPS,
     DIRECTIONS,
@@ -104,7 +112,7 @@ class EbpfCollector(Collector):
         except re.error as exc:
             raise ValueError(f"--ebpf-comm {comm!r}: {exc}") from None
         self.telemetry_root = Path(config.telemetry_root)
-        self.bpf = None
+        self.bpf: Any = None  # bcc.BPF once loaded (bcc has no type information)
         self.libraries: dict[tuple, _Library] = {}
         self.targets: dict[int, _Target] = {}
 
@@ -167,7 +175,7 @@ class EbpfCollector(Collector):
         self.targets = targets
 
     def _libraries_of(self, pid: int) -> dict[tuple, _Library]:
-        found = {}
+        found: dict[tuple, _Library] = {}
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 paths = {line.split(None, 5)[5].strip() for line in maps
@@ -180,7 +188,9 @@ class EbpfCollector(Collector):
                 info = os.stat(seen_from_here)
             except OSError:
                 continue
-            kind = _LIBRARY.search(path).group(1)
+            library = _LIBRARY.search(path)
+            assert library is not None  # the line matched, and its path is the line's end
+            kind = library.group(1)
             found[(info.st_dev, info.st_ino)] = _Library(kind, seen_from_here)
         return found
 
@@ -194,23 +204,23 @@ class EbpfCollector(Collector):
             raise CollectorUnavailable("no process has a CUDA library mapped yet (probes "
                                        "attach to libcuda/libcudart when one does)")
         self._forget_exited()
-        held = new_family(m.EBPF_MAP_ENTRIES)
+        held = new_gauge(m.EBPF_MAP_ENTRIES)
         for pid, count in sorted(self._entries_per_pid().items()):
             target = self.targets.get(pid)
             held.add_metric([str(pid), target.comm if target else _comm(pid)], count)
         streams = self._engine_streams()
-        launches = new_family(m.CUDA_KERNEL_LAUNCHES)
+        launches = new_counter(m.CUDA_KERNEL_LAUNCHES)
         for key, count in self.bpf["launches"].items():
             target = self.targets.get(key.pid)
             if target:
                 name = streams.get((key.pid, key.stream)) or f"0x{key.stream:x}"
                 launches.add_metric([str(key.pid), target.comm, name], count.value)
-        graphs = new_family(m.CUDA_GRAPH_LAUNCHES)
+        graphs = new_counter(m.CUDA_GRAPH_LAUNCHES)
         for key, count in self.bpf["graphs"].items():
             target = self.targets.get(key.value)
             if target:
                 graphs.add_metric([str(key.value), target.comm], count.value)
-        copied = new_family(m.CUDA_MEMCPY_BYTES)
+        copied = new_counter(m.CUDA_MEMCPY_BYTES)
         for key, total in self.bpf["copied"].items():
             target = self.targets.get(key.pid)
             if target:
@@ -235,7 +245,7 @@ class EbpfCollector(Collector):
                 per = counts.setdefault((key.pid, key.kind), [0] * (size + 1))
                 per[min(max(key.slot - m.LOG2_FIRST_EXPONENT, 0), size)] += count.value
         sums = {(k.pid, k.kind): v.value for k, v in self.bpf[sums_map].items()}
-        family = new_family(spec)
+        family = new_histogram(spec)
         for (pid, kind), per in sorted(counts.items()):
             cumulative, running = [], 0
             for bound, count in zip([*spec.buckets, float("inf")], per):
@@ -273,7 +283,7 @@ class EbpfCollector(Collector):
 
     def _engine_streams(self) -> dict[tuple, str]:
         """{(pid, stream handle): lane} of the bundled engines (engine.json)."""
-        names = {}
+        names: dict[tuple, str] = {}
         try:
             root_fd = open_trusted_dir(self.telemetry_root, "telemetry root")
         except OSError:

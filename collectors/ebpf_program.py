@@ -137,7 +137,11 @@ int launch_return(struct pt_regs *ctx) {      /* launch_latency: time inside the
 }
 
 /* Runtime launches (the runtime group): counted here, not again in the driver. */
-int cuda_launch(struct pt_regs *ctx) { enter_runtime(); count_launch(stack_arg(ctx, 8), 0); return 0; }
+int cuda_launch(struct pt_regs *ctx) {
+    enter_runtime();
+    count_launch(stack_arg(ctx, 8), 0);
+    return 0;
+}
 int cuda_launch_ex(struct pt_regs *ctx) {
     enter_runtime();
     count_launch(field_at((void *)PT_REGS_PARM1(ctx), 32), 0);
@@ -177,8 +181,8 @@ WAIT_APIS = ("cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize",
              "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 DIRECTIONS = ("htoh", "htod", "dtoh", "dtod", "default")
 
-# probe group -> [(library, symbol, entry function, return function or None)]
-PROBES = {
+# probe group -> [(library, symbol, entry function or None, return function or None)]
+PROBES: dict[str, list[tuple[str, str, str | None, str | None]]] = {
     "launch": [
         ("cuda", "cuLaunchKernel", "cu_launch", None),
         ("cuda", "cuLaunchKernel_ptsz", "cu_launch", None),

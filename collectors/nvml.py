@@ -13,7 +13,13 @@ import time
 from dataclasses import dataclass, field
 
 from ac_observe import metrics as m
-from ac_observe.collectors.base import Collector, CollectorUnavailable, new_family, register
+from ac_observe.collectors.base import (
+    Collector,
+    CollectorUnavailable,
+    new_counter,
+    new_gauge,
+    register,
+)
 
 log = logging.getLogger("ac_observe.collectors.nvml")
 MIN_GPM_GAP_SECONDS = 0.1
@@ -122,10 +128,10 @@ class NvmlCollector(Collector):
         if not self.devices:
             self._init()
         nv = self.nv
-        gauges = {spec.name: new_family(spec) for spec, *_ in DEVICE_FIELDS + GPM_FIELDS}
-        processes = new_family(m.GPU_PROCESS_MEMORY)
+        gauges = {spec.name: new_gauge(spec) for spec, *_ in DEVICE_FIELDS + GPM_FIELDS}
+        processes = new_gauge(m.GPU_PROCESS_MEMORY)
         self._drain_xid()
-        xid = new_family(m.GPU_XID_ERRORS)
+        xid = new_counter(m.GPU_XID_ERRORS)
         for device in self.devices:
             labels = [str(device.index), device.uuid]
             for spec, read, scale in DEVICE_FIELDS:

@@ -19,4 +19,6 @@ def bearer_token(header: str | None) -> bytes | None:
 def header_token_ok(token: str | None) -> bool:
     """A token an Authorization header can carry as sent: printable ASCII, no white space
     (a byte outside ASCII fails httpx's encoding, or the latin-1 compare on arrival)."""
-    return bool(token) and all(33 <= ord(c) <= 126 for c in token)
+    if not token:
+        return False
+    return all(33 <= ord(c) <= 126 for c in token)

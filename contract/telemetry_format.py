@@ -19,6 +19,7 @@ a reason, never anything that could harm another engine's data.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import mmap
@@ -94,7 +95,9 @@ def parse_sample_key(key: str) -> tuple[str, str, dict[str, str], str]:
 
 # ----- the mmap layout -----------------------------------------------------------------------
 
-def scan_entries(data: bytes, start: int, used: int) -> tuple[list[tuple[int, str]], int]:
+FileBytes = bytes | mmap.mmap  # a `.db` file's contents, read or mapped
+
+def scan_entries(data: FileBytes, start: int, used: int) -> tuple[list[tuple[int, str]], int]:
     """Entries that begin at `start`, up to `used`: ([(value offset, key)], next start).
 
     A partly written last entry is left for the next scan; anything else that does not
@@ -118,14 +121,14 @@ def scan_entries(data: bytes, start: int, used: int) -> tuple[list[tuple[int, st
     return entries, pos
 
 
-def used_size(data: bytes) -> int:
+def used_size(data: FileBytes) -> int:
     used = _INT.unpack_from(data, 0)[0] if len(data) >= 4 else 0
     if used < 8:
         raise ValueError(f"header says {used} bytes used")
     return used
 
 
-def value_at(data: bytes, offset: int) -> float:
+def value_at(data: FileBytes, offset: int) -> float:
     return _DOUBLE.unpack_from(data, offset)[0]
 
 
@@ -182,18 +185,18 @@ class ValueFile:
         return at
 
     def close(self) -> None:
-        if self._map is not None:
+        if not self._map.closed:
             self._map.close()
             os.close(self._fd)
-            self._map = None
 
 
 # ----- engine.json ---------------------------------------------------------------------------
 
-_INFO_FIELDS = {"engine": str, "model": str, "pid": int, "telemetry_format": str}
-_OPTIONAL_FIELDS = {"engine_id": str, "api_address": str, "started_at": (int, float),
-                    "device": str, "num_kv_blocks": int, "block_size": int,
-                    "cuda_streams": dict}  # lane -> CUDA stream handle, on a GPU
+_INFO_FIELDS: dict[str, type] = {"engine": str, "model": str, "pid": int, "telemetry_format": str}
+_OPTIONAL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "engine_id": str, "api_address": str, "started_at": (int, float), "device": str,
+    "num_kv_blocks": int, "block_size": int,
+    "cuda_streams": dict}  # lane -> CUDA stream handle, on a GPU
 
 
 def parse_engine_info(raw: bytes) -> dict:
@@ -206,16 +209,7 @@ def parse_engine_info(raw: bytes) -> dict:
         raise ValueError("engine.json is not JSON") from None
     if not isinstance(info, dict):
         raise ValueError(f"engine.json holds a {type(info).__name__}, not an object")
-    for name, typ in _INFO_FIELDS.items():
-        if not isinstance(info.get(name), typ) or isinstance(info.get(name), bool):
-            raise ValueError(f"engine.json: {name!r} is missing or not a {typ.__name__}")
-    for name, typ in _OPTIONAL_FIELDS.items():
-        if name in info and (not isinstance(info[name], typ) or isinstance(info[name], bool)):
-            raise ValueError(f"engine.json: {name!r} has the wrong type")
-    streams = info.get("cuda_streams", {})
-    if len(streams) > 8 or not all(isinstance(k, str) and isinstance(v, int)
-                                   and not isinstance(v, bool) for k, v in streams.items()):
-        raise ValueError("engine.json: 'cuda_streams' must map lane names to stream handles")
+    _check_field_types(info)
     if not 0 < info["pid"] <= MAX_PID:
         raise ValueError(f"engine.json: pid {info['pid']} is out of range")
     if info["telemetry_format"] != TELEMETRY_FORMAT:
@@ -225,6 +219,21 @@ def parse_engine_info(raw: bytes) -> dict:
         if not 0 < len(info[name]) <= 256:
             raise ValueError(f"engine.json: {name!r} must be 1-256 characters")
     return info
+
+
+def _check_field_types(info: dict) -> None:
+    """Every field engine.json must hold, of its type; the optional ones of theirs where
+    present (a bool is no number here)."""
+    for name, typ in _INFO_FIELDS.items():
+        if not isinstance(info.get(name), typ) or isinstance(info.get(name), bool):
+            raise ValueError(f"engine.json: {name!r} is missing or not a {typ.__name__}")
+    for name, types in _OPTIONAL_FIELDS.items():
+        if name in info and (not isinstance(info[name], types) or isinstance(info[name], bool)):
+            raise ValueError(f"engine.json: {name!r} has the wrong type")
+    streams = info.get("cuda_streams", {})
+    if len(streams) > 8 or not all(isinstance(k, str) and isinstance(v, int)
+                                   and not isinstance(v, bool) for k, v in streams.items()):
+        raise ValueError("engine.json: 'cuda_streams' must map lane names to stream handles")
 
 
 def read_regular_file(dir_fd: int, name: str, max_bytes: int) -> bytes:
@@ -284,6 +293,17 @@ def unsafe_reason(info: os.stat_result, trusted_uids: set[int]) -> str | None:
 MAX_SYMLINK_HOPS = 40
 
 
+def _trusted_symlink(name: str, dir_fd: int, trusted: set[int], where: str) -> bool:
+    """Whether `name` in `dir_fd` is a symlink (one root or we own); UnsafeDirectory naming
+    `where` when another user owns it."""
+    info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISLNK(info.st_mode):
+        return False
+    if info.st_uid not in trusted:
+        raise UnsafeDirectory(f"{where} is a symlink owned by uid {info.st_uid}") from None
+    return True
+
+
 def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
                      create: bool = False) -> int:
     """A descriptor of directory `path`, reached from / one component at a time with
@@ -312,19 +332,14 @@ def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
             except FileNotFoundError:
                 if not create or name == "..":
                     raise
-                try:
+                # FileExistsError: made meanwhile, then opened and checked like any other.
+                with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o700, dir_fd=fd)
-                except FileExistsError:
-                    pass  # made meanwhile: opened and checked like any other
                 pending.insert(0, name)
                 continue
             except OSError as exc:
-                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISLNK(info.st_mode):
+                if not _trusted_symlink(name, fd, trusted, f"{what} {path}: {walked / name}"):
                     raise exc
-                if info.st_uid not in trusted:
-                    raise UnsafeDirectory(f"{what} {path}: {walked / name} is a symlink owned "
-                                          f"by uid {info.st_uid}") from None
                 hops += 1
                 if hops > MAX_SYMLINK_HOPS:
                     raise UnsafeDirectory(f"{what} {path}: too many symlinks") from None

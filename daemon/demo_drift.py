@@ -31,7 +31,8 @@ rules:
     threshold: 1.0
     for: 10s
     annotations:
-      summary: "TTFT p95 {{ value }} ns is {{ delta_percent }} % over its baseline {{ baseline }} ns"
+      summary: "TTFT p95 {{ value }} ns is {{ delta_percent }} % over its baseline
+        {{ baseline }} ns"
 """
 # Far above the noise: on 2 busy vCPUs a calm low_latency lane's p95 (a few dozen
 # requests in 30 s) reached 1.46x its previous minute's; 150 ms slower steps gave 1.5-2.3x.

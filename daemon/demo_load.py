@@ -18,13 +18,15 @@ log = logging.getLogger("ac_observe.demo")
 
 SYSTEMS = [
     "You are a careful SRE assistant. " * 24,
-    "<instructions>\nAnswer in one line.\n<rules>\n- cite\n- be brief\n</rules>\n</instructions>\n" * 6,
+    ("<instructions>\nAnswer in one line.\n"
+     "<rules>\n- cite\n- be brief\n</rules>\n</instructions>\n") * 6,
     "",
 ]
 USER_TEMPLATES = [
     "What is the GPU doing right now? Request {n}.",
     "# Incident {n}\n## Symptoms\n- TTFT up\n- KV hit rate down\n  1. since deploy\n",
-    "<context><doc id='{n}'>\n```json\n{{\"p95_ms\": [{n}, 12], \"stream\": {{\"util\": 0.9}}}}\n```\n</doc></context>\nSummarise.",
+    "<context><doc id='{n}'>\n```json\n{{\"p95_ms\": [{n}, 12], \"stream\": {{\"util\": 0.9}}}}"
+    "\n```\n</doc></context>\nSummarise.",
     "| metric | value |\n|---|---|\n| ttft | {n} ms |\nExplain the table.",
 ]
 

@@ -117,7 +117,7 @@ class MinuteAggregator:
             kinds, column = self.kinds, self.columns.column
             at = np.fromiter((column[key] for key in new), np.intp, len(new))
             # (a column given back had no row and nothing to remember: n 0, total 0, NaN)
-            self._kind[at] = [_KIND_CODES.get(kinds.get(key[0]), 0) for key in new]
+            self._kind[at] = [_KIND_CODES.get(kinds.get(key[0], ""), 0) for key in new]
         self._seen_minute[columns] = minute
         kind = self._kind[columns]
         kept = (kind != 0) & np.isfinite(values)
@@ -342,7 +342,10 @@ def build_view(minutes: dict[SeriesKey, list[tuple]], kinds: dict[str, str],
     if in_progress is not None and first_minute <= in_progress[0] <= last_minute:
         index = (in_progress[0] - first_minute) // step + 1
         times[index] = max(times[index - 1] + 1e-3, min(times[index], in_progress[1]))
-    series, gauges, used, key_coverage = {}, {}, set(), {}
+    series: dict[SeriesKey, array] = {}
+    gauges: dict[SeriesKey, tuple] = {}  # (n, total, min, max, last, trend events)
+    used: set[int] = set()  # the points (minute groups) any series has data in
+    key_coverage: dict[SeriesKey, float] = {}
     minutes = {key: [r for r in rows if first_minute <= r[0] <= last_minute]
                for key, rows in minutes.items()}
     cycles: dict[int, int] = {}  # point -> the most cycles any series has in it

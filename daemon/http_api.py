@@ -69,14 +69,31 @@ def _finite(value):
     return value
 
 
-def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Response]:
-    expected = token.encode("utf-8") if token else None
+class Routes:
+    """The daemon's routes as one handler: called on the handlers' pool, and `inline` on
+    the event loop for what is answered at once (see HttpServer)."""
 
-    def authorized(request: Request) -> bool:
+    def __init__(self, daemon: Daemon, token: str | None):
+        self.daemon = daemon
+        self.expected = token.encode("utf-8") if token else None
+        self.routes: dict[str, Callable[[Request, dict], Response]] = {
+            # path -> (request, its query parameters) -> Response
+            "/metrics": lambda request, params: self.metrics(request),
+            "/api/v1/query": lambda request, params: self.query(params),
+            "/api/v1/metrics": lambda request, params: json_response(
+                200, {"metrics": describe_friendly()}),
+            "/api/v1/status": lambda request, params: json_response(200, daemon.status()),
+            "/api/v1/alerts": lambda request, params: self.alerts(params),
+        }
+
+    def authorized(self, request: Request) -> bool:
+        """No token is configured, or the request carries it."""
+        if self.expected is None:
+            return True
         given = bearer_token(request.headers.get("authorization"))
-        return given is not None and hmac.compare_digest(given, expected)
+        return given is not None and hmac.compare_digest(given, self.expected)
 
-    def query(params: dict) -> Response:
+    def query(self, params: dict) -> Response:
         metric = (params.get("metric") or [""])[0]
         if metric not in FRIENDLY:
             return json_response(400, {"error": f"unknown metric {metric[:100]!r}",
@@ -89,56 +106,48 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
         except ValueError as exc:
             return json_response(400, {"error": str(exc)})
         try:
-            return json_response(200, daemon.query(metric, window, labels, now=at))
+            return json_response(200, self.daemon.query(metric, window, labels, now=at))
         except WindowTooLong as exc:
             return json_response(400, {"error": str(exc)})
         except HistoryUnavailable as exc:
             return json_response(503, {"error": str(exc)})
 
-    def alerts(params: dict) -> Response:
-        if daemon.alerts is None:
+    def alerts(self, params: dict) -> Response:
+        alerts = self.daemon.alerts
+        if alerts is None:
             return json_response(200, {"alerts": [], "history": [], "rules": 0,
                                        "waiting": []})
         history = (params.get("history") or ["0"])[0] not in ("", "0", "false")
-        return json_response(200, {"alerts": daemon.alerts.active(),
-                                   "rules": len(daemon.alerts.rules),
-                                   "waiting": daemon.alerts.waiting(),
-                                   "history": daemon.alerts.history() if history else []})
+        return json_response(200, {"alerts": alerts.active(),
+                                   "rules": len(alerts.rules),
+                                   "waiting": alerts.waiting(),
+                                   "history": alerts.history() if history else []})
 
-    def metrics(request: Request) -> Response:
+    def metrics(self, request: Request) -> Response:
         gzipped = accepts_gzip(request)
-        return metrics_response(daemon.render_metrics_gzip() if gzipped
-                                else daemon.render_metrics(), gzipped)
+        return metrics_response(self.daemon.render_metrics_gzip() if gzipped
+                                else self.daemon.render_metrics(), gzipped)
 
-    routes = {  # path -> (request, its query parameters) -> Response
-        "/metrics": lambda request, params: metrics(request),
-        "/api/v1/query": lambda request, params: query(params),
-        "/api/v1/metrics": lambda request, params: json_response(
-            200, {"metrics": describe_friendly()}),
-        "/api/v1/status": lambda request, params: json_response(200, daemon.status()),
-        "/api/v1/alerts": lambda request, params: alerts(params),
-    }
-
-    def inline(request: Request) -> Response | None:
+    def inline(self, request: Request) -> Response | None:
         """On the event loop: a plain scrape of /metrics whose render is made already is
         answered at once (50 scrapers need no 50 thread hops); anything else, None."""
         if request.path != "/metrics" or request.method not in ("GET", "HEAD") or \
-                request.query or (expected is not None and not authorized(request)):
+                request.query or not self.authorized(request):
             return None
         gzipped = accepts_gzip(request)
-        body = daemon.rendered_metrics(gzipped)
+        body = self.daemon.rendered_metrics(gzipped)
         return None if body is None else metrics_response(body, gzipped)
 
-    def handle(request: Request) -> Response:
+    def __call__(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
             return json_response(405, {"error": f"method {request.method[:20]} not allowed"},
                                  {"Allow": ALLOWED_METHODS})
         if request.path == "/healthz":
             return json_response(200, {"status": "ok"})
-        if expected is not None and not authorized(request):
+        if not self.authorized(request):
             return json_response(401, {"error": "missing or wrong bearer token"},
                                  {"WWW-Authenticate": 'Bearer realm="ac-observe"'})
-        route = routes.get(request.path)
+        route = self.routes.get(request.path)
         if route is None:
             return json_response(404, {"error": f"no route {request.path[:200]}"})
         try:
@@ -147,8 +156,9 @@ def make_handler(daemon: Daemon, token: str | None) -> Callable[[Request], Respo
             return json_response(400, {"error": "too many query parameters"})
         return route(request, params)
 
-    handle.inline = inline
-    return handle
+
+def make_handler(daemon: Daemon, token: str | None) -> Routes:
+    return Routes(daemon, token)
 
 
 def make_server(daemon: Daemon, host: str, port: int, token: str | None,

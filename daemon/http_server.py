@@ -121,6 +121,8 @@ class HttpServer:
         self._pool = ThreadPoolExecutor(max_requests, thread_name_prefix="ac-http")
         self._max_requests = max_requests
         self._open: set[asyncio.StreamWriter] = set()
+        # NOTE: made by start(), on the loop that serves: every method below that uses
+        # them runs after it (hence the asserts).
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._room: asyncio.Event | None = None  # set while below max_connections
@@ -143,17 +145,19 @@ class HttpServer:
         """Accept while below max_connections; at the limit, stop accepting (new clients
         wait in the kernel's backlog) rather than take descriptors the daemon needs."""
         loop = asyncio.get_running_loop()
+        room, listener = self._room, self._listener
+        assert room is not None and listener is not None
         while True:
-            await self._room.wait()
+            await room.wait()
             try:
-                conn, _ = await loop.sock_accept(self._listener)
+                conn, _ = await loop.sock_accept(listener)
             except OSError as exc:  # EMFILE and the like: back off, never spin
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
             self._connections += 1
             if self._connections >= self.max_connections:
-                self._room.clear()
+                room.clear()
             loop.create_task(self._serve_socket(conn))
 
     async def _serve_socket(self, conn: socket.socket) -> None:
@@ -169,10 +173,12 @@ class HttpServer:
             conn.close()
         finally:
             self._connections -= 1
+            assert self._room is not None
             self._room.set()
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         await stop.wait()
+        assert self._accepting is not None and self._listener is not None
         self._accepting.cancel()
         self._listener.close()
         for writer in list(self._open):
@@ -195,10 +201,12 @@ class HttpServer:
 
     def start_in_thread(self) -> Callable[[], None]:
         """Serve from a background thread (benches, embedding); returns the stop function."""
-        ready, failure, handles = threading.Event(), [], {}
+        ready, failure = threading.Event(), []
+        running: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []  # (loop, stop)
 
         async def main() -> None:
-            handles["loop"], handles["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            stop_serving = asyncio.Event()
+            running.append((asyncio.get_running_loop(), stop_serving))
             try:
                 await self.start()
             except BaseException as exc:
@@ -206,7 +214,7 @@ class HttpServer:
                 return
             finally:
                 ready.set()
-            await self.serve_until(handles["stop"])
+            await self.serve_until(stop_serving)
 
         thread = threading.Thread(target=asyncio.run, args=(main(),), name="ac-http",
                                   daemon=True)
@@ -216,7 +224,8 @@ class HttpServer:
             raise failure[0]
 
         def stop() -> None:
-            handles["loop"].call_soon_threadsafe(handles["stop"].set)
+            loop, stop_serving = running[0]
+            loop.call_soon_threadsafe(stop_serving.set)
             thread.join(10)
 
         return stop
@@ -265,8 +274,10 @@ class HttpServer:
             self._open.discard(writer)
 
     async def _dispatch(self, request: Request) -> Response:
+        slots = self._slots
+        assert slots is not None
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.queue_timeout)
+            await asyncio.wait_for(slots.acquire(), self.queue_timeout)
         except asyncio.TimeoutError:
             return Response(503, b'{"error":"too many requests in flight; retry"}',
                             headers={"Retry-After": "1"})
@@ -277,7 +288,7 @@ class HttpServer:
             log.exception("request %s failed", request.path)
             return Response(500, b'{"error":"internal error"}')
         finally:
-            self._slots.release()
+            slots.release()
 
     async def _send(self, writer: asyncio.StreamWriter, response: Response, keep_alive: bool,
                     head_only: bool) -> bool:

@@ -12,6 +12,7 @@ import re
 import time
 from datetime import datetime
 
+from ac_observe.daemon.history import HistoryView
 from ac_observe.daemon.windows import Windows, WindowView
 from ac_observe.metrics import FRIENDLY, Friendly
 
@@ -183,12 +184,14 @@ class QueryEngine:
                shares: dict[str, float] | None = None) -> dict:
         """`shares`: statistic name -> threshold in the friendly unit; a histogram's series
         then carry that name with the percentage of observations at or below it."""
-        handler = {"gauge": self._gauge, "histogram": self._histogram, "rate": self._rate,
-                   "ratio": self._ratio}[friendly.kind]
         series = []
-        found = (handler(view, friendly, since, label_filter) if friendly.kind == "ratio"
-                 else handler(view, friendly, since))
-        coverage = getattr(view, "coverage", None)  # None: from the in-memory windows
+        if friendly.kind == "ratio":
+            found = self._ratio(view, friendly, since, label_filter)
+        else:
+            found = {"gauge": self._gauge, "histogram": self._histogram,
+                     "rate": self._rate}[friendly.kind](view, friendly, since)
+        history = view if isinstance(view, HistoryView) else None  # None: in-memory windows
+        coverage = history.coverage if history is not None else None
         for stats, events in found:
             buckets = stats.pop("_buckets", None)
             span = stats.pop("_span")
@@ -223,10 +226,10 @@ class QueryEngine:
         answer = {"metric": friendly.name, "unit": friendly.unit, "kind": friendly.kind,
                   "source": friendly.source.name, "window_seconds": window_seconds,
                   "as_of": as_of, "series": series}
-        if coverage is not None:  # answered from the store's per-minute history
-            answer.update(history=True, resolution_seconds=view.resolution_seconds,
-                          coverage=round(coverage, 4))
-            _series_coverage(series, view.key_coverage)
+        if history is not None:  # answered from the store's per-minute history
+            answer.update(history=True, resolution_seconds=history.resolution_seconds,
+                          coverage=round(history.coverage, 4))
+            _series_coverage(series, history.key_coverage)
         return answer
 
     def _points(self, view: WindowView, key, since: float):
@@ -269,7 +272,7 @@ class QueryEngine:
                           for (ta, a), (tb, b) in zip(points, points[1:]) if tb > ta]
                 yield ({"labels": dict(key[1]), "_span": span,
                         **summarize([r * friendly.scale for r in rates],
-                                    mean * friendly.scale)}, events)
+                                    None if mean is None else mean * friendly.scale)}, events)
 
     def _ratio(self, view: WindowView, friendly: Friendly, since: float,
                label_filter: dict[str, str]):
@@ -280,8 +283,10 @@ class QueryEngine:
         for key in view.keys(friendly.source.name):
             labels = tuple(item for item in key[1] if item[0] not in summed)
             groups.setdefault(labels, []).append(key)
-        den_labels = set(friendly.denominator.labels)
-        den_keys = list(view.keys(friendly.denominator.name))
+        denominator = friendly.denominator
+        assert denominator is not None  # a ratio has one (Friendly checks)
+        den_labels = set(denominator.labels)
+        den_keys = list(view.keys(denominator.name))
         for labels, keys in groups.items():
             wanted = {k: v for k, v in labels if k in den_labels}
             num, _ = self._summed_increases(view, keys, since)

@@ -49,6 +49,7 @@ class CollectorRunner:
                     return
                 seen = self._requested
             start = time.monotonic()
+            result: tuple  # as self._result
             try:
                 result = ("ok", list(self.collector.collect()), time.monotonic() - start)
             except BaseException as exc:  # noqa: BLE001 - reported, never raised here

@@ -14,17 +14,26 @@ import sys
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
 from ac_observe import __version__
 from ac_observe import metrics as m
-from ac_observe.collectors.base import Collector, build, new_family
+from ac_observe.collectors.base import Collector, build, new_counter, new_gauge
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.exposition import Renderer
 from ac_observe.daemon.query import QueryEngine, samples_read
 from ac_observe.daemon.runner import CollectorRunner
 from ac_observe.daemon.windows import Frame, Windows
+
+if TYPE_CHECKING:  # imported when the daemon has alerts, history or a store
+    from ac_observe.daemon.alerting.evaluator import Evaluator
+    from ac_observe.daemon.alerting.outbox import WebhookSender
+    from ac_observe.daemon.alerting.receivers import Receiver
+    from ac_observe.daemon.alerting.rules import Rule
+    from ac_observe.daemon.history import HistoryWriter, MinuteAggregator
+    from ac_observe.daemon.store import Store
 
 log = logging.getLogger("ac_observe.daemon")
 
@@ -87,6 +96,33 @@ class WindowTooLong(ValueError):
     """A window reaching further back than the history is kept."""
 
 
+def _receivers_and_rules(config: DaemonConfig) -> tuple[dict[str, Receiver], list[Rule]]:
+    """The alerting file's receivers and rules, with Grafana's receiver when --grafana-url
+    is set."""
+    receivers: dict[str, Receiver] = {}
+    rules: list[Rule] = []
+    if config.alerting_file is not None:
+        from ac_observe.daemon.alerting.file import load_alerting_config
+        # AlertConfigError (a ValueError) names the file and field: fail fast.
+        receivers, rules = load_alerting_config(config.alerting_file)
+    if config.grafana_url:
+        from ac_observe.daemon.alerting.receivers import grafana_receiver
+        grafana = grafana_receiver(config.grafana_url, config.grafana_token)
+        if grafana.name in receivers:
+            raise ValueError(f"--grafana-url adds a receiver named {grafana.name!r}, and "
+                             f"{config.alerting_file} has one: rename it")
+        receivers = {**receivers, grafana.name: grafana}
+        if grafana.token is None:
+            log.warning("--grafana-url without a token (--grafana-token-file or "
+                        "$GRAFANA_TOKEN): only a Grafana that lets anonymous users "
+                        "write annotations will take them")
+        if not rules:
+            log.warning("--grafana-url is set but no alert rules are: nothing will be "
+                        "annotated (an alerting file with `rules: defaults` adds the "
+                        "shipped ones)")
+    return receivers, rules
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig, collectors: list[Collector] | None = None):
         self.config = config
@@ -115,28 +151,14 @@ class Daemon:
         self._alert_thread: threading.Thread | None = None
         self._alert_wake = threading.Event()
         self._alert_now = 0.0
-        self.webhooks = self.alerts = self.store = None
-        self.history = self.history_writer = None
-        receivers, rules = {}, []
-        if config.alerting_file is not None:
-            from ac_observe.daemon.alerting.file import load_alerting_config
-            # AlertConfigError (a ValueError) names the file and field: fail fast.
-            receivers, rules = load_alerting_config(config.alerting_file)
-        if config.grafana_url:
-            from ac_observe.daemon.alerting.receivers import grafana_receiver
-            grafana = grafana_receiver(config.grafana_url, config.grafana_token)
-            if grafana.name in receivers:
-                raise ValueError(f"--grafana-url adds a receiver named {grafana.name!r}, and "
-                                 f"{config.alerting_file} has one: rename it")
-            receivers = {**receivers, grafana.name: grafana}
-            if grafana.token is None:
-                log.warning("--grafana-url without a token (--grafana-token-file or "
-                            "$GRAFANA_TOKEN): only a Grafana that lets anonymous users "
-                            "write annotations will take them")
-            if not rules:
-                log.warning("--grafana-url is set but no alert rules are: nothing will be "
-                            "annotated (an alerting file with `rules: defaults` adds the "
-                            "shipped ones)")
+        self.webhooks: WebhookSender | None = None
+        self.alerts: Evaluator | None = None
+        self.store: Store | None = None
+        # NOTE: history and history_writer are both set or both None, and set only with
+        # a store.
+        self.history: MinuteAggregator | None = None
+        self.history_writer: HistoryWriter | None = None
+        receivers, rules = _receivers_and_rules(config)
         if receivers or rules or config.history:
             from ac_observe.daemon.store import Store
             try:
@@ -156,6 +178,7 @@ class Daemon:
         if receivers or rules:
             from ac_observe.daemon.alerting.evaluator import Evaluator
             from ac_observe.daemon.alerting.outbox import WebhookSender
+            assert self.store is not None  # alerts never run without it: it raised above
             if receivers:
                 self.webhooks = WebhookSender(self.store, receivers,
                                               external_url=f"http://{config.host}:{config.port}")
@@ -172,6 +195,7 @@ class Daemon:
         families: list[Metric] = []
         returning: list[Metric] = []
         counted_before_seen: list[tuple[list[Metric], list[dict]]] = []
+        subsets: list[dict[str, str]]
         for runner in self.runners:
             got = runner.finish()
             if runner.up and not self._reporting.get(runner.name):
@@ -185,15 +209,7 @@ class Daemon:
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
         watched = self._watched_samples(families)
-        # A collector's first cycle up, and its first after an outage: the counters it
-        # reports then have a past the daemon did not see (an engine up for days, found
-        # now); a new one among them is a base, not an increase from zero.
-        preexisting = set(self._watched_samples(returning).keys()) if returning else set()
-        for got, subsets in counted_before_seen:
-            for key in self._watched_samples(got).keys():
-                labels = dict(key[1])
-                if any(all(labels.get(k) == v for k, v in s.items()) for s in subsets):
-                    preexisting.add(key)
+        preexisting = self._preexisting(returning, counted_before_seen)
         if self.alerts is None:
             with self._lock:  # queries see a window and a snapshot from one and the same cycle
                 self._remember(now, watched, preexisting)
@@ -208,7 +224,7 @@ class Daemon:
                 else:
                     self._alert_now = now
                     self._alert_wake.set()
-            families.extend(self._alert_metrics())  # the states the last evaluation left
+            families.extend(self._alert_metrics(self.alerts))  # the last evaluation's states
             with self._lock:
                 self._snapshot = families
                 self._generation += 1
@@ -218,15 +234,29 @@ class Daemon:
         elif self._pace.due(generation):
             self.render_metrics(scrape=False)
 
+    def _preexisting(self, returning: list[Metric],
+                     counted_before_seen: list[tuple[list[Metric], list[dict]]]) -> set:
+        """A collector's first cycle up, and its first after an outage: the counters it
+        reports then have a past the daemon did not see (an engine up for days, found
+        now); a new one among them is a base, not an increase from zero."""
+        preexisting = set(self._watched_samples(returning).keys()) if returning else set()
+        for got, subsets in counted_before_seen:
+            for key in self._watched_samples(got).keys():
+                labels = dict(key[1])
+                if any(all(labels.get(k) == v for k, v in s.items()) for s in subsets):
+                    preexisting.add(key)
+        return preexisting
+
     def _remember(self, now: float, watched: Frame, preexisting=()) -> None:
         """The cycle into the windows and the minute's history (under the lock)."""
         self.windows.append(now, watched, preexisting)
         if self.history is not None:
+            assert self.history_writer is not None  # set together
             self.history_writer.submit(self.history.add(now, watched, preexisting))
 
     def _utilization(self, families: list[Metric], now: float) -> list[Metric]:
         """Busy fraction of each lane's stream over the last interval, from busy-time deltas."""
-        gauge = new_family(m.STREAM_UTILIZATION)
+        gauge = new_gauge(m.STREAM_UTILIZATION)
         current = {}
         for family in families:
             if family.name != m.STREAM_BUSY.family:
@@ -243,33 +273,33 @@ class Daemon:
         return [gauge] if gauge.samples else []
 
     def _self_metrics(self) -> list[Metric]:
-        up = new_family(m.COLLECTOR_UP)
-        duration = new_family(m.COLLECTOR_DURATION)
-        errors = new_family(m.COLLECTOR_ERRORS)
+        up = new_gauge(m.COLLECTOR_UP)
+        duration = new_gauge(m.COLLECTOR_DURATION)
+        errors = new_counter(m.COLLECTOR_ERRORS)
         for runner in self.runners:
             up.add_metric([runner.name], 1.0 if runner.up else 0.0)
             duration.add_metric([runner.name], runner.duration_seconds)
             errors.add_metric([runner.name], runner.errors_total)
-        info = new_family(m.BUILD_INFO)
+        info = new_gauge(m.BUILD_INFO)
         info.add_metric([__version__], 1.0)
         return [up, duration, errors, info] + self._webhook_metrics()
 
-    def _alert_metrics(self) -> list[Metric]:
-        firing = new_family(m.ALERTS_FIRING)
-        counts = self.alerts.firing_counts  # published by each evaluation: no lock waited on
+    def _alert_metrics(self, alerts: Evaluator) -> list[Metric]:
+        firing = new_gauge(m.ALERTS_FIRING)
+        counts = alerts.firing_counts  # published by each evaluation: no lock waited on
         for (rule, severity), count in sorted(counts.items()):
             firing.add_metric([rule, severity], count)
         return [firing]
 
     def _webhook_metrics(self) -> list[Metric]:
-        families = []
+        families: list[Metric] = []
         sender = self.webhooks
         if sender is None:
             return families
-        deliveries = new_family(m.WEBHOOK_DELIVERIES)
+        deliveries = new_counter(m.WEBHOOK_DELIVERIES)
         for (receiver, outcome), count in sorted(sender.outcomes.items()):
             deliveries.add_metric([receiver, outcome], count)
-        depth, oldest = new_family(m.WEBHOOK_QUEUE_DEPTH), new_family(m.WEBHOOK_OLDEST_PENDING)
+        depth, oldest = new_gauge(m.WEBHOOK_QUEUE_DEPTH), new_gauge(m.WEBHOOK_OLDEST_PENDING)
         queue = sender.queue  # refreshed by the sender's own thread: no store call here
         for receiver in sorted(sender.receivers):
             count, age = queue.get(receiver, (0, 0.0))
@@ -381,6 +411,9 @@ class Daemon:
         from ac_observe.daemon.history import build_view, group_minute, history_step, merge_minutes
         first, last = int(since // 60), math.ceil(until / 60) - 1
         step = history_step(until - since)
+        # Asked for only while the daemon keeps history (see query): all three are set.
+        assert self.history is not None and self.history_writer is not None
+        assert self.store is not None
         with self.history_writer.io_lock:  # no minute both in the store and still queued
             try:
                 minutes = self.store.read_minutes(names, first, last, step)
@@ -415,7 +448,7 @@ class Daemon:
         return self.windows.earliest_time
 
     def status(self) -> dict:
-        engines = []
+        engines: list[dict] = []
         for collector in self.collectors:
             engines.extend(getattr(collector, "status", lambda: [])())
         with self._lock:
@@ -446,13 +479,15 @@ class Daemon:
             self.history_writer.start()
 
     def _alert_loop(self) -> None:
+        alerts = self.alerts
+        assert alerts is not None  # the thread runs only when there are rules
         while not self._stop.is_set():
             self._alert_wake.wait()
             self._alert_wake.clear()
             if self._stop.is_set():
                 break
             try:
-                self.alerts.evaluate(self._alert_now, stop=self._stop)
+                alerts.evaluate(self._alert_now, stop=self._stop)
             except Exception:  # the thread itself must never die
                 log.exception("alert evaluation failed")
 
@@ -484,6 +519,7 @@ class Daemon:
         if self.webhooks is not None:
             self.webhooks.stop()
         if self.history_writer is not None:
+            assert self.history is not None  # set together
             with self._lock:
                 last = self.history.flush()
             self.history_writer.stop(last)

@@ -19,9 +19,13 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
+
+if TYPE_CHECKING:  # each dialect is imported when its store is used
+    from sqlalchemy.dialects import postgresql, sqlite
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 PENDING, DELIVERED, FAILED, DISABLED = "pending", "delivered", "failed", "disabled"
@@ -225,12 +229,13 @@ class Store:
                         cache[key] = row.id
         return cache
 
-    def _insert(self, table):
+    def _insert(self, table: sa.Table) -> sqlite.Insert | postgresql.Insert:
+        """An INSERT that can say what to do on a conflict (the dialect's own)."""
         if self.is_sqlite:
-            from sqlalchemy.dialects.sqlite import insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert
-        return insert(table)
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+            return sqlite_insert(table)
+        from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+        return postgresql_insert(table)
 
     def write_minutes(self, batch: list[tuple[int, dict]]) -> None:
         """Minutes of aggregates ((minute, {series key: [n, total, min, max, last]}), ...)
@@ -279,24 +284,25 @@ class Store:
             for chunk in _chunks(sorted(series), 500):
                 where = (t.series_id.in_(chunk), t.minute.between(first_minute, last_minute))
                 if step <= 1:
-                    query = (sa.select(t.series_id, t.minute, t.n, t.total, t.vmin, t.vmax,
-                                       t.vlast).where(*where).order_by(t.series_id, t.minute))
-                    for row in connection.execute(query):
+                    every_minute = (sa.select(t.series_id, t.minute, t.n, t.total, t.vmin,
+                                              t.vmax, t.vlast)
+                                    .where(*where).order_by(t.series_id, t.minute))
+                    for row in connection.execute(every_minute):
                         out.setdefault(series[row[0]], []).append(tuple(row[1:]))
                     continue
                 group = (t.minute - first_minute) // step
-                query = (sa.select(t.series_id, group, sa.func.sum(t.n), sa.func.sum(t.total),
-                                   sa.func.min(t.vmin), sa.func.max(t.vmax))
-                         .where(*where).group_by(t.series_id, group)
-                         .order_by(t.series_id, group))
-                for sid, g, n, total, vmin, vmax in connection.execute(query):
+                groups = (sa.select(t.series_id, group, sa.func.sum(t.n), sa.func.sum(t.total),
+                                    sa.func.min(t.vmin), sa.func.max(t.vmax))
+                          .where(*where).group_by(t.series_id, group)
+                          .order_by(t.series_id, group))
+                for sid, g, n, total, vmin, vmax in connection.execute(groups):
                     out.setdefault(series[sid], []).append(
                         (first_minute + int(g) * step, int(n), total, vmin, vmax, None))
                 newest = (sa.select(t.series_id, sa.func.max(t.minute))
                           .where(*where).group_by(t.series_id).subquery())
-                query = sa.select(t.series_id, t.vlast).where(
+                lasts = sa.select(t.series_id, t.vlast).where(
                     sa.tuple_(t.series_id, t.minute).in_(sa.select(newest)))
-                for sid, vlast in connection.execute(query):
+                for sid, vlast in connection.execute(lasts):
                     rows = out.get(series[sid])
                     if rows:
                         rows[-1] = rows[-1][:5] + (vlast,)
@@ -440,8 +446,9 @@ class Store:
                        next_attempt_at: float | None = None) -> bool:
         """The attempt, and the delivery's new state if this sender still holds its claim
         (False when the lease ran out and another sender took it over)."""
-        values = {"attempts": deliveries.c.attempts + 1, "last_status": status,
-                  "last_error": error, "state": state, "claim": None}
+        values: dict[str, object] = {"attempts": deliveries.c.attempts + 1,
+                                     "last_status": status, "last_error": error,
+                                     "state": state, "claim": None}
         if state == PENDING:
             values["next_attempt_at"] = next_attempt_at
         else:

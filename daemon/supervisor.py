@@ -58,6 +58,7 @@ class Child:
                 self.restarts += 1
                 self.start()
             return
+        assert self.proc is not None  # started before its first check
         code = self.proc.poll()
         if code is None:
             return
@@ -115,14 +116,7 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
     signal.signal(signal.SIGTERM, stop)
     for child in children:
         child.start()
-    print(f"""
-ac-observe is up
-  engine   http://127.0.0.1:{engine_port}   (Anthropic /v1/messages, OpenAI /v1/chat/completions)
-  daemon   http://127.0.0.1:{daemon_port}/metrics
-  try      ac-observe --daemon http://127.0.0.1:{daemon_port} --metric cuda_stream_utilization --window 60s
-           ac-observe --daemon http://127.0.0.1:{daemon_port} status
-  stop     Ctrl-C
-""", file=sys.stderr, flush=True)
+    print(_banner(engine_port, daemon_port), file=sys.stderr, flush=True)
     if driver is not None:
         driver.start()
     try:
@@ -134,15 +128,33 @@ ac-observe is up
     finally:
         if driver is not None:
             driver.close()
-        for child in children:
-            child.stop()
-        deadline = time.monotonic() + 15
-        for child in children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+        _stop_all(children)
     return 0
+
+
+def _banner(engine_port: int, daemon_port: int) -> str:
+    """Where to look once the children are started."""
+    daemon = f"http://127.0.0.1:{daemon_port}"
+    return ("\nac-observe is up\n"
+            f"  engine   http://127.0.0.1:{engine_port}   "
+            "(Anthropic /v1/messages, OpenAI /v1/chat/completions)\n"
+            f"  daemon   {daemon}/metrics\n"
+            f"  try      ac-observe --daemon {daemon} --metric cuda_stream_utilization "
+            "--window 60s\n"
+            f"           ac-observe --daemon {daemon} status\n"
+            "  stop     Ctrl-C\n")
+
+
+def _stop_all(children: list[Child]) -> None:
+    """SIGTERM to every child, then 15 s in all for them to exit before SIGKILL."""
+    for child in children:
+        child.stop()
+    deadline = time.monotonic() + 15
+    for child in children:
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()

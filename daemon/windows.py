@@ -98,12 +98,12 @@ class Columns:
             self._blocks = blocks
             block_columns = np.concatenate(parts) if parts else np.zeros(0, np.intp)
             self._frame = (layout, block_columns)
-        values = [values for _, values in frame.blocks]
+        value_parts = [block_values for _, block_values in frame.blocks]
         if frame.loose:
             block_columns = np.concatenate([block_columns,
                                             self._assign(frame.loose.keys(), new)])
-            values.append(np.fromiter(frame.loose.values(), np.float64, len(frame.loose)))
-        values = np.concatenate(values) if values else np.zeros(0)
+            value_parts.append(np.fromiter(frame.loose.values(), np.float64, len(frame.loose)))
+        values = np.concatenate(value_parts) if value_parts else np.zeros(0)
         return block_columns, values, new
 
     def _assign(self, keys, new: list) -> np.ndarray:

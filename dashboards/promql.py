@@ -94,9 +94,10 @@ def group_labels(friendly: Friendly, match: dict) -> tuple[str, ...]:
                  if label not in friendly.summed or label in match)
 
 
-def statistic_expr(friendly: Friendly, statistic: str, window: str, match: dict | None = None,
-                   offset: str = "", share_threshold: float = 0.0,
-                   by: tuple[str, ...] | None = None, regex: dict | None = None) -> str:
+def statistic_expr(  # noqa: C901 - the table of PromQL by kind and statistic
+        friendly: Friendly, statistic: str, window: str, match: dict | None = None,
+        offset: str = "", share_threshold: float = 0.0,
+        by: tuple[str, ...] | None = None, regex: dict | None = None) -> str:
     """PromQL for one statistic of a friendly name over `window` ending `offset` ago, in the
     friendly unit, one series per label set (`by`: a coarser grouping; `regex`: label ->
     regular expression, for the families that carry the label, as dashboards filter)."""
@@ -170,7 +171,8 @@ def _share_below(spec: MetricSpec, bound: float, summed) -> str:
     edges = [b for b in spec.buckets if not math.isinf(b)]
     count = summed("_count")
     if bound >= edges[-1]:
-        return f"100 * {summed('_bucket', 'le=' + chr(34) + go_float(edges[-1]) + chr(34))} / {count}"
+        top_rate = summed("_bucket", f'le="{go_float(edges[-1])}"')
+        return f"100 * {top_rate} / {count}"
     index = next(i for i, edge in enumerate(edges) if bound <= edge)
     upper = edges[index]
     upper_rate = summed("_bucket", f'le="{go_float(upper)}"')

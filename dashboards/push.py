@@ -44,7 +44,8 @@ def push(url: str, token: str | None, folder: str = "ac-observe",
             answer = api.dashboard.update_dashboard({
                 "dashboard": model, "folderUid": folder_uid, "overwrite": True,
                 "message": "ac-observe dashboards push"})
-            yield f"{board.title}: {answer.get('status', 'ok')} {url.rstrip('/')}{answer.get('url', '')}"
+            yield (f"{board.title}: {answer.get('status', 'ok')} "
+                   f"{url.rstrip('/')}{answer.get('url', '')}")
     except GrafanaException as exc:
         raise PushError(f"Grafana at {url} refused: {exc}") from None
     except Exception as exc:  # niquests' connection errors and the like

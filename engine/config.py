@@ -167,6 +167,11 @@ class EngineConfig:
         return self.kernel_sample_steps if self.instrumentation else 0
 
     def __post_init__(self) -> None:
+        self._check_cache_lanes_and_modes()
+        self._check_limits()
+
+    def _check_cache_lanes_and_modes(self) -> None:
+        """The cache's block size, the queue, the lanes and the auto/on/off switches."""
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.max_waiting <= 0:
@@ -179,6 +184,9 @@ class EngineConfig:
         if self.decode_workspace == "on" and self.cuda_graphs == "on":
             raise ValueError("decode_workspace and cuda_graphs cannot both be on: a graph "
                              "decodes over the paged cache, the workspace beside it")
+
+    def _check_limits(self) -> None:
+        """Sizes, shares and budgets in their ranges; telemetry only with instrumentation."""
         if self.cuda_graph_max_len < 1:
             raise ValueError("cuda_graph_max_len must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:

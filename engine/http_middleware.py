@@ -51,17 +51,7 @@ class BodyLimitAndIdsMiddleware:
         state["request_id"], state["trace_id"] = request_id, trace_id
         state[ARRIVAL_KEY] = arrival_ns
         ids = [(b"request-id", request_id.encode()), (b"x-ac-trace-id", trace_id.encode())]
-        generation = scope["path"] in GENERATION_PATHS
-
-        async def send_with_ids(message):
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", [])) + ids
-                if generation:  # the trace headers too, zero when nothing ran (errors)
-                    present = {k.lower() for k, _ in headers}
-                    headers += [h for h in TRACE_DEFAULTS if h[0] not in present]
-                message = {**message, "headers": headers}
-            await send(message)
-
+        send_with_ids = _sending_ids(send, ids, scope["path"] in GENERATION_PATHS)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await self._too_large(scope, send_with_ids)
@@ -79,17 +69,7 @@ class BodyLimitAndIdsMiddleware:
             chunks.append(chunk)
             if not message.get("more_body"):
                 break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send_with_ids)
+        await self.app(scope, _replaying(b"".join(chunks), receive), send_with_ids)
 
     async def _too_large(self, scope, send) -> None:
         message = f"request body is larger than the limit of {self.max_body_bytes} bytes"
@@ -98,6 +78,36 @@ class BodyLimitAndIdsMiddleware:
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def _sending_ids(send, ids: list[tuple[bytes, bytes]], generation: bool):
+    """`send` adding the ids to the response's headers, and on a generation route the
+    trace headers too."""
+    async def send_with_ids(message):
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", [])) + ids
+            if generation:  # the trace headers too, zero when nothing ran (errors)
+                present = {k.lower() for k, _ in headers}
+                headers += [h for h in TRACE_DEFAULTS if h[0] not in present]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return send_with_ids
+
+
+def _replaying(body: bytes, receive):
+    """`receive` handing the app the body read already, once, then the connection's own
+    messages (a disconnect)."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def arrival_stamping_protocol():

@@ -94,38 +94,10 @@ def attribute(events, device_kernels: bool) -> dict[tuple[str, str], dict[str, i
     """Nanoseconds per class for each (lane, phase) step scope in a profile's events
     (`_KinetoEvent`s, or anything with their methods). device_kernels: count the device's
     kernels, memcpys and memsets (CUDA); else the host operators' self time (CPU)."""
-    host, device, launches = [], [], {}
-    for event in events:  # each field read once: the bindings' calls are the cost here
-        kind = event.activity_type()
-        if kind in _HOST_EVENTS:
-            if not event.is_async():
-                host.append((event.start_thread_id(), event.start_ns(), -event.duration_ns(),
-                             event.name(), kind == "cpu_op", event.correlation_id()))
-        elif not device_kernels:
-            continue
-        elif kind in _DEVICE_WORK:
-            device.append((event.linked_correlation_id(), event.correlation_id(),
-                           event.duration_ns(), event.name(), kind in _DEVICE_COPIES))
-        elif kind in _LAUNCH_CALLS:  # cudaLaunchKernel & co: when each kernel was issued
-            launches[event.correlation_id()] = event.start_ns()
+    host, device, launches = _read_events(events, device_kernels)
     host.sort()  # by thread, then start, the longer (enclosing) event first
+    closed, launchers = _host_tree(host, device_kernels)
     totals: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    launchers: dict[int, list] = {}
-    stack: list[list] = []  # [thread, end, class, key, children's ns, own ns, is op, start]
-    closed: list[list] = []
-    for thread, start, minus_ns, name, is_op, correlation in host:
-        while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
-            closed.append(stack.pop())
-        parent = stack[-1] if stack else None
-        cls = parent[2] if parent is not None and parent[2] else classify(name)
-        key = parent[3] if parent is not None and parent[3] else _SCOPE_KEYS.get(name)
-        node = [thread, start - minus_ns, cls, key, 0, -minus_ns, is_op, start]
-        if parent is not None:
-            parent[4] -= minus_ns
-        stack.append(node)
-        if device_kernels:
-            launchers[correlation] = node
-    closed.extend(stack)
     if not device_kernels:
         for _, _, cls, key, child_ns, own_ns, is_op, _ in closed:
             if key is not None and is_op:
@@ -143,6 +115,49 @@ def attribute(events, device_kernels: bool) -> dict[tuple[str, str], dict[str, i
         cls = "memcpy" if is_copy else launcher[2] or classify(name) or "other"
         totals[launcher[3]][cls] += ns
     return {key: dict(classes) for key, classes in totals.items()}
+
+
+def _read_events(events, device_kernels: bool) -> tuple[list[tuple], list[tuple], dict]:
+    """(host events, device work, launch calls' start by correlation id) of a profile;
+    device work and launches only with device_kernels."""
+    host, device, launches = [], [], {}
+    for event in events:  # each field read once: the bindings' calls are the cost here
+        kind = event.activity_type()
+        if kind in _HOST_EVENTS:
+            if not event.is_async():
+                host.append((event.start_thread_id(), event.start_ns(), -event.duration_ns(),
+                             event.name(), kind == "cpu_op", event.correlation_id()))
+        elif not device_kernels:
+            continue
+        elif kind in _DEVICE_WORK:
+            device.append((event.linked_correlation_id(), event.correlation_id(),
+                           event.duration_ns(), event.name(), kind in _DEVICE_COPIES))
+        elif kind in _LAUNCH_CALLS:  # cudaLaunchKernel & co: when each kernel was issued
+            launches[event.correlation_id()] = event.start_ns()
+    return host, device, launches
+
+
+def _host_tree(host: list[tuple], device_kernels: bool) -> tuple[list[list], dict[int, list]]:
+    """The sorted host events nested by thread and time: every node, each inheriting its
+    enclosing node's class and step key, and with device_kernels the node of each
+    correlation id (what launched a kernel)."""
+    launchers: dict[int, list] = {}
+    stack: list[list] = []  # [thread, end, class, key, children's ns, own ns, is op, start]
+    closed: list[list] = []
+    for thread, start, minus_ns, name, is_op, correlation in host:
+        while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
+            closed.append(stack.pop())
+        parent = stack[-1] if stack else None
+        cls = parent[2] if parent is not None and parent[2] else classify(name)
+        key = parent[3] if parent is not None and parent[3] else _SCOPE_KEYS.get(name)
+        node = [thread, start - minus_ns, cls, key, 0, -minus_ns, is_op, start]
+        if parent is not None:
+            parent[4] -= minus_ns
+        stack.append(node)
+        if device_kernels:
+            launchers[correlation] = node
+    closed.extend(stack)
+    return closed, launchers
 
 
 class _Placer:

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 
 from ac_observe.engine.config import RANDOM_1B_PRESET, TINY_PRESET, ModelConfig
+from ac_observe.engine.model import CausalLM, rope_row_order
 
 PRESETS = {TINY_PRESET: ModelConfig.tiny, RANDOM_1B_PRESET: ModelConfig.random_1b}
-from ac_observe.engine.model import CausalLM, rope_row_order
 
 # Hugging Face parameter -> (our fused parameter, index of the shard inside it)
 _FUSED = {

@@ -16,9 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.core import Metric
-
-from ac_observe.collectors.base import Collector, CollectorUnavailable, new_family, register
+from ac_observe.collectors.base import Collector, CollectorUnavailable, new_counter, register
 from ac_observe.collectors.engine.discovery import (
     BadEngine,
     EngineIdentity,
@@ -30,7 +28,7 @@ from ac_observe.collectors.engine.discovery import (
     read_engine_info_or_none,
     remove_gone_engine,
 )
-from ac_observe.collectors.engine.families import EngineValues
+from ac_observe.collectors.engine.families import EngineFamily, EngineValues
 from ac_observe.collectors.engine.files import EngineFiles
 from ac_observe.metrics import ENGINE_RESTARTS
 from ac_observe.telemetry_format import UnsafeDirectory, open_trusted_dir
@@ -89,8 +87,10 @@ class EngineCollector(Collector):
             state = seen[name]
             started = state.info.get("started_at")
             since = last if name in self._seen_dirs or before_last is None else before_last
-            if last is None or state.inherited or not isinstance(started, (int, float)) or \
-                    not math.isfinite(started) or started < since:
+            # `since` is None only when `last` is: the first look counts every engine.
+            if last is None or since is None or state.inherited or \
+                    not isinstance(started, (int, float)) or not math.isfinite(started) or \
+                    started < since:
                 self._counted_before_seen.append({"engine": engine})
         self._exported, self._seen_dirs = set(served), set(seen)
         self._look_before_last, self._last_look = last, now
@@ -110,7 +110,7 @@ class EngineCollector(Collector):
                                        "owned by root or this user") from None
         try:
             root_owner = os.fstat(root_fd).st_uid
-            families: dict[str, Metric] = {}
+            families: dict[str, EngineFamily] = {}
             seen: dict[str, EngineState] = {}
             served: dict[str, str] = {}  # engine label -> directory serving it
             for name in sorted(os.listdir(root_fd)):
@@ -140,7 +140,7 @@ class EngineCollector(Collector):
             self.engines = seen
             self._note_new_engines(served, seen, now)
             self._directories = {n: r for n, r in self._directories.items() if n in seen}
-            restarts = new_family(ENGINE_RESTARTS)
+            restarts = new_counter(ENGINE_RESTARTS)
             for state in seen.values():
                 if state.info and not state.error:
                     restarts.add_metric([state.info["engine"]], state.restarts)

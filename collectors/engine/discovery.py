@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
-from ac_observe.collectors.base import new_family
+from ac_observe.collectors.base import new_gauge
 from ac_observe.metrics import ENGINE_UP
 from ac_observe.telemetry_format import (
     ENGINE_INFO_FILE,
@@ -142,7 +142,7 @@ class EngineUp:
         self._last_heartbeats: dict[str, _LastHeartbeat] = {}  # by engine label
 
     def family(self, seen: dict[str, EngineState], now: float) -> Metric:
-        up = new_family(ENGINE_UP)
+        up = new_gauge(ENGINE_UP)
         current = {}
         for state in seen.values():
             if state.info and not state.error:

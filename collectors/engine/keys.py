@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from ac_observe.metrics import COUNTER, ENGINE_METRICS, HISTOGRAM, LABEL_VALUES
+from ac_observe.metrics import COUNTER, ENGINE_METRICS, HISTOGRAM, LABEL_VALUES, MetricSpec
 from ac_observe.telemetry_format import parse_sample_key
 
 MAX_LABEL_VALUE_CHARS = 256
@@ -47,6 +47,22 @@ _LE_TEXTS = {spec.family: _bound_texts(spec) for spec in ENGINE_METRICS
              if spec.type == HISTOGRAM}
 
 
+def _labels_problem(family: str, spec: MetricSpec, labels: dict[str, str],
+                    expected: dict[str, str]) -> str | None:
+    """Why a key's labels are not its family's (their names, engine.json's values, the
+    closed sets, a bounded length), or None when they are."""
+    if set(labels) != set(spec.labels):
+        return f"{family}: labels {sorted(labels)[:8]} are not {list(spec.labels)}"
+    for label, value in labels.items():
+        allowed = _ALLOWED_VALUES.get(label)
+        if label in expected and value != expected[label]:
+            return f"{family}: {label}={value[:40]!r}, engine.json says {expected[label]!r}"
+        if (allowed is not None and value not in allowed) or \
+                not 0 < len(value) <= MAX_LABEL_VALUE_CHARS:
+            return f"{family}: {label}={value[:40]!r} is not allowed"
+    return None
+
+
 def check_key(key: str, expected: dict[str, str]) -> CheckedKey | str:
     """The series a key stands for if it is one of the contract, else why not.
     `expected`: the label values engine.json gives (engine, model)."""
@@ -57,25 +73,20 @@ def check_key(key: str, expected: dict[str, str]) -> CheckedKey | str:
     spec = SPECS.get(family)
     if spec is None:
         return f"{family[:80]!r} is not an engine family"
-    le = labels.pop("le", None)
+    le_text = labels.pop("le", None)
+    le: float | None = None
     if spec.type == HISTOGRAM:
-        if sample == f"{family}_bucket" and le is not None:
-            if le not in _LE_TEXTS[family]:  # one spelling per bound: no duplicate buckets
-                return f"{family}: le={le[:20]!r} is not one of its buckets"
-            le = float(le)
-        elif sample != f"{family}_sum" or le is not None:
+        if sample == f"{family}_bucket" and le_text is not None:
+            if le_text not in _LE_TEXTS[family]:  # one spelling per bound: no duplicate buckets
+                return f"{family}: le={le_text[:20]!r} is not one of its buckets"
+            le = float(le_text)
+        elif sample != f"{family}_sum" or le_text is not None:
             return f"{sample[:80]!r} is not a sample of {family}"
-    elif le is not None or sample != (spec.name if spec.type == COUNTER else family):
+    elif le_text is not None or sample != (spec.name if spec.type == COUNTER else family):
         return f"{sample[:80]!r} is not a sample of {family}"
-    if set(labels) != set(spec.labels):
-        return f"{family}: labels {sorted(labels)[:8]} are not {list(spec.labels)}"
-    for label, value in labels.items():
-        allowed = _ALLOWED_VALUES.get(label)
-        if label in expected and value != expected[label]:
-            return f"{family}: {label}={value[:40]!r}, engine.json says {expected[label]!r}"
-        if (allowed is not None and value not in allowed) or \
-                not 0 < len(value) <= MAX_LABEL_VALUE_CHARS:
-            return f"{family}: {label}={value[:40]!r} is not allowed"
+    problem = _labels_problem(family, spec, labels, expected)
+    if problem is not None:
+        return problem
     ordered = tuple((label, labels[label]) for label in spec.labels)
     sample_labels = dict(ordered)
     if le is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 from prometheus_client.samples import Sample
@@ -121,7 +121,8 @@ class SeriesPlan:
                 # Sample(name, labels, value), without its Python __new__ (half the time)
                 samples[i] = new_sample(Sample, (names[i], labels[i], value) + _SAMPLE_REST)
             held[moved] = exposed[moved]
-            return samples[start:end]
+            # None no more: a slot without a Sample holds NaN, so it moved and got one.
+            return cast(list[Sample], samples[start:end])
 
 
 def _sum_slots(file_keys: list[tuple], checked: dict,

@@ -63,7 +63,9 @@ class HistoryRead:
     kept until the span moves on (the history changes a minute at a time)."""
     __slots__ = ("span", "values", "coverage")
 
-    def __init__(self, span: tuple, values: dict, covered: dict):
+    def __init__(self, span: int | tuple[float, float] | None, values: dict, covered: dict):
+        """span: the minute a same-hour read ends in, a trailing read's (first, last)
+        whole-minute times, or None for a same-hour read that failed."""
         self.span, self.values, self.coverage = span, values, covered
 
 

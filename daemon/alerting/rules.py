@@ -185,7 +185,8 @@ class RuleSpec(Spec):
     name: str = Field(description="Metric-style name: letters, digits, _ (the alertname).",
                       json_schema_extra={"pattern": NAME.pattern})
     metric: str = Field(description="A friendly metric name (ac-observe --list).",
-                        json_schema_extra={"enum": sorted(FRIENDLY)})
+                        # a list display: pydantic types a schema's lists list[JsonValue]
+                        json_schema_extra={"enum": [*sorted(FRIENDLY)]})
     statistic: str = Field("mean", description="mean, p50, p95, p99, last, max, min, rate "
                            "or share_below:<v> (e.g. share_below:200ms), as the metric's "
                            "kind allows.",

@@ -24,7 +24,7 @@ from __future__ import annotations
 # Every command module, so that every command is registered on the app whatever the entry
 # point (the console script, `python -m ac_observe.daemon.cli`). Commands list in this
 # order in --help, then the groups.
-from ac_observe.daemon.cli import (  # noqa: F401  # noqa: F401
+from ac_observe.daemon.cli import (  # noqa: F401 - imported to register their commands
     alerts,
     daemon,
     dashboards,

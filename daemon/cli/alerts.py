@@ -77,15 +77,19 @@ def alerts_test(
         outbox = Store(store, state_dir)
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     sender = WebhookSender(outbox, receivers)
     try:
         ids = dict(zip(receivers, sender.send_test(host=socket.gethostname())))
         deadline = time.monotonic() + wait
-        rows = {}
+        rows: dict[str, dict] = {}
         while True:
             sender.run_once(only=list(ids.values()))  # the daemon's own deliveries stay its
-            rows = {name: outbox.delivery(i) for name, i in ids.items()}
+            rows = {}
+            for name, delivery_id in ids.items():
+                row = outbox.delivery(delivery_id)
+                assert row is not None  # queued above; only a prune of old ones removes one
+                rows[name] = row
             if all(r["state"] != PENDING or r["attempts"] for r in rows.values()) or \
                     time.monotonic() > deadline:
                 break

@@ -3,6 +3,7 @@ plain help, the daemon's address, tokens read from a file, and the exit codes.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypedDict
 
 import typer
 
@@ -24,9 +25,13 @@ Exit codes:
   {EXIT_USAGE}  usage: a bad option value, an unreadable file
   {EXIT_UNREACHABLE}  the daemon cannot be reached"""
 
+class _PlainHelp(TypedDict):  # typer.Typer's keyword, typed where it is spread (**)
+    rich_markup_mode: None
+
+
 # Click's plain help: rich's panels cut long option names ("--gpu-memory-utiliz…") and env
 # var names at 80 columns, the very text a user copies; click's wraps, whole.
-PLAIN_HELP = {"rich_markup_mode": None}
+PLAIN_HELP: _PlainHelp = {"rich_markup_mode": None}
 
 
 def _whole_words_in_help() -> None:
@@ -36,13 +41,12 @@ def _whole_words_in_help() -> None:
         from typer._click import _textwrap
     except ImportError:  # a typer without its own click: click's defaults stand
         return
-    base = _textwrap.TextWrapper
 
-    class NoHyphenBreaks(base):
+    class NoHyphenBreaks(_textwrap.TextWrapper):
         def __init__(self, *args, **kwargs):
             kwargs["break_on_hyphens"] = False
             super().__init__(*args, **kwargs)
-    _textwrap.TextWrapper = NoHyphenBreaks
+    setattr(_textwrap, "TextWrapper", NoHyphenBreaks)  # noqa: B010 - mypy: a class is no lvalue
 
 
 _whole_words_in_help()

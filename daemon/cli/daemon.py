@@ -84,7 +84,7 @@ def daemon(
             interval_seconds=parse_duration(interval), window_seconds=parse_duration(window),
             collectors=tuple(c.strip() for c in collectors.split(",") if c.strip()),
             collector_timeout_seconds=parse_duration(collector_timeout),
-            telemetry_root=telemetry_root or default_telemetry_root(),
+            telemetry_root=Path(telemetry_root) if telemetry_root else default_telemetry_root(),
             engine_stale_seconds=parse_duration(engine_stale),
             engine_grace_seconds=parse_duration(engine_grace),
             ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,
@@ -98,7 +98,7 @@ def daemon(
         service = Daemon(config)
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     server = make_server(service, host, port, config.token, max_requests)
     tune_interpreter()
 
@@ -111,7 +111,7 @@ def daemon(
         server.run(on_ready=serving)
     except OSError as exc:  # the port is taken, the address is not ours, ...
         typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     finally:
         service.close()
 

@@ -35,7 +35,7 @@ def dashboards_generate(
             typer.echo(f"wrote {out / path}")
     except OSError as exc:  # a --root that cannot be read or written
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 @dashboards_app.command("push")
@@ -58,7 +58,7 @@ def dashboards_push(
             typer.echo(line)
     except push.PushError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_REFUSED)
+        raise typer.Exit(EXIT_REFUSED) from None
 
 
 @dashboards_app.command("path")

@@ -120,7 +120,7 @@ def engine(
             os.close(open_engine_dir(telemetry, wait_seconds=2))  # refuse unsafe or taken dirs
     except (ValueError, OSError) as exc:  # UnsafeDirectory is an OSError
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     app_ = create_app(EngineService(config), max_body_bytes=max_body_mb << 20)
     # httptools and uvloop where it exists (the engine extra): the h11/asyncio pair costs
     # ~0.4 ms more between a first token and its bytes on the wire, which no figure counts.

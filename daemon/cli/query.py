@@ -7,7 +7,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich import box
@@ -47,11 +49,11 @@ def root(ctx: typer.Context,
                                          help="File holding the bearer token."),
          version: bool = typer.Option(False, "--version", help="Print the version.")) -> None:
     try:
-        token = read_token(token, token_file)
+        bearer = read_token(token, token_file)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
-    ctx.obj = {"url": daemon_address(daemon_url or DEFAULT_DAEMON_URL), "token": token}
+        raise typer.Exit(EXIT_USAGE) from None
+    ctx.obj = {"url": daemon_address(daemon_url or DEFAULT_DAEMON_URL), "token": bearer}
     if version:
         typer.echo(f"ac-observe {__version__}")
         raise typer.Exit()
@@ -72,13 +74,13 @@ def root(ctx: typer.Context,
                 parse(value)
             except ValueError as exc:
                 typer.echo(f"error: {option}: {exc}", err=True)
-                raise typer.Exit(EXIT_USAGE)
+                raise typer.Exit(EXIT_USAGE) from None
         if at is not None:  # read here: a clock time is this terminal's, not the daemon's
             try:
                 at = repr(parse_instant(at))
             except ValueError as exc:
                 typer.echo(f"error: --at: {exc}", err=True)
-                raise typer.Exit(EXIT_USAGE)
+                raise typer.Exit(EXIT_USAGE) from None
         raise typer.Exit(show_metric(ctx.obj, metric, window, labels, as_json, watch, at))
     typer.echo(ctx.get_help())
 
@@ -86,32 +88,20 @@ def root(ctx: typer.Context,
 def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
                 watch: bool, at: str | None = None) -> int:
     console = Console()
-    try:
-        def fetch():
-            return get_json(obj, "/api/v1/query", "series", metric=metric, window=window,
-                            labels=labels, **({"at": at} if at else {}))
 
+    def fetch() -> dict:
+        return get_json(obj, "/api/v1/query", "series", metric=metric, window=window,
+                        labels=labels, **({"at": at} if at else {}))
+
+    try:
         if as_json:  # one JSON document per line, every 2 s with --watch
-            while True:
-                print(json.dumps(fetch()), flush=True)
-                if not watch:
-                    return EXIT_OK
-                time.sleep(2)
+            return _print_json_lines(fetch, watch)
         if not watch:
             console.print(metric_table(fetch(), console.width), end="", soft_wrap=True)
             return EXIT_OK
         if not console.is_terminal:  # a pipe or a file: one plain frame after another
-            while True:
-                console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}", highlight=False)
-                console.print(metric_table(fetch(), console.width), end="", soft_wrap=True)
-                console.file.flush()
-                time.sleep(2)
-        # Redrawn in place (no flicker), resized with the terminal.
-        with Live(metric_table(fetch(), console.width), console=console,
-                  refresh_per_second=4, auto_refresh=False) as live:
-            while True:
-                time.sleep(2)
-                live.update(metric_table(fetch(), console.width), refresh=True)
+            _print_frames(console, fetch)
+        _redraw_in_place(console, fetch)
     except KeyboardInterrupt:
         return EXIT_OK
     except BrokenPipeError:  # `--watch | head`: the reader has had enough
@@ -123,6 +113,31 @@ def show_metric(obj: dict, metric: str, window: str, labels: str, as_json: bool,
             message += " (see `ac-observe --list`)"
         print_error(message)
         return exc.exit_code
+
+
+def _print_json_lines(fetch: Callable[[], dict], watch: bool) -> int:
+    while True:
+        print(json.dumps(fetch()), flush=True)
+        if not watch:
+            return EXIT_OK
+        time.sleep(2)
+
+
+def _print_frames(console: Console, fetch: Callable[[], dict]) -> NoReturn:
+    while True:
+        console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}", highlight=False)
+        console.print(metric_table(fetch(), console.width), end="", soft_wrap=True)
+        console.file.flush()
+        time.sleep(2)
+
+
+def _redraw_in_place(console: Console, fetch: Callable[[], dict]) -> NoReturn:
+    """Redrawn in place (no flicker), resized with the terminal."""
+    with Live(metric_table(fetch(), console.width), console=console,
+              refresh_per_second=4, auto_refresh=False) as live:
+        while True:
+            time.sleep(2)
+            live.update(metric_table(fetch(), console.width), refresh=True)
 
 
 def show_list(obj: dict, as_json: bool) -> int:

@@ -34,5 +34,5 @@ def rules_export(
         document = promql.alert_groups(rules)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     typer.echo(yaml.safe_dump(document, sort_keys=False, width=100), nl=False)

@@ -24,7 +24,7 @@ def skeleton(
         raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
     except OSError as exc:
         typer.echo(f"error: cannot read {source}: {exc.strerror}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     text = raw.decode("utf-8", errors="replace")
     request = _as_request(text)
     result = (skeleton_of_request(request.get("system"), request["messages"])

@@ -16,7 +16,7 @@ import tty
 
 import typer
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.measure import Measurement
 from rich.table import Table
@@ -107,7 +107,7 @@ def render(snap: dict, url: str, width: int | None = None) -> Group:
     # wide figures (1.50k req, 12.3 s), and a long engine name wraps as a title, uncut.
     # Narrower than it needs, an engine's lanes take two tables (latency, then load)
     # rather than cut a number.
-    lane_tables = []
+    lane_tables: list[Table | Text] = []
     for engine in sorted({engine for engine, _ in keys}):
         lanes = [lane for e, lane in keys if e == engine]
         table = _lanes_table(figures, engine, lanes, LANE_COLUMNS)
@@ -130,7 +130,7 @@ def render(snap: dict, url: str, width: int | None = None) -> Group:
         engines.add_row(Text(name), figures["hit"].get(name, "-"),  # names as text, not markup
                         figures["usage"].get(name, "-"), figures["skeleton"].get(name, "-"),
                         Text(state))
-    parts = [title, *lane_tables, engines]
+    parts: list[RenderableType] = [title, *lane_tables, engines]
     gpus = sorted(set(figures["gpu_util"]) | set(figures["sm"]))
     if gpus:
         table = Table(title="GPUs", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)

@@ -34,7 +34,7 @@ def up(
         except ValueError as exc:
             typer.echo(f"error: --demo-drift-schedule {demo_drift_schedule!r}: use CALM,SLOWED "
                        f"such as 150s,90s ({exc})", err=True)
-            raise typer.Exit(EXIT_USAGE)
+            raise typer.Exit(EXIT_USAGE) from None
         schedule = (calm, slowed)
     raise typer.Exit(run_up(engine_port, daemon_port, model, demo_load, telemetry_root,
                             engine_arg, daemon_arg, schedule))

@@ -23,8 +23,8 @@ def alertmanager_body(receiver: str, alerts: list[Alert], external_url: str) -> 
     status = "firing" if any(a.status == "firing" for a in alerts) else "resolved"
     return {
         "version": "4",
-        "groupKey": "{}:{%s}" % ", ".join(f"{k}={json.dumps(v)}"
-                                           for k, v in sorted(group_labels.items())),
+        "groupKey": "{}:{" + ", ".join(f"{k}={json.dumps(v)}"
+                                       for k, v in sorted(group_labels.items())) + "}",
         "truncatedAlerts": 0,
         "status": status,
         "receiver": receiver,
