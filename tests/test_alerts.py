@@ -21,8 +21,8 @@ from ac_observe.daemon.service import Daemon
 from ac_observe.daemon.store import deliveries
 from ac_observe.daemon.webhooks import AlertConfigError
 
+from support.receivers import SECRET, WebhookReceiver
 from support.servers import AC_OBSERVE, EngineServer, wait_for
-from test_webhooks import SECRET, _Receiver
 
 USAGE = m.KV_USAGE  # a gauge: kv_cache_usage, in % (scale 100)
 FAULT_TOKEN = "fault-token-for-tests"
@@ -301,7 +301,7 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
     keeps sending requests; an added step delay drives TTFT p95 up; the alert fires within
     window + for + two cycles and the receiver verifies the Alertmanager-v4 body's
     signature; the delay removed, a resolved delivery follows."""
-    receiver = _Receiver()
+    receiver = WebhookReceiver()
     (tmp_path / "telemetry").mkdir()
     engine = EngineServer(tmp_path / "telemetry" / "e1", "--fault-injection",
                           "--engine-name", "e1", env=FAULT_ENV).wait_ready()

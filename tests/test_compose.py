@@ -31,9 +31,9 @@ import httpx
 import pytest
 import yaml
 
+from support.receivers import WebhookReceiver
 from support.servers import AC_OBSERVE, free_port, wait_for
 from support.stack import REPO, delivery_of
-from test_webhooks import _Receiver
 
 BASE = "ac-observe-test-base:bookworm"
 IMAGE = "ac-observe:compose-test"
@@ -128,7 +128,7 @@ def stack(dockerd, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compose")
     _base_image(tmp)
     context = _context(tmp)
-    hook = _Receiver(host=_gateway())
+    hook = WebhookReceiver(host=_gateway())
     ports = {name: free_port() for name in ("ENGINE", "DAEMON", "PROMETHEUS", "ALERTMANAGER")}
     env = {**os.environ, "AC_BASE_IMAGE": BASE, "AC_OBSERVE_IMAGE": IMAGE,
            "AC_TORCH_SPEC": "torch==2.13.0+cpu", "AC_TORCH_INDEX_URL": "https://pypi.org/simple",

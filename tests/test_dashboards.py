@@ -23,9 +23,9 @@ from ac_observe import metrics as m
 from ac_observe.dashboards import generate, grafana, promql
 from ac_observe.daemon.alerts import default_rules, parse_rules
 from support.grafana import Grafana
+from support.receivers import SECRET, WebhookReceiver
 from support.servers import AC_OBSERVE, DaemonProcess, EngineServer, run_cli, wait_for
 from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of, finite
-from test_webhooks import SECRET, _Receiver
 
 BOARDS = sorted((SHIPPED / "grafana" / "dashboards").glob("*.json"))
 
@@ -336,7 +336,7 @@ def _backfill(daemon: DaemonProcess, data: Path, seconds: float = 12.0) -> None:
 def stack(tmp_path_factory):
     base = tmp_path_factory.mktemp("stack")
     (base / "telemetry").mkdir()
-    daemon_hook, am_hook = _Receiver(), _Receiver()
+    daemon_hook, am_hook = WebhookReceiver(), WebhookReceiver()
     (base / "alerting.yaml").write_text(
         f"receivers:\n  - {{name: ops, url: '{daemon_hook.url}', secret: '{SECRET}'}}\n"
         "rules: defaults\n")
