@@ -31,6 +31,7 @@ import httpx
 import pytest
 import yaml
 
+from support.processes import start_process
 from support.receivers import WebhookReceiver
 from support.servers import AC_OBSERVE, free_port, wait_for
 from support.stack import REPO, delivery_of
@@ -55,7 +56,7 @@ def dockerd(tmp_path_factory):
         yield
         return
     log = open(tmp_path_factory.mktemp("dockerd") / "dockerd.log", "w")
-    proc = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT)
+    proc = start_process(["dockerd"], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: subprocess.run(["docker", "info"], capture_output=True)
                  .returncode == 0, 60, "dockerd")

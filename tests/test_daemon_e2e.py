@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from support.processes import start_process
 from support.servers import AC_OBSERVE, EngineServer, free_port, sample_value, wait_for
 from support.telemetry import read_as_daemon
 
@@ -122,10 +123,10 @@ def test_off_loopback_needs_a_token_and_the_token_guards_the_api(tmp_path):
                              timeout=60, env={**os.environ, "AC_OBSERVE_TOKEN": ""})
     assert refused.returncode == 2 and "token" in refused.stderr
     port = free_port()
-    proc = subprocess.Popen([AC_OBSERVE, "daemon", "--host", "127.0.0.1",
-                             "--port", str(port), "--telemetry-root", str(tmp_path),
-                             "--token", "s3cret"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = start_process([AC_OBSERVE, "daemon", "--host", "127.0.0.1",
+                          "--port", str(port), "--telemetry-root", str(tmp_path),
+                          "--token", "s3cret"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _healthy(url), 20, "daemon")
@@ -160,10 +161,10 @@ def test_up_with_demo_load_answers_the_cli_within_ten_seconds(tmp_path):
     engine_url = f"http://127.0.0.1:{engine_port}"
     daemon_url = f"http://127.0.0.1:{daemon_port}"
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port",
-                           str(engine_port), "--daemon-port", str(daemon_port), "--demo-load",
-                           "--telemetry-root", str(tmp_path / "telemetry")],
-                          stdout=log, stderr=subprocess.STDOUT)
+    up = start_process([AC_OBSERVE, "up", "--engine-port",
+                        str(engine_port), "--daemon-port", str(daemon_port), "--demo-load",
+                        "--telemetry-root", str(tmp_path / "telemetry")],
+                       stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
         ready = time.monotonic()
@@ -240,9 +241,9 @@ def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
 
 def test_watch_keeps_answering_until_interrupted(start_daemon):
     daemon = start_daemon(None, "--collectors", "engine")
-    proc = subprocess.Popen([AC_OBSERVE, "--daemon", daemon.url,
-                             "--metric", "requests_running", "--watch", "--json"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = start_process([AC_OBSERVE, "--daemon", daemon.url,
+                          "--metric", "requests_running", "--watch", "--json"],
+                         stdout=subprocess.PIPE, text=True)
     try:
         first = json.loads(proc.stdout.readline())
         second = json.loads(proc.stdout.readline())
@@ -349,9 +350,9 @@ def test_up_restarts_a_killed_engine_while_the_daemon_serves(tmp_path):
     daemon_url = f"http://127.0.0.1:{daemon_port}"
     root = tmp_path / "telemetry"
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port", str(engine_port), "--daemon-port",
-                           str(daemon_port), "--telemetry-root", str(root)],
-                          stdout=log, stderr=subprocess.STDOUT)
+    up = start_process([AC_OBSERVE, "up", "--engine-port", str(engine_port), "--daemon-port",
+                        str(daemon_port), "--telemetry-root", str(root)],
+                       stdout=log, stderr=subprocess.STDOUT)
     name = f"engine-{engine_port}"
     try:
         wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
@@ -399,11 +400,11 @@ def test_up_demo_drift_shows_an_alert_firing_and_resolving(tmp_path):
     daemon_url = f"http://127.0.0.1:{daemon_port}"
     log_path = tmp_path / "up.log"
     log = open(log_path, "w")
-    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port", str(engine_port),
-                           "--daemon-port", str(daemon_port), "--demo-drift",
-                           "--demo-drift-schedule", "80s,30s",
-                           "--telemetry-root", str(tmp_path / "telemetry")],
-                          stdout=log, stderr=subprocess.STDOUT)
+    up = start_process([AC_OBSERVE, "up", "--engine-port", str(engine_port),
+                        "--daemon-port", str(daemon_port), "--demo-drift",
+                        "--demo-drift-schedule", "80s,30s",
+                        "--telemetry-root", str(tmp_path / "telemetry")],
+                       stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "alert DemoLatencyDrift resolved" in log_path.read_text(), 300,
                  "the demo alert to fire and resolve")

@@ -19,6 +19,7 @@ from ac_observe.daemon.webhooks import (AlertConfigError, Backoff, Receiver, Web
                                         fingerprint, load_alerting, retry_after)
 
 from support.grafana import Grafana
+from support.processes import start_process
 from support.receivers import SECRET, WebhookReceiver
 from support.servers import parse_metrics, wait_for
 
@@ -423,11 +424,11 @@ def test_the_body_is_the_one_alertmanager_itself_posts(tmp_path, receiver):
           - name: hook
             webhook_configs: [{{url: '{receiver.url}', send_resolved: true}}]
         """))
-    am = subprocess.Popen(["prometheus-alertmanager", f"--config.file={tmp_path / 'am.yml'}",
-                           f"--storage.path={tmp_path / 'am'}",
-                           f"--web.listen-address=127.0.0.1:{port}",
-                           "--cluster.listen-address="],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    am = start_process(["prometheus-alertmanager", f"--config.file={tmp_path / 'am.yml'}",
+                        f"--storage.path={tmp_path / 'am'}",
+                        f"--web.listen-address=127.0.0.1:{port}",
+                        "--cluster.listen-address="],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         import httpx
         labels = {"alertname": "InferenceLatencyDrift", "engine": "e1", "severity": "warning"}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from support.processes import start_process, stop_process
+
 # The installed console script, as a user runs it.
 AC_OBSERVE = str(Path(sys.executable).with_name("ac-observe"))
 if not os.path.exists(AC_OBSERVE):
@@ -52,9 +54,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"{args[0]}-{self.port}.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([AC_OBSERVE, *args, "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = start_process([AC_OBSERVE, *args, "--port", str(self.port)],
+                                  stdout=self.log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout=120.0):
         deadline = time.monotonic() + timeout
@@ -73,16 +75,6 @@ class ServerProcess:
     def stop(self):
         stop_process(self.proc)
         self.log.close()
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class EngineServer(ServerProcess):

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from support.servers import free_port, stop_process
+from support.processes import start_process, stop_process
+from support.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "dashboards"
@@ -21,7 +22,7 @@ class _Process:
     def __init__(self, args: list[str], log: Path):
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = start_process(args, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, url: str, timeout: float = 60.0):
         deadline = time.monotonic() + timeout
