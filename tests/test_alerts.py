@@ -341,7 +341,10 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
     daemon.start()
     sender.start()
     try:
-        time.sleep(10)  # a baseline: 6 s before a 3 s window
+        # A baseline: enough of the 6 s before the 3 s window watched.
+        wait_for(lambda: any(i.rule == "TtftDrift" and i.baseline is not None
+                             for i in list(daemon.alerts.instances.values())), 60,
+                 "the low_latency series' trailing baseline")
         # (a loaded machine's own hiccup may make it pending for a moment: quiet first)
         wait_for(lambda: daemon.alerts.active() == [], 30, "no alert before the fault")
         httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 300},

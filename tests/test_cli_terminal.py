@@ -71,7 +71,7 @@ def live(tmp_path_factory):
     wait_for(lambda: sum(sample_value(daemon.metrics(), "ac_requests_total", engine="e1",
                                       stream=lane, status="ok") or 0 for lane in m.LANES) == 24,
              20, "the daemon to see every request")
-    time.sleep(2.0)  # quiet cycles after the traffic
+    daemon.wait_cycles(2)  # quiet cycles after the traffic
     yield daemon
     engine.stop()
     daemon.stop()

@@ -62,9 +62,10 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
         assert sample_value(metrics, "ac_engine_up", engine="e1") == 1
         os.kill(engine.proc.pid, signal.SIGKILL)
         engine.proc.wait()
-        # The daemon keeps serving, the collector stays up, the series go after the grace.
-        time.sleep(2.5)
-        metrics = daemon.metrics()
+        # The daemon keeps serving, the collector stays up, the series go after the grace:
+        # once it reads the engine as down (stale), its series are still there.
+        metrics = wait_for(lambda: (m := daemon.metrics()) and sample_value(
+            m, "ac_engine_up", engine="e1") == 0 and m, 15, "the engine to go stale")
         assert sample_value(metrics, "ac_collector_up", collector="engine") == 1
         assert _engine_series(metrics, "e1"), "series vanished before the grace period"
         wait_for(lambda: not _engine_series(daemon.metrics(), "e1"), 15, "series to vanish")

@@ -410,7 +410,7 @@ def test_every_panel_query_returns_data(stack):
     wait_for(lambda: stack["daemon_hook"].requests, 120, "the daemon's own delivery")
     wait_for(lambda: prometheus.query('ALERTS{alertstate="firing"}'), 150,
              "an exported rule firing in Prometheus")
-    time.sleep(6)  # a scrape after both
+    prometheus.wait_scrape_and_rules("ac-observe", time.time())  # a scrape after both
     empty, hardware = [], []
     for uid, model in _models().items():
         for title, expr in grafana.queries(model):
