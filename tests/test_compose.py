@@ -10,11 +10,14 @@ host through Alertmanager with the shipped configuration.
 Grafana is left out: its image cannot be had on these machines (no registry, no binary);
 its dashboards are proven against a real Prometheus in tests/test_dashboards.py.
 
-Offline images (DESIGN.md): the base is `debootstrap --variant=minbase bookworm` with
-python3, Prometheus and Alertmanager from Debian, imported under a local tag that the
-Dockerfile's BASE_IMAGE argument names; the same image runs Prometheus and Alertmanager
-in place of prom/prometheus and prom/alertmanager. pip in the build trusts this machine's
-CA bundle (PIP_CERT) and takes the torch CPU wheel from pip's find-links folder."""
+Offline images, because no image registry is reachable from these machines: the base is
+`debootstrap --variant=minbase bookworm` with python3, Prometheus and Alertmanager from
+Debian, imported under a local tag that the Dockerfile's BASE_IMAGE argument names; the
+same image runs Prometheus and Alertmanager in place of prom/prometheus and
+prom/alertmanager. pip in the build reaches PyPI only through this machine's intercepting
+TLS proxy, so the build trusts this machine's CA bundle (PIP_CERT, an extra-CA file put in
+the build context), and it takes the torch CPU wheel from pip's find-links folder (`pip
+config list` names it), copied into the build context."""
 from __future__ import annotations
 
 import configparser
