@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Fresh machine to green tests: install everything, then run the whole suite.
+# Fresh machine to green tests: install what running and testing need, then run the whole
+# suite (what CI runs). Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install.sh
+scripts/install.sh --test
 # pytest's own script, not `python -m`: the repository root stays off sys.path.
 exec .venv/bin/pytest -q "$@"
