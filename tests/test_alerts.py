@@ -295,6 +295,7 @@ def test_a_bad_rule_names_the_file_the_rule_and_the_field(tmp_path, rule, where)
     assert str(error.value).startswith(f"{path}: ") and where in str(error.value), error.value
 
 
+@pytest.mark.slow
 def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolves(
         tmp_path):
     """Engine (real server, --fault-injection) and daemon with short windows; a client

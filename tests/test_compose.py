@@ -39,6 +39,9 @@ from support.receivers import WebhookReceiver
 from support.servers import AC_OBSERVE, free_port, wait_for
 from support.stack import REPO, delivery_of
 
+# A Docker engine, image builds and the whole compose stack: minutes.
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
+
 BASE = "ac-observe-test-base:bookworm"
 IMAGE = "ac-observe:compose-test"
 PROJECT = "acobserve-test"

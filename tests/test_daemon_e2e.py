@@ -49,6 +49,7 @@ def _ask(url, n=3, lane="throughput"):
     return out
 
 
+@pytest.mark.slow
 def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--engine-stale", "2s", "--engine-grace", "3s",
@@ -77,6 +78,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
     _restart_and_count(daemon, root, "e1", 2, 2, "series of the restarted engine")
 
 
+@pytest.mark.slow
 def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--engine-stale", "2s", "--engine-grace", "60s",
@@ -93,6 +95,8 @@ def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
     _restart_and_count(daemon, root, "e2", 1, 3, "counters continued across the restart")
 
 
+@pytest.mark.stack
+@pytest.mark.slow
 def test_metrics_pass_promtool_and_labels_stay_bounded(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--collectors", "engine,nvml")
@@ -157,6 +161,7 @@ def _cli_json(daemon_url, metric, window="30s", labels=""):
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_up_with_demo_load_answers_the_cli_within_ten_seconds(tmp_path):
     engine_port, daemon_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
@@ -254,6 +259,7 @@ def test_watch_keeps_answering_until_interrupted(start_daemon):
         assert proc.wait(timeout=20) == 0
 
 
+@pytest.mark.slow
 def test_cli_figures_equal_the_requests_own_trace_headers(start_daemon, tmp_path):
     """TTFT, KV hit rate and skeleton depth from `ac-observe --metric ... --json` equal what
     the requests' own trace headers say, computed independently by the test."""
@@ -306,6 +312,7 @@ def test_cli_figures_equal_the_requests_own_trace_headers(start_daemon, tmp_path
     assert depth["mean"] == pytest.approx(sum(depths) / len(depths), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_gauges_return_to_zero_after_a_burst_of_aborted_streams(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--collectors", "engine", "--interval", "0.5s")
@@ -345,6 +352,7 @@ def test_gauges_return_to_zero_after_a_burst_of_aborted_streams(start_daemon, tm
         engine.stop()
 
 
+@pytest.mark.slow
 def test_up_restarts_a_killed_engine_while_the_daemon_serves(tmp_path):
     engine_port, daemon_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
@@ -390,6 +398,7 @@ def _metrics(url):
     return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
 
 
+@pytest.mark.slow
 def test_up_demo_drift_shows_an_alert_firing_and_resolving(tmp_path):
     """`up --demo-drift`: demo traffic, the engine slowed through its fault route after a
     calm phase, DemoLatencyDrift firing and then resolving once the delay is removed, each

@@ -141,6 +141,7 @@ def test_the_daemon_refuses_a_bad_grafana_url_or_token_file(tmp_path):
 
 # ----- promtool -------------------------------------------------------------------------------
 
+@pytest.mark.stack
 def test_promtool_checks_the_config_and_rules_and_unit_tests_every_alert_rule(tmp_path):
     prometheus = SHIPPED / "prometheus"
     # (promtool opens the token file: the compose secret's path, put somewhere that exists)
@@ -185,6 +186,7 @@ def test_promtool_checks_the_config_and_rules_and_unit_tests_every_alert_rule(tm
         assert rule.name in quiet, f"{rule.name}: no case where it stays quiet"
 
 
+@pytest.mark.stack
 def test_rules_export_is_the_shipped_file_and_takes_an_alerting_file(tmp_path):
     out = run_cli("rules", "export", "--format", "prometheus")
     assert out.returncode == 0, out.stderr
@@ -383,6 +385,8 @@ def stack(tmp_path_factory):
         am_hook.down()
 
 
+@pytest.mark.stack
+@pytest.mark.slow
 def test_alertmanager_with_the_shipped_config_delivers_what_prometheus_fired(stack):
     """CollectorDown (nvml has no GPU here) fires in the real Prometheus from the exported
     rules; the real Alertmanager, with the shipped configuration and the receiver's URL
@@ -400,6 +404,8 @@ def test_alertmanager_with_the_shipped_config_delivers_what_prometheus_fired(sta
     assert alert["annotations"]["summary"] == "collector_up max over 1m: below 1"
 
 
+@pytest.mark.stack
+@pytest.mark.slow
 def test_every_panel_query_returns_data(stack):
     """Every target of every dashboard, as Grafana sends it ($__rate_interval at 4 scrape
     intervals, every engine selected), answered with data by the real Prometheus; only the

@@ -408,6 +408,7 @@ def test_a_good_alerting_file(tmp_path, monkeypatch):
     assert SECRET not in repr(receivers)
 
 
+@pytest.mark.stack
 def test_the_body_is_the_one_alertmanager_itself_posts(tmp_path, receiver):
     """The real Alertmanager, given the same alert, posts a webhook body with the same
     fields, group key, common labels and fingerprint as ours."""
