@@ -62,7 +62,7 @@ def files(rules=None) -> dict[str, str]:
         out[f"dashboards/grafana/provisioning/{path}"] = HEADER + text
     out["dashboards/prometheus/rules/drift.rules.yml"] = _yaml(promql.alert_groups(rules))
     out["dashboards/prometheus/rules/recording.rules.yml"] = _yaml(recording_rules())
-    out["deploy/kubernetes/prometheusrule.yaml"] = _yaml(prometheus_rule(rules))
+    out["dashboards/kubernetes/prometheusrule.yaml"] = _yaml(prometheus_rule(rules))
     return out
 
 

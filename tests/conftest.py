@@ -76,9 +76,9 @@ def postgres():
     server.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.stack)])
 def store(request, tmp_path):
-    """The daemon's store on SQLite and on a real PostgreSQL server."""
+    """The daemon's store on SQLite and on a real PostgreSQL server (the stack tier's)."""
     from ac_observe.daemon.store import Store
     url = None if request.param == "sqlite" else request.getfixturevalue("postgres").new_database()
     store = Store(url, state_dir=tmp_path / "state")

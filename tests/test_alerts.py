@@ -22,8 +22,8 @@ from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
 from ac_observe.daemon.store import deliveries
 
+from support.receivers import SECRET, WebhookReceiver
 from support.servers import AC_OBSERVE, EngineServer, wait_for
-from test_webhooks import SECRET, _Receiver
 
 USAGE = m.KV_USAGE  # a gauge: kv_cache_usage, in % (scale 100)
 FAULT_TOKEN = "fault-token-for-tests"
@@ -296,13 +296,14 @@ def test_a_bad_rule_names_the_file_the_rule_and_the_field(tmp_path, rule, where)
     assert str(error.value).startswith(f"{path}: ") and where in str(error.value), error.value
 
 
+@pytest.mark.slow
 def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolves(
         tmp_path):
     """Engine (real server, --fault-injection) and daemon with short windows; a client
     keeps sending requests; an added step delay drives TTFT p95 up; the alert fires within
     window + for + two cycles and the receiver verifies the Alertmanager-v4 body's
     signature; the delay removed, a resolved delivery follows."""
-    receiver = _Receiver()
+    receiver = WebhookReceiver()
     (tmp_path / "telemetry").mkdir()
     engine = EngineServer(tmp_path / "telemetry" / "e1", "--fault-injection",
                           "--engine-name", "e1", env=FAULT_ENV).wait_ready()
@@ -342,7 +343,10 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
     daemon.start()
     sender.start()
     try:
-        time.sleep(10)  # a baseline: 6 s before a 3 s window
+        # A baseline: enough of the 6 s before the 3 s window watched.
+        wait_for(lambda: any(i.rule == "TtftDrift" and i.baseline is not None
+                             for i in list(daemon.alerts.instances.values())), 60,
+                 "the low_latency series' trailing baseline")
         # (a loaded machine's own hiccup may make it pending for a moment: quiet first)
         wait_for(lambda: daemon.alerts.active() == [], 30, "no alert before the fault")
         httpx.post(engine.url + "/admin/faults", json={"step_delay_ms": 300},

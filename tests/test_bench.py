@@ -7,7 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from support.stack import REPO
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]
 
 
 def test_bench_run_prints_the_table_of_the_rows_it_ran():

@@ -71,7 +71,7 @@ def live(tmp_path_factory):
     wait_for(lambda: sum(sample_value(daemon.metrics(), "ac_requests_total", engine="e1",
                                       stream=lane, status="ok") or 0 for lane in m.LANES) == 24,
              20, "the daemon to see every request")
-    time.sleep(2.0)  # quiet cycles after the traffic
+    daemon.wait_cycles(2)  # quiet cycles after the traffic
     yield daemon
     engine.stop()
     daemon.stop()
@@ -88,6 +88,7 @@ def _data_lines(screen: str) -> list[list[str]]:
     return rows
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("columns", [80, 120])
 def test_tables_fit_with_complete_numbers_and_whole_labels(live, columns):
     for metric in HEADLINE:
@@ -114,6 +115,7 @@ def test_tables_fit_with_complete_numbers_and_whole_labels(live, columns):
             assert re.search(r"\d+(\.\d+)? ms", screen), screen  # ns scaled to ms
 
 
+@pytest.mark.stack
 def test_piped_output_is_plain_and_no_color_is_respected(live):
     piped = run_cli("--daemon", live.url, "--metric", "inference_latency_ns", "--window", "5m")
     assert piped.returncode == 0 and ESCAPE not in piped.stdout and "ms" in piped.stdout
@@ -134,6 +136,7 @@ def test_piped_output_is_plain_and_no_color_is_respected(live):
     assert colours[""] and not colours["1"], colours
 
 
+@pytest.mark.slow
 def test_watch_into_a_pipe_prints_a_stamped_frame_every_two_seconds(live):
     """`--watch | tee log`: Live redraws nothing off a terminal, so frames are printed one
     after another, each under its time, as they come (not held until the end)."""
@@ -171,6 +174,7 @@ def test_flat_trends_and_unitless_metrics_read_right():
     assert str(metric_table(answer, 80)).splitlines()[0] == "engine_up over 60s"
 
 
+@pytest.mark.slow
 def test_a_rising_series_draws_a_rising_sparkline(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--collectors", "engine", "--interval", "0.5s")
@@ -196,6 +200,7 @@ def test_a_rising_series_draws_a_rising_sparkline(start_daemon, tmp_path):
     assert levels == sorted(levels) and len(set(levels)) >= 4, row
 
 
+@pytest.mark.stack
 def test_top_shows_the_figures_of_the_json_answers_and_exits_cleanly(live, tmp_path):
     exit_file = tmp_path / "exit"
     stty = tmp_path / "stty"
@@ -265,6 +270,8 @@ def _expected_rows(answers: dict) -> tuple[dict, dict]:
     return lanes, engines
 
 
+@pytest.mark.stack
+@pytest.mark.slow
 def test_top_under_demo_load_shows_exactly_the_json_answers_of_its_cycle(start_daemon,
                                                                          tmp_path):
     """While an engine serves demo traffic (every figure moves from cycle to cycle), each
@@ -417,6 +424,7 @@ def test_top_lists_the_alerts_pending_or_firing_in_their_metrics_units():
         assert line in console.export_text()
 
 
+@pytest.mark.stack
 def test_top_says_in_one_line_when_the_daemon_goes_away(start_daemon, tmp_path):
     daemon = start_daemon(None, "--collectors", "engine")
     out_file = tmp_path / "out"

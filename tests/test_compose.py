@@ -10,11 +10,14 @@ host through Alertmanager with the shipped configuration.
 Grafana is left out: its image cannot be had on these machines (no registry, no binary);
 its dashboards are proven against a real Prometheus in tests/test_dashboards.py.
 
-Offline images (DESIGN.md): the base is `debootstrap --variant=minbase bookworm` with
-python3, Prometheus and Alertmanager from Debian, imported under a local tag that the
-Dockerfile's BASE_IMAGE argument names; the same image runs Prometheus and Alertmanager
-in place of prom/prometheus and prom/alertmanager. pip in the build trusts this machine's
-CA bundle (PIP_CERT) and takes the torch CPU wheel from pip's find-links folder."""
+Offline images, because no image registry is reachable from these machines: the base is
+`debootstrap --variant=minbase bookworm` with python3, Prometheus and Alertmanager from
+Debian, imported under a local tag that the Dockerfile's BASE_IMAGE argument names; the
+same image runs Prometheus and Alertmanager in place of prom/prometheus and
+prom/alertmanager. pip in the build reaches PyPI only through this machine's intercepting
+TLS proxy, so the build trusts this machine's CA bundle (PIP_CERT, an extra-CA file put in
+the build context), and it takes the torch CPU wheel from pip's find-links folder (`pip
+config list` names it), copied into the build context."""
 from __future__ import annotations
 
 import configparser
@@ -31,9 +34,13 @@ import httpx
 import pytest
 import yaml
 
+from support.processes import start_process
+from support.receivers import WebhookReceiver
 from support.servers import AC_OBSERVE, free_port, wait_for
 from support.stack import REPO, delivery_of
-from test_webhooks import _Receiver
+
+# A Docker engine, image builds and the whole compose stack: minutes.
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 BASE = "ac-observe-test-base:bookworm"
 IMAGE = "ac-observe:compose-test"
@@ -55,7 +62,7 @@ def dockerd(tmp_path_factory):
         yield
         return
     log = open(tmp_path_factory.mktemp("dockerd") / "dockerd.log", "w")
-    proc = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT)
+    proc = start_process(["dockerd"], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: subprocess.run(["docker", "info"], capture_output=True)
                  .returncode == 0, 60, "dockerd")
@@ -128,7 +135,7 @@ def stack(dockerd, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compose")
     _base_image(tmp)
     context = _context(tmp)
-    hook = _Receiver(host=_gateway())
+    hook = WebhookReceiver(host=_gateway())
     ports = {name: free_port() for name in ("ENGINE", "DAEMON", "PROMETHEUS", "ALERTMANAGER")}
     env = {**os.environ, "AC_BASE_IMAGE": BASE, "AC_OBSERVE_IMAGE": IMAGE,
            "AC_TORCH_SPEC": "torch==2.13.0+cpu", "AC_TORCH_INDEX_URL": "https://pypi.org/simple",

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from support.processes import start_process
 from support.servers import AC_OBSERVE, EngineServer, free_port, sample_value, wait_for
 from support.telemetry import read_as_daemon
 
@@ -48,6 +49,7 @@ def _ask(url, n=3, lane="throughput"):
     return out
 
 
+@pytest.mark.slow
 def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--engine-stale", "2s", "--engine-grace", "3s",
@@ -61,9 +63,10 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
         assert sample_value(metrics, "ac_engine_up", engine="e1") == 1
         os.kill(engine.proc.pid, signal.SIGKILL)
         engine.proc.wait()
-        # The daemon keeps serving, the collector stays up, the series go after the grace.
-        time.sleep(2.5)
-        metrics = daemon.metrics()
+        # The daemon keeps serving, the collector stays up, the series go after the grace:
+        # once it reads the engine as down (stale), its series are still there.
+        metrics = wait_for(lambda: (m := daemon.metrics()) and sample_value(
+            m, "ac_engine_up", engine="e1") == 0 and m, 15, "the engine to go stale")
         assert sample_value(metrics, "ac_collector_up", collector="engine") == 1
         assert _engine_series(metrics, "e1"), "series vanished before the grace period"
         wait_for(lambda: not _engine_series(daemon.metrics(), "e1"), 15, "series to vanish")
@@ -75,6 +78,7 @@ def test_engine_kill9_then_restart_without_daemon_restart(start_daemon, tmp_path
     _restart_and_count(daemon, root, "e1", 2, 2, "series of the restarted engine")
 
 
+@pytest.mark.slow
 def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--engine-stale", "2s", "--engine-grace", "60s",
@@ -91,6 +95,8 @@ def test_restart_within_grace_keeps_counters_monotonic(start_daemon, tmp_path):
     _restart_and_count(daemon, root, "e2", 1, 3, "counters continued across the restart")
 
 
+@pytest.mark.stack
+@pytest.mark.slow
 def test_metrics_pass_promtool_and_labels_stay_bounded(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--collectors", "engine,nvml")
@@ -122,10 +128,10 @@ def test_off_loopback_needs_a_token_and_the_token_guards_the_api(tmp_path):
                              timeout=60, env={**os.environ, "AC_OBSERVE_TOKEN": ""})
     assert refused.returncode == 2 and "token" in refused.stderr
     port = free_port()
-    proc = subprocess.Popen([AC_OBSERVE, "daemon", "--host", "127.0.0.1",
-                             "--port", str(port), "--telemetry-root", str(tmp_path),
-                             "--token", "s3cret"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = start_process([AC_OBSERVE, "daemon", "--host", "127.0.0.1",
+                          "--port", str(port), "--telemetry-root", str(tmp_path),
+                          "--token", "s3cret"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _healthy(url), 20, "daemon")
@@ -155,15 +161,16 @@ def _cli_json(daemon_url, metric, window="30s", labels=""):
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_up_with_demo_load_answers_the_cli_within_ten_seconds(tmp_path):
     engine_port, daemon_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     daemon_url = f"http://127.0.0.1:{daemon_port}"
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port",
-                           str(engine_port), "--daemon-port", str(daemon_port), "--demo-load",
-                           "--telemetry-root", str(tmp_path / "telemetry")],
-                          stdout=log, stderr=subprocess.STDOUT)
+    up = start_process([AC_OBSERVE, "up", "--engine-port",
+                        str(engine_port), "--daemon-port", str(daemon_port), "--demo-load",
+                        "--telemetry-root", str(tmp_path / "telemetry")],
+                       stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
         ready = time.monotonic()
@@ -240,9 +247,9 @@ def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
 
 def test_watch_keeps_answering_until_interrupted(start_daemon):
     daemon = start_daemon(None, "--collectors", "engine")
-    proc = subprocess.Popen([AC_OBSERVE, "--daemon", daemon.url,
-                             "--metric", "requests_running", "--watch", "--json"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = start_process([AC_OBSERVE, "--daemon", daemon.url,
+                          "--metric", "requests_running", "--watch", "--json"],
+                         stdout=subprocess.PIPE, text=True)
     try:
         first = json.loads(proc.stdout.readline())
         second = json.loads(proc.stdout.readline())
@@ -252,6 +259,7 @@ def test_watch_keeps_answering_until_interrupted(start_daemon):
         assert proc.wait(timeout=20) == 0
 
 
+@pytest.mark.slow
 def test_cli_figures_equal_the_requests_own_trace_headers(start_daemon, tmp_path):
     """TTFT, KV hit rate and skeleton depth from `ac-observe --metric ... --json` equal what
     the requests' own trace headers say, computed independently by the test."""
@@ -304,6 +312,7 @@ def test_cli_figures_equal_the_requests_own_trace_headers(start_daemon, tmp_path
     assert depth["mean"] == pytest.approx(sum(depths) / len(depths), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_gauges_return_to_zero_after_a_burst_of_aborted_streams(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--collectors", "engine", "--interval", "0.5s")
@@ -343,15 +352,16 @@ def test_gauges_return_to_zero_after_a_burst_of_aborted_streams(start_daemon, tm
         engine.stop()
 
 
+@pytest.mark.slow
 def test_up_restarts_a_killed_engine_while_the_daemon_serves(tmp_path):
     engine_port, daemon_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     daemon_url = f"http://127.0.0.1:{daemon_port}"
     root = tmp_path / "telemetry"
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port", str(engine_port), "--daemon-port",
-                           str(daemon_port), "--telemetry-root", str(root)],
-                          stdout=log, stderr=subprocess.STDOUT)
+    up = start_process([AC_OBSERVE, "up", "--engine-port", str(engine_port), "--daemon-port",
+                        str(daemon_port), "--telemetry-root", str(root)],
+                       stdout=log, stderr=subprocess.STDOUT)
     name = f"engine-{engine_port}"
     try:
         wait_for(lambda: _healthy(daemon_url) and _engine_ok(engine_url), 90, "up")
@@ -388,6 +398,7 @@ def _metrics(url):
     return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
 
 
+@pytest.mark.slow
 def test_up_demo_drift_shows_an_alert_firing_and_resolving(tmp_path):
     """`up --demo-drift`: demo traffic, the engine slowed through its fault route after a
     calm phase, DemoLatencyDrift firing and then resolving once the delay is removed, each
@@ -399,11 +410,11 @@ def test_up_demo_drift_shows_an_alert_firing_and_resolving(tmp_path):
     daemon_url = f"http://127.0.0.1:{daemon_port}"
     log_path = tmp_path / "up.log"
     log = open(log_path, "w")
-    up = subprocess.Popen([AC_OBSERVE, "up", "--engine-port", str(engine_port),
-                           "--daemon-port", str(daemon_port), "--demo-drift",
-                           "--demo-drift-schedule", "80s,30s",
-                           "--telemetry-root", str(tmp_path / "telemetry")],
-                          stdout=log, stderr=subprocess.STDOUT)
+    up = start_process([AC_OBSERVE, "up", "--engine-port", str(engine_port),
+                        "--daemon-port", str(daemon_port), "--demo-drift",
+                        "--demo-drift-schedule", "80s,30s",
+                        "--telemetry-root", str(tmp_path / "telemetry")],
+                       stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "alert DemoLatencyDrift resolved" in log_path.read_text(), 300,
                  "the demo alert to fire and resolve")

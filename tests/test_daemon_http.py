@@ -129,6 +129,7 @@ def test_bearer_tokens_per_rfc_and_from_file_or_environment(tmp_path, start_daem
         assert refused.returncode == 2 and "blank" in refused.stderr
 
 
+@pytest.mark.slow
 def test_cli_says_in_one_line_what_is_wrong(tmp_path, start_daemon):
     daemon = start_daemon(None, "--collectors", "engine", env={"AC_OBSERVE_TOKEN": "right"})
     env = {k: v for k, v in os.environ.items() if k != "AC_OBSERVE_TOKEN"}

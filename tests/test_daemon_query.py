@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import math
 import re
-import time
 
 import pytest
 
 from ac_observe.daemon.query import QueryEngine, bucket_quantile, parse_duration, parse_labels
 from ac_observe.daemon.windows import Windows
+
+from support.servers import wait_for
 
 LABELS = (("engine", "e"), ("model", "m"), ("stream", "throughput"))
 
@@ -186,8 +187,9 @@ def test_hit_rate_is_the_ratio_of_increases_not_a_mean_of_ratios():
 
 
 def test_queries_during_cycles_read_one_consistent_state(tmp_path):
-    """Cycles append while four threads query for 10 s: every answer equals the serial one (hit
-    rate 60 %, rate 7/s at every interval), never an error or a point out of order."""
+    """Cycles append while four threads query, until the ring has wrapped 20 times: every
+    answer equals the serial one (hit rate 60 %, rate 7/s at every interval), never an error
+    or a point out of order."""
     import threading
 
     from ac_observe import metrics as m
@@ -243,15 +245,16 @@ def test_queries_during_cycles_read_one_consistent_state(tmp_path):
     try:
         for thread in threads:
             thread.start()
-        time.sleep(10)
-        deadline = time.monotonic() + 60  # a loaded machine: until the ring wrapped, often
-        while time.monotonic() < deadline and not (answers[0] > 50 and
-                                                   daemon.windows.cycle > 200):
-            time.sleep(0.5)
+        # Until the ring has wrapped 20 times under the readers and they have answered
+        # 10,000 times (about 10 s on two busy cores), or something failed: a loaded
+        # machine takes longer, never fewer interleavings.
+        wait_for(lambda: failures or (answers[0] >= 10_000 and
+                                      daemon.windows.cycle >= 20 * daemon.windows.capacity),
+                 120, "20 wraps of the ring and 10,000 answers", interval=0.5)
+    finally:
         stop.set()
         for thread in threads:
             thread.join()
-    finally:
         sys.setswitchinterval(switch)
         daemon.close()
     assert not failures, failures[:5]

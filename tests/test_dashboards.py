@@ -23,9 +23,9 @@ from ac_observe import metrics as m
 from ac_observe.dashboards import generate, grafana, promql
 from ac_observe.daemon.alerting.rules import default_rules, parse_rules
 from support.grafana import Grafana
+from support.receivers import SECRET, WebhookReceiver
 from support.servers import AC_OBSERVE, DaemonProcess, EngineServer, run_cli, wait_for
 from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of, finite
-from test_webhooks import SECRET, _Receiver
 
 BOARDS = sorted((SHIPPED / "grafana" / "dashboards").glob("*.json"))
 
@@ -154,6 +154,7 @@ def test_the_daemon_refuses_a_bad_grafana_url_or_token_file(tmp_path):
 
 # ----- promtool -------------------------------------------------------------------------------
 
+@pytest.mark.stack
 def test_promtool_checks_the_config_and_rules_and_unit_tests_every_alert_rule(tmp_path):
     prometheus = SHIPPED / "prometheus"
     # (promtool opens the token file: the compose secret's path, put somewhere that exists)
@@ -198,6 +199,7 @@ def test_promtool_checks_the_config_and_rules_and_unit_tests_every_alert_rule(tm
         assert rule.name in quiet, f"{rule.name}: no case where it stays quiet"
 
 
+@pytest.mark.stack
 def test_rules_export_is_the_shipped_file_and_takes_an_alerting_file(tmp_path):
     out = run_cli("rules", "export", "--format", "prometheus")
     assert out.returncode == 0, out.stderr
@@ -349,7 +351,7 @@ def _backfill(daemon: DaemonProcess, data: Path, seconds: float = 12.0) -> None:
 def stack(tmp_path_factory):
     base = tmp_path_factory.mktemp("stack")
     (base / "telemetry").mkdir()
-    daemon_hook, am_hook = _Receiver(), _Receiver()
+    daemon_hook, am_hook = WebhookReceiver(), WebhookReceiver()
     (base / "alerting.yaml").write_text(
         f"receivers:\n  - {{name: ops, url: '{daemon_hook.url}', secret: '{SECRET}'}}\n"
         "rules: defaults\n")
@@ -396,6 +398,8 @@ def stack(tmp_path_factory):
         am_hook.down()
 
 
+@pytest.mark.stack
+@pytest.mark.slow
 def test_alertmanager_with_the_shipped_config_delivers_what_prometheus_fired(stack):
     """CollectorDown (nvml has no GPU here) fires in the real Prometheus from the exported
     rules; the real Alertmanager, with the shipped configuration and the receiver's URL
@@ -413,6 +417,8 @@ def test_alertmanager_with_the_shipped_config_delivers_what_prometheus_fired(sta
     assert alert["annotations"]["summary"] == "collector_up max over 1m: below 1"
 
 
+@pytest.mark.stack
+@pytest.mark.slow
 def test_every_panel_query_returns_data(stack):
     """Every target of every dashboard, as Grafana sends it ($__rate_interval at 4 scrape
     intervals, every engine selected), answered with data by the real Prometheus; only the
@@ -423,7 +429,7 @@ def test_every_panel_query_returns_data(stack):
     wait_for(lambda: stack["daemon_hook"].requests, 120, "the daemon's own delivery")
     wait_for(lambda: prometheus.query('ALERTS{alertstate="firing"}'), 150,
              "an exported rule firing in Prometheus")
-    time.sleep(6)  # a scrape after both
+    prometheus.wait_scrape_and_rules("ac-observe", time.time())  # a scrape after both
     empty, hardware = [], []
     for uid, model in _models().items():
         for title, expr in grafana.queries(model):

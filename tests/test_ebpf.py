@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support.processes import start_process
 from support.servers import sample_value, wait_for
 from support.standins import Pattern, build_cuda
 
@@ -131,11 +132,11 @@ def test_without_bpf_capabilities_it_is_down_with_the_reason(tmp_path, cuda_stan
             ["--reuid=65534", "--regid=65534", "--clear-groups"])
     if who == "nobody":
         os.chown(state, 65534, 65534)
-    daemon = subprocess.Popen([shutil.which("setpriv"), *drop, AC_OBSERVE, "daemon", "--port",
-                               str(port), "--collectors", "engine,ebpf", "--telemetry-root",
-                               str(root)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL,
-                              env={**os.environ, "AC_OBSERVE_STATE_DIR": str(state)})
+    daemon = start_process([shutil.which("setpriv"), *drop, AC_OBSERVE, "daemon", "--port",
+                            str(port), "--collectors", "engine,ebpf", "--telemetry-root",
+                            str(root)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL,
+                           env={**os.environ, "AC_OBSERVE_STATE_DIR": str(state)})
     pattern = Pattern(cuda_standin)
     try:
         url = f"http://127.0.0.1:{port}"

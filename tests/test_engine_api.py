@@ -255,6 +255,7 @@ def test_request_that_can_never_fit_the_pool_is_a_400_no_sdk_retries(start_engin
         assert info.value.body["type"] == "invalid_request_error"
 
 
+@pytest.mark.slow
 def test_64_streaming_clients_disconnecting_free_every_block_and_overflow_gets_429(
         start_engine):
     server = start_engine("--max-waiting", "24", "--kv-blocks", "1024",

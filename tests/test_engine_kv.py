@@ -65,6 +65,7 @@ def test_no_shared_prefix_means_zero_hits():
     assert stats.query_blocks == sum((len(p) - 1) // BLOCK for p in prompts)
 
 
+@pytest.mark.slow
 def test_preemption_recompute_adds_no_hits():
     rng = random.Random(2)
     prompts = [[i] + [rng.randrange(0, 256) for _ in range(60)] for i in range(8)]
@@ -91,6 +92,7 @@ def test_evicted_prefix_is_no_longer_a_hit():
     assert again.trace.kv_hit_blocks == 0
 
 
+@pytest.mark.slow
 def test_random_aborts_leave_every_block_free():
     rng = random.Random(3)
     with _tiny(num_kv_blocks=64, max_waiting=256) as engine:

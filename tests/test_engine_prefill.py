@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a fresh interpreter and engine per batch measured
+
 PROBE = r"""
 import sys
 from ac_observe.engine.config import EngineConfig

@@ -14,10 +14,13 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import ac_observe
 from support.imports import imports_of, installed_modules
 from support.servers import run_cli
 
+REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("ac_observe.engine", "ac_observe.daemon", "ac_observe.collectors")
 CONTRACT = ("ac_observe", "ac_observe.metrics", "ac_observe.telemetry_format", "ac_observe.auth")
 
@@ -113,16 +116,21 @@ def _pip(python: Path, *args: str) -> None:
                    capture_output=True)
 
 
-def test_installs_beside_python_daemon_wheel_and_editable(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
-    wheels = tmp_path / "wheels"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """`pip wheel .` of the repository, built once for the tests that read or install it."""
+    wheels = tmp_path_factory.mktemp("wheels")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(wheels), str(repo)], check=True,
+                    "--no-build-isolation", "-w", str(wheels), str(REPO)], check=True,
                    capture_output=True)
-    (wheel,) = wheels.glob("ac_observe-*.whl")
+    (built,) = wheels.glob("ac_observe-*.whl")
+    return built
+
+
+def test_installs_beside_python_daemon_wheel_and_editable(tmp_path, wheel):
     top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert top == {"ac_observe", f"ac_observe-{ac_observe.__version__}.dist-info"}
-    for mode, target in (("wheel", [str(wheel)]), ("editable", ["-e", str(repo)])):
+    for mode, target in (("wheel", [str(wheel)]), ("editable", ["-e", str(REPO)])):
         python = _bare_venv(tmp_path / mode)
         _pip(python, "python-daemon==3.1.2")  # first, as on a node that already runs it
         _pip(python, "--no-deps", *target)
@@ -136,3 +144,47 @@ def test_installs_beside_python_daemon_wheel_and_editable(tmp_path):
             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
         module, path = probe.stdout.split()
         assert module == "daemon.daemon" and f"{mode}/lib" in path, (mode, probe.stdout)
+
+
+# The stack's files, as package data of ac_observe.dashboards: what Grafana, Prometheus,
+# Alertmanager, the daemon's alerting file and Kubernetes read (paths under dashboards/).
+STACK_FILES = ("grafana/dashboards/ac-overview.json", "grafana/dashboards/ac-kv-cache.json",
+               "grafana/dashboards/ac-gpu-cuda.json", "grafana/dashboards/ac-drift.json",
+               "grafana/provisioning/dashboards/ac-observe.yml",
+               "grafana/provisioning/datasources/prometheus.yml",
+               "prometheus/prometheus.yml", "prometheus/rules/drift.rules.yml",
+               "prometheus/rules/recording.rules.yml", "prometheus/tests/drift.rules.test.yml",
+               "prometheus/tests/fast.rules.test.yml", "alertmanager/alertmanager.yml",
+               "ac-observe/alerting.yaml", "kubernetes/namespace.yaml",
+               "kubernetes/daemon.yaml", "kubernetes/engine.yaml",
+               "kubernetes/servicemonitor.yaml", "kubernetes/prometheusrule.yaml",
+               "kubernetes/README.md")
+
+
+def test_the_wheel_carries_the_stack_files_and_the_license(wheel):
+    """Every file of the stack under dashboards/ is in the wheel, byte for byte, under
+    ac_observe/dashboards/; LICENSE is in its dist-info."""
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+    shipped = REPO / "dashboards"
+    in_repository = {path.relative_to(shipped).as_posix()
+                     for folder in ("grafana", "prometheus", "alertmanager", "ac-observe",
+                                    "kubernetes")
+                     for path in (shipped / folder).rglob("*") if path.is_file()}
+    assert set(STACK_FILES) <= in_repository  # (a file named here that moved or went)
+    for path in sorted(in_repository):
+        name = f"ac_observe/dashboards/{path}"
+        assert name in names, f"{path} is not in {wheel.name}"
+        assert archive.read(name) == (shipped / path).read_bytes(), path
+    license_name = f"ac_observe-{ac_observe.__version__}.dist-info/licenses/LICENSE"
+    assert license_name in names, sorted(n for n in names if ".dist-info/" in n)
+    assert archive.read(license_name) == (REPO / "LICENSE").read_bytes()
+    assert "Apache License\n                           Version 2.0" in \
+        archive.read(license_name).decode()
+
+
+def test_the_installed_package_has_the_stack_files():
+    import importlib.resources
+    data = importlib.resources.files("ac_observe.dashboards")
+    for path in STACK_FILES:
+        assert data.joinpath(path).is_file(), path

@@ -18,7 +18,7 @@ import yaml
 from support.stack import REPO
 
 SCHEMA = json.loads((Path(__file__).parent / "schemas" / "compose-spec.json").read_text())
-KUBERNETES_VERSION = "1.31.0"  # deploy/kubernetes/README.md says so
+KUBERNETES_VERSION = "1.31.0"  # dashboards/kubernetes/README.md says so
 
 
 @pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml"])
@@ -69,10 +69,11 @@ def test_compose_wiring():
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
 
 
+@pytest.mark.stack
 def test_kubernetes_manifests_validate_for_their_version(tmp_path):
-    manifests = sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
+    manifests = sorted((REPO / "dashboards" / "kubernetes").glob("*.yaml"))
     assert KUBERNETES_VERSION.rsplit(".", 1)[0] in \
-        (REPO / "deploy" / "kubernetes" / "README.md").read_text()
+        (REPO / "dashboards" / "kubernetes" / "README.md").read_text()
     out = subprocess.run([str(Path(sys.executable).with_name("kubernetes-validate")), "-k", KUBERNETES_VERSION, "--strict",
                           *map(str, manifests)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

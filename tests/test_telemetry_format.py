@@ -14,7 +14,7 @@ import pytest
 from ac_observe.collectors.engine import EngineCollector
 
 # Wheels of the prometheus_client releases at both ends of the pinned range, fetched by
-# scripts/install.sh next to the virtual environment.
+# `scripts/install.sh --test` next to the virtual environment.
 COMPAT_WHEELS = Path(sys.prefix) / "compat-wheels"
 
 WRITER = r"""
@@ -80,7 +80,8 @@ def _multiprocess_collector(wheel: Path, directory: Path) -> dict:
 
 def test_daemon_reader_equals_multiprocess_collector_across_restarts_and_dead_pids(tmp_path):
     wheels = sorted(COMPAT_WHEELS.glob("prometheus_client-*.whl"))
-    assert len(wheels) >= 2, f"scripts/install.sh fetches the pinned range's ends into {COMPAT_WHEELS}"
+    assert len(wheels) >= 2, \
+        f"scripts/install.sh --test fetches the pinned range's ends into {COMPAT_WHEELS}"
     directory = tmp_path / "telemetry" / "e1"
     # Engine 1 exits cleanly, engine 2 is killed with SIGKILL (its live-gauge file stays
     # behind), engine 3 is alive while both readers read.

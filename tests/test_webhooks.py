@@ -9,9 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from standardwebhooks.webhooks import Webhook
@@ -24,57 +22,9 @@ from ac_observe.daemon.alerting.receivers import Receiver
 from ac_observe.daemon.alerting.rules import AlertConfigError
 
 from support.grafana import Grafana
+from support.processes import start_process
+from support.receivers import SECRET, WebhookReceiver
 from support.servers import parse_metrics, wait_for
-
-SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-
-
-class _Receiver:
-    """A loopback webhook receiver: records every request; `mode` picks the answer
-    (ok, 500, 410, 429, hang) and `down()` closes its port (connections refused)."""
-
-    def __init__(self, host: str = "127.0.0.1"):
-        self.host = host
-        self.requests: list[tuple[dict, bytes]] = []
-        self.mode = "ok"
-        self.hang_seconds = 3.0  # "hang": answer after this, or once `release` is set
-        self.release = threading.Event()
-        self.retry_after = None
-        self.port = None
-        self._server = None
-        self.up()
-
-    def up(self) -> None:
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["content-length"]))
-                owner.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                if owner.mode == "hang":
-                    owner.release.wait(owner.hang_seconds)
-                status = {"ok": 200, "500": 500, "410": 410, "429": 429, "hang": 200}[owner.mode]
-                self.send_response(status)
-                if owner.retry_after:
-                    self.send_header("Retry-After", owner.retry_after)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        ThreadingHTTPServer.allow_reuse_address = True
-        self._server = ThreadingHTTPServer((self.host, self.port or 0), Handler)
-        self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def down(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/hook"
 
 
 class _Clock:
@@ -87,7 +37,7 @@ class _Clock:
 
 @pytest.fixture
 def receiver():
-    r = _Receiver()
+    r = WebhookReceiver()
     yield r
     r.down()
 
@@ -223,7 +173,7 @@ def test_a_receiver_that_hangs_delays_only_its_own_deliveries(store):
     """Two alerts to a receiver that hangs and to one that answers at once: the quick one
     has both while the slow one still holds its first (one pass over every receiver in
     turn had the quick one wait behind each of the slow one's answers)."""
-    slow, quick = _Receiver(), _Receiver()
+    slow, quick = WebhookReceiver(), WebhookReceiver()
     slow.mode, slow.hang_seconds = "hang", 8.0  # under the sender's 10 s timeout
     sender = WebhookSender(store, {
         "slow": Receiver("slow", slow.url, secret=SECRET, timeout_seconds=10),
@@ -463,6 +413,7 @@ def test_a_good_alerting_file(tmp_path, monkeypatch):
     assert SECRET not in repr(receivers)
 
 
+@pytest.mark.stack
 def test_the_body_is_the_one_alertmanager_itself_posts(tmp_path, receiver):
     """The real Alertmanager, given the same alert, posts a webhook body with the same
     fields, group key, common labels and fingerprint as ours."""
@@ -480,11 +431,11 @@ def test_the_body_is_the_one_alertmanager_itself_posts(tmp_path, receiver):
           - name: hook
             webhook_configs: [{{url: '{receiver.url}', send_resolved: true}}]
         """))
-    am = subprocess.Popen(["prometheus-alertmanager", f"--config.file={tmp_path / 'am.yml'}",
-                           f"--storage.path={tmp_path / 'am'}",
-                           f"--web.listen-address=127.0.0.1:{port}",
-                           "--cluster.listen-address="],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    am = start_process(["prometheus-alertmanager", f"--config.file={tmp_path / 'am.yml'}",
+                        f"--storage.path={tmp_path / 'am'}",
+                        f"--web.listen-address=127.0.0.1:{port}",
+                        "--cluster.listen-address="],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         import httpx
         labels = {"alertname": "InferenceLatencyDrift", "engine": "e1", "severity": "warning"}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from support.processes import start_process, stop_process
+
 # The installed console script, as a user runs it.
 AC_OBSERVE = str(Path(sys.executable).with_name("ac-observe"))
 if not os.path.exists(AC_OBSERVE):
@@ -52,9 +54,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"{args[0]}-{self.port}.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([AC_OBSERVE, *args, "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = start_process([AC_OBSERVE, *args, "--port", str(self.port)],
+                                  stdout=self.log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout=120.0):
         deadline = time.monotonic() + timeout
@@ -73,16 +75,6 @@ class ServerProcess:
     def stop(self):
         stop_process(self.proc)
         self.log.close()
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class EngineServer(ServerProcess):
@@ -111,14 +103,29 @@ class DaemonProcess(ServerProcess):
     def wait_ready(self, timeout=120.0):
         """Serving, and its first cycle done (until then /metrics holds no collector)."""
         super().wait_ready(timeout)
-        headers = {"Authorization": b"Bearer " + self.token.encode()} if self.token else None
-
-        def first_cycle():
-            response = httpx.get(self.url + "/api/v1/status", headers=headers, timeout=5)
-            assert response.status_code == 200, f"status: {response.status_code} {response.text}"
-            return response.json()["as_of"] is not None
-        wait_for(first_cycle, timeout, "the daemon's first cycle")
+        wait_for(lambda: self.status()["as_of"] is not None, timeout,
+                 "the daemon's first cycle")
         return self
+
+    def status(self) -> dict:
+        """/api/v1/status's answer (`as_of`: the newest cycle's time)."""
+        headers = {"Authorization": b"Bearer " + self.token.encode()} if self.token else None
+        response = httpx.get(self.url + "/api/v1/status", headers=headers, timeout=5)
+        assert response.status_code == 200, f"status: {response.status_code} {response.text}"
+        return response.json()
+
+    def wait_cycles(self, count: int, timeout: float = 30.0) -> None:
+        """Until `count` cycles that began after this call are done: what they read
+        happened after it. (A cycle missed between two polls only makes the wait longer.)"""
+        since = time.time()
+        seen = set()
+
+        def done() -> bool:
+            as_of = self.status()["as_of"]
+            if as_of is not None and as_of > since:
+                seen.add(as_of)
+            return len(seen) >= count
+        wait_for(done, timeout, f"{count} daemon cycles after {since:.3f}", interval=0.1)
 
     def metrics(self, headers=None) -> dict:
         """{(sample name, frozenset(labels)): value} of /metrics."""

@@ -6,12 +6,14 @@ import math
 import shutil
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import yaml
 
-from support.servers import free_port, stop_process
+from support.processes import start_process, stop_process
+from support.servers import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "dashboards"
@@ -21,7 +23,7 @@ class _Process:
     def __init__(self, args: list[str], log: Path):
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = start_process(args, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, url: str, timeout: float = 60.0):
         deadline = time.monotonic() + timeout
@@ -87,6 +89,22 @@ class Prometheus(_Process):
         answer = httpx.get(self.url + "/api/v1/query", params=params, timeout=30).json()
         assert answer["status"] == "success", (expr, answer)
         return answer["data"]["result"]
+
+    def wait_scrape_and_rules(self, job: str, since: float, timeout: float = 30.0) -> None:
+        """Until a scrape of `job` begun after `since` is in, then until every rule group
+        was evaluated after that (its recorded and alerting series include the scrape)."""
+        def scraped() -> bool:
+            result = self.query(f'timestamp(up{{job="{job}"}})')
+            return bool(result) and float(result[0]["value"][1]) > since
+        wait_for(scraped, timeout, f"a scrape of {job} begun after {since:.3f}")
+        seen = time.time()
+
+        def evaluated() -> bool:
+            answer = httpx.get(self.url + "/api/v1/rules", timeout=10).json()
+            groups = answer["data"]["groups"]
+            return bool(groups) and all(
+                datetime.fromisoformat(g["lastEvaluation"]).timestamp() > seen for g in groups)
+        wait_for(evaluated, timeout, "every rule group evaluated after that scrape")
 
     def targets_up(self) -> bool:
         answer = httpx.get(self.url + "/api/v1/targets", timeout=10).json()
