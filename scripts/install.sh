@@ -83,7 +83,10 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-# A regular install, as users get it: the tests run against the installed package.
+# A regular install, as users get it: the tests run against the installed package. The
+# build folder goes first: setuptools reuses it, and a module moved or deleted since would
+# still be installed.
+rm -rf build ./*.egg-info
 .venv/bin/python -m pip install -q --force-reinstall --no-deps .
 if [ "$test" = 1 ]; then
   .venv/bin/python -m pip install -q ".[engine,test]"

@@ -17,5 +17,8 @@ if [ "$fast" = 1 ]; then
 else
   scripts/install.sh --test
 fi
+# Lint and types first: a minute, and a red one says more than a test that trips on it.
+.venv/bin/ruff check --quiet .
+scripts/typecheck.sh
 # pytest's own script, not `python -m`: the repository root stays off sys.path.
 exec .venv/bin/pytest -q "${pytest_args[@]}"

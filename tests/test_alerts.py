@@ -21,7 +21,6 @@ from ac_observe.daemon.alerting.state import FIRING, PENDING
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
 from ac_observe.daemon.store import deliveries
-
 from support.receivers import SECRET, WebhookReceiver
 from support.servers import AC_OBSERVE, EngineServer, wait_for
 
@@ -392,6 +391,7 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
         receiver.down()
 
 
+@pytest.mark.slow
 def test_fault_injection_is_off_unless_asked_for(engine_server):
     answer = httpx.post(engine_server.url + "/admin/faults", json={"step_delay_ms": 5})
     assert answer.status_code == 404 and "--fault-injection" in answer.text
@@ -443,6 +443,7 @@ def test_collector_down_rule_fires_on_the_daemons_own_health(tmp_path):
     daemon.close()
 
 
+@pytest.mark.slow
 def test_fault_injection_takes_json_from_this_host_only_with_its_token(tmp_path):
     (tmp_path / "t").mkdir()
     refused = subprocess.run([AC_OBSERVE, "engine", "--fault-injection", "--telemetry-dir",
@@ -482,6 +483,7 @@ def test_fault_injection_takes_json_from_this_host_only_with_its_token(tmp_path)
     assert not _loopback("") and not _loopback("testclient")
 
 
+@pytest.mark.slow
 def test_an_engine_whose_heartbeat_stopped_is_down_and_fires_until_it_returns(tmp_path):
     """ac_engine_up from the heartbeat: 1, then 0 once stale, still 0 after the engine's
     series are gone (grace over), and an EngineGone-style rule fires on it."""
@@ -590,8 +592,8 @@ def test_a_firing_alert_whose_series_is_gone_resolves_after_an_hour_without_data
             t += 30
         [alert] = [a for a in daemon.alerts.active() if a["rule"] == "KvUsageHigh"]
         assert alert["state"] == FIRING and alert["no_data"]  # no data changes nothing...
-        for t in range(t, t + 90, 30):
-            daemon.run_cycle(now=t0 + t)
+        for later in range(t, t + 90, 30):
+            daemon.run_cycle(now=t0 + later)
         assert [a for a in daemon.alerts.active() if a["rule"] == "KvUsageHigh"] == []
         [gone] = [json.loads(r["body"])["alerts"][0] for r in _outbox(daemon)
                   if r["kind"] == "resolved"]
@@ -601,6 +603,7 @@ def test_a_firing_alert_whose_series_is_gone_resolves_after_an_hour_without_data
         daemon.close()
 
 
+@pytest.mark.slow
 def test_a_slow_rule_never_delays_a_collection_cycle(tmp_path):
     """Started, the daemon evaluates rules on their own thread: while a rule's reads take
     long (days of history from a slow store), cycles go on at their interval and the scrape

@@ -1,7 +1,8 @@
 """The benchmarks do not rot: `bench/run.py --quick` runs rows 1 (instrumentation
 overhead, alternating engine processes, the profile), 5 (prefix caching), 6 (latency
-isolation over HTTP) and 7 (what TTFT leaves out of a client's wait) end to end and prints the table with each aim's status. (Their figures are for docs/benchmarks.md, from a
-full run; a test never times anything.)"""
+isolation over HTTP) and 7 (what TTFT leaves out of a client's wait) end to end and prints
+the table with each aim's status. (Their figures are for docs/benchmarks.md, from a full
+run; a test never times anything.)"""
 from __future__ import annotations
 
 import subprocess

@@ -7,11 +7,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from support.servers import free_port, run_cli
 
 EXIT_CODES = ("0  ok", "1  the daemon answered no", "2  usage", "3  the daemon cannot be reached")
 
 
+@pytest.mark.slow
 def test_each_exit_code_against_a_live_daemon_and_a_closed_port(start_daemon):
     daemon = start_daemon(None, "--collectors", "engine", env={"AC_OBSERVE_TOKEN": "right"})
     query = ("--metric", "kv_cache_hit_rate", "--window", "60s")

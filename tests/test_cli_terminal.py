@@ -94,8 +94,8 @@ def test_tables_fit_with_complete_numbers_and_whole_labels(live, columns):
     for metric in HEADLINE:
         tmux = Tmux(f"{AC_OBSERVE} --daemon {live.url} --metric {metric} --window 5m", columns)
         try:
-            screen = wait_for(lambda: (s := tmux.screen()) and "over 300s" in s and
-                              ("stream=" in s or "all" in s) and s, 20, metric)
+            screen = wait_for(lambda tmux=tmux: (s := tmux.screen()) and "over 300s" in s
+                              and ("stream=" in s or "all" in s) and s, 20, metric)
         finally:
             tmux.close()
         assert "…" not in screen, screen
@@ -126,8 +126,8 @@ def test_piped_output_is_plain_and_no_color_is_respected(live):
         tmux = Tmux(f"{AC_OBSERVE} --daemon {live.url} --metric kv_cache_hit_rate "
                     "--window 5m", 100, env={"NO_COLOR": no_color} if no_color else {})
         try:
-            screen = wait_for(lambda: (s := tmux.screen(escapes=True)) and "over 300s" in s
-                              and "%" in s and s, 20, "the table")
+            screen = wait_for(lambda tmux=tmux: (s := tmux.screen(escapes=True))
+                              and "over 300s" in s and "%" in s and s, 20, "the table")
         finally:
             tmux.close()
         codes = [c for sgr in re.findall(r"\x1b\[([0-9;]*)m", screen) for c in sgr.split(";")]
@@ -320,7 +320,7 @@ def test_top_under_demo_load_shows_exactly_the_json_answers_of_its_cycle(start_d
             assert list(LANE_COLUMNS) in rows, screen  # whole headers at 80 columns
             for (engine_name, _), cells in lanes.items():  # in the table of its engine
                 assert rows.index(cells) > rows.index([f"lanes of {engine_name}"]), screen
-            for key, cells in engines.items():
+            for cells in engines.values():
                 assert cells in rows, (cells, screen)
             shown.append((cycle, sorted(map(tuple, lanes.values()))))
             time.sleep(1.5)
@@ -338,6 +338,7 @@ def test_top_keeps_headers_numbers_and_names_whole(columns):
     the lanes split into a latency and a load table: every header and number stays whole
     (a long name may wrap)."""
     from rich.console import Console
+
     from ac_observe.daemon.cli.top import render
     name = "prod-engine-with-a-long-name-7"
     key = (name, "low_latency")
@@ -394,6 +395,7 @@ def test_every_figure_of_a_top_screen_is_asked_at_the_same_cycle(monkeypatch):
 
 def test_top_lists_the_alerts_pending_or_firing_in_their_metrics_units():
     from rich.console import Console
+
     from ac_observe.daemon.cli.top import _alerts
     body = {"rules": 3, "alerts": [
         {"rule": "TtftDrift", "state": "firing", "no_data": False, "value": 12_300_000.0,
@@ -524,6 +526,7 @@ def test_every_help_names_every_option_whole_at_80_columns():
     at 80 columns, in every command (rich's panels cut them to '--gpu-memory-utiliz…')."""
     import typer
     from typer.testing import CliRunner
+
     from ac_observe.daemon.cli import app
     root = typer.main.get_command(app)
 

@@ -27,7 +27,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import httpx

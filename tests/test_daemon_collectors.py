@@ -15,7 +15,6 @@ from support.servers import sample_value
 from support.standins import build_nvml
 
 
-
 class Ticker(Collector):
     name = "ticker"
 
@@ -163,6 +162,7 @@ def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tm
     started since, or started just before the last look and was unseen by it (its
     engine.json came after)."""
     from types import SimpleNamespace
+
     from ac_observe.collectors.engine import EngineCollector, EngineState
     collector = EngineCollector(SimpleNamespace(telemetry_root=tmp_path, engine_stale_seconds=10,
                                                 engine_grace_seconds=60))
@@ -201,6 +201,7 @@ def test_an_engine_that_carries_on_an_earlier_processes_counts_has_a_past(tmp_pa
     import subprocess
     import sys
     from types import SimpleNamespace
+
     from ac_observe.collectors.engine import EngineCollector
     from ac_observe.engine.telemetry import TelemetryWriter
     from ac_observe.metrics import REQUESTS
@@ -481,8 +482,7 @@ def test_a_skipped_entry_adds_to_no_series_and_missing_buckets_stay_zero(tmp_pat
     from ac_observe import metrics as m
     from ac_observe.collectors.engine import EngineCollector
     from ac_observe.engine.telemetry import TelemetryWriter
-    from ac_observe.telemetry_format import (ValueFile, db_file_name, open_dir_nofollow,
-                                             sample_key)
+    from ac_observe.telemetry_format import ValueFile, db_file_name, open_dir_nofollow, sample_key
     writer = TelemetryWriter(tmp_path / "e", {"started_at": time.time()}, engine="e",
                              model="m", heartbeat_seconds=60)
     family = m.INFERENCE_LATENCY.family

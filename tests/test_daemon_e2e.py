@@ -136,7 +136,8 @@ def test_off_loopback_needs_a_token_and_the_token_guards_the_api(tmp_path):
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _healthy(url), 20, "daemon")
         assert httpx.get(url + "/metrics").status_code == 401
-        assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert httpx.get(url + "/metrics",
+                         headers={"Authorization": "Bearer nope"}).status_code == 401
         assert httpx.get(url + "/metrics",
                          headers={"Authorization": "Bearer s3cret"}).status_code == 200
     finally:
@@ -245,6 +246,7 @@ def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
     assert json.loads(status.stdout)["collectors"][0]["name"] == "engine"
 
 
+@pytest.mark.slow
 def test_watch_keeps_answering_until_interrupted(start_daemon):
     daemon = start_daemon(None, "--collectors", "engine")
     proc = start_process([AC_OBSERVE, "--daemon", daemon.url,

@@ -8,7 +8,6 @@ import pytest
 
 from ac_observe.daemon.query import QueryEngine, bucket_quantile, parse_duration, parse_labels
 from ac_observe.daemon.windows import Windows
-
 from support.servers import wait_for
 
 LABELS = (("engine", "e"), ("model", "m"), ("stream", "throughput"))
@@ -33,7 +32,8 @@ def test_histogram_answer_uses_only_observations_inside_the_window():
     windows.append(0.0, _hist_samples({0.01: 0, 0.02: 0, 0.04: 0, 1.0: 1000, math.inf: 0}, 900.0))
     windows.append(50.0, _hist_samples({0.01: 0, 0.02: 0, 0.04: 0, 1.0: 1000, math.inf: 0}, 900.0))
     windows.append(51.0, _hist_samples({0.01: 0, 0.02: 10, 0.04: 0, 1.0: 1000, math.inf: 0}, 900.1))
-    windows.append(52.0, _hist_samples({0.01: 0, 0.02: 10, 0.04: 10, 1.0: 1000, math.inf: 0}, 900.4))
+    windows.append(52.0, _hist_samples({0.01: 0, 0.02: 10, 0.04: 10, 1.0: 1000, math.inf: 0},
+                                       900.4))
     result = engine.query("inference_latency_ns", 5.0, {}, now=52.5)
     (series,) = result["series"]
     assert series["samples"] == 20
@@ -186,7 +186,8 @@ def test_hit_rate_is_the_ratio_of_increases_not_a_mean_of_ratios():
     assert (series["min"], series["max"], series["last"]) == (0.0, 100.0, 0.0)
 
 
-def test_queries_during_cycles_read_one_consistent_state(tmp_path):
+@pytest.mark.slow
+def test_queries_during_cycles_read_one_consistent_state(tmp_path):  # noqa: C901 - threads and checks together
     """Cycles append while four threads query, until the ring has wrapped 20 times: every
     answer equals the serial one (hit rate 60 %, rate 7/s at every interval), never an error
     or a point out of order."""

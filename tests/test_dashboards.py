@@ -20,11 +20,11 @@ import pytest
 import yaml
 
 from ac_observe import metrics as m
+from ac_observe.daemon.alerting.rules import default_rules
 from ac_observe.dashboards import generate, grafana, promql
-from ac_observe.daemon.alerting.rules import default_rules, parse_rules
 from support.grafana import Grafana
 from support.receivers import SECRET, WebhookReceiver
-from support.servers import AC_OBSERVE, DaemonProcess, EngineServer, run_cli, wait_for
+from support.servers import DaemonProcess, EngineServer, run_cli, wait_for
 from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of, finite
 
 BOARDS = sorted((SHIPPED / "grafana" / "dashboards").glob("*.json"))

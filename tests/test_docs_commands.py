@@ -6,7 +6,7 @@ that exists.
 A command is a line of a bash block that starts with `ac-observe `, or a line of either
 kind of block that starts with `$ ac-observe ` (a console block's other lines are its
 output). It runs in bash from a folder that stands in for the repository's root (a copy of
-its dashboards/ and deploy/, an alerting file `alerts.yaml` whose receiver answers, a
+its dashboards/, an alerting file `alerts.yaml` whose receiver answers, a
 request body `request.json`), with AC_OBSERVE_URL pointing at the daemon, and must exit 0
 within 60 s, or the code its trailing comment names (`# exit 1: ...`). Commands that run
 until stopped (`up`, `daemon`, `engine`, `top`, `gateway`, `--watch`) are left out, and so
@@ -181,9 +181,7 @@ class _AcceptingReceiver(BaseHTTPRequestHandler):
 def _stand_in_root(folder: Path, receiver_url: str) -> dict[str, str]:
     """The repository's files the commands read, and the files the docs name; returns the
     files a command may overwrite, to be put back before the next one."""
-    for part in ("dashboards", "deploy"):
-        if (REPO / part).is_dir():
-            shutil.copytree(REPO / part, folder / part)
+    shutil.copytree(REPO / "dashboards", folder / "dashboards")
     return {
         "alerts.yaml": f"rules: defaults\nreceivers:\n  - name: ops\n    url: {receiver_url}\n",
         "request.json": json.dumps({

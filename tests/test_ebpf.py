@@ -19,6 +19,7 @@ from support.servers import sample_value, wait_for
 from support.standins import Pattern, build_cuda
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="eBPF needs root")
+pytestmark = pytest.mark.slow  # bcc compiles its probes (seconds) for each daemon started
 STREAMS = {"0x1000": 1, "0x2000": 2, "0x3000": 3}  # handle -> iterations per round unit
 
 
@@ -119,6 +120,7 @@ def test_without_bpf_capabilities_it_is_down_with_the_reason(tmp_path, cuda_stan
     """Root with every capability dropped, and an unprivileged user (uid 65534), both by
     setpriv: the collector says why it is down and the daemon carries on with the others."""
     import tempfile
+
     from support.servers import AC_OBSERVE, free_port
     port = free_port()
     # Where uid 65534 can reach: a telemetry root of root's it can read, a state dir its own.

@@ -85,6 +85,7 @@ def test_anthropic_stream_event_sequence_and_final_trace(engine_server):
     assert delta["usage"]["output_tokens"] == 12 or delta["delta"]["stop_reason"] == "end_turn"
 
 
+@pytest.mark.slow
 def test_stop_sequence_is_reported_and_cut(engine_server):
     client = _anthropic(engine_server)
     # The random model writes mostly bytes that are not text: take the first prompt whose
@@ -175,6 +176,7 @@ def test_openai_route_names_the_field_and_the_content_type(engine_server):
     ).status_code == 200
 
 
+@pytest.mark.slow
 def test_both_sdks_retrieve_the_served_model_and_only_it(engine_server, start_engine):
     assert _openai(engine_server).models.retrieve("tiny").id == "tiny"
     assert _anthropic(engine_server).models.retrieve("tiny").id == "tiny"
@@ -232,6 +234,7 @@ def test_unknown_route_is_404_in_anthropic_shape(engine_server):
     assert response.status_code == 404 and response.json()["type"] == "error"
 
 
+@pytest.mark.slow
 def test_request_that_can_never_fit_the_pool_is_a_400_no_sdk_retries(start_engine):
     """The pool's size makes it permanent: a 400 naming max_tokens, which the SDKs do not
     retry (they retry a 529 twice, with backoff, for a request that can never succeed)."""
@@ -302,6 +305,7 @@ def test_64_streaming_clients_disconnecting_free_every_block_and_overflow_gets_4
         model="tiny", max_tokens=4, messages=[{"role": "user", "content": "ok?"}]).id
 
 
+@pytest.mark.slow
 def test_a_non_streaming_client_that_gives_up_aborts_its_request(start_engine):
     """Both APIs: a client that stops waiting for a long non-streaming answer has its
     request aborted (blocks freed, counted aborted, never ok) while tokens still flow,
@@ -321,6 +325,7 @@ def test_a_non_streaming_client_that_gives_up_aborts_its_request(start_engine):
     assert _value(families, "ac_requests", "ac_requests_total", status="ok") == 0
 
 
+@pytest.mark.slow
 def test_trace_header_ttft_is_the_one_in_telemetry(start_engine):
     from support.telemetry import family_value as _value
     from support.telemetry import read_with_multiprocess_collector as _read_in_other_process
@@ -340,6 +345,7 @@ def test_trace_header_ttft_is_the_one_in_telemetry(start_engine):
                       stream="low_latency") - queue_seconds) < 1e-6
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error(engine_server, tmp_path):
     import re
     import subprocess
@@ -359,6 +365,7 @@ def test_schemathesis_finds_no_server_error(engine_server, tmp_path):
     assert engine_server.proc.poll() is None
 
 
+@pytest.mark.slow
 def test_health_is_unhealthy_until_the_model_is_ready(tmp_path):
     import threading
 
@@ -415,6 +422,7 @@ def _ready_service(tmp_path):
     return service, url, stop
 
 
+@pytest.mark.slow
 def test_a_failing_model_step_is_a_500_without_internals_and_the_server_lives_on(tmp_path):
     service, url, stop = _ready_service(tmp_path)
     try:
@@ -444,6 +452,7 @@ def test_a_failing_model_step_is_a_500_without_internals_and_the_server_lives_on
         stop()
 
 
+@pytest.mark.slow
 def test_seed_out_of_range_is_a_400_and_a_failing_sampler_fails_only_its_request(tmp_path):
     import threading
 

@@ -7,12 +7,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ac_observe.engine.config import ModelConfig
-from ac_observe.engine.loader import build_model
-from ac_observe.engine.config import EngineConfig
+from ac_observe.engine.config import EngineConfig, ModelConfig
 from ac_observe.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_block_counts
-from ac_observe.engine.model_runner import (activation_bytes, decode_step_bytes,
-                                           gpu_kv_pool_bytes, kv_pool_bytes_from_free)
+from ac_observe.engine.loader import build_model
+from ac_observe.engine.model_runner import (
+    activation_bytes,
+    decode_step_bytes,
+    gpu_kv_pool_bytes,
+    kv_pool_bytes_from_free,
+)
 from support.checkpoints import write_hf_checkpoint
 
 

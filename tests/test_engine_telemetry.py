@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import random
 
-from ac_observe.metrics import COUNTER, ENGINE_METRICS
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.llm_engine import Engine, QueueFullError, SamplingParams
+from ac_observe.metrics import COUNTER, ENGINE_METRICS
 from support.telemetry import family_value as _value
 from support.telemetry import read_with_multiprocess_collector as _read_in_other_process
 

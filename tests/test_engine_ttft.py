@@ -131,6 +131,7 @@ def test_the_head_and_the_first_tokens_text_are_written_before_anything_else_wai
     disconnect listener first and the writer after it), then the rest through Starlette,
     and closes the body (its `finally` aborts the request) whatever ended it."""
     import asyncio
+
     from ac_observe.engine.server import EventStreamResponse
 
     async def run(response_class, disconnect_after_first: bool):

@@ -23,9 +23,13 @@ from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.history import HistoryWriter, MinuteAggregator
 from ac_observe.daemon.query import bucket_quantile
 from ac_observe.daemon.service import Daemon
-from ac_observe.daemon.store import (Store, alert_transitions, deliveries, history_minutes,
-                                     history_series)
-
+from ac_observe.daemon.store import (
+    Store,
+    alert_transitions,
+    deliveries,
+    history_minutes,
+    history_series,
+)
 from support.servers import AC_OBSERVE
 
 LAT = m.INFERENCE_LATENCY
@@ -234,6 +238,7 @@ def test_a_24h_window_from_history_equals_the_statistics_of_the_history(store, t
         daemon.close()
 
 
+@pytest.mark.slow
 def test_a_7d_window_reads_groups_of_minutes_and_its_sums_stay_exact(store, tmp_path):
     """A week is read as 7-minute groups folded by the database (1,440 points a series,
     not 10,080): every statistic made of sums (a histogram's count, quantiles, mean and
@@ -263,6 +268,7 @@ def test_a_7d_window_reads_groups_of_minutes_and_its_sums_stay_exact(store, tmp_
         daemon.close()
 
 
+@pytest.mark.slow
 def test_the_cli_answers_window_24h_from_the_daemons_history(tmp_path, start_daemon):
     """`ac-observe --metric ... --window 24h --json` against a running daemon whose store
     holds 23 hours that ended ten minutes ago."""
@@ -353,6 +359,7 @@ def _drift(daemon: Daemon, synth: Synth) -> None:
 
 
 @pytest.mark.parametrize("with_history", [True, False])
+@pytest.mark.slow
 def test_same_hour_yesterday_compares_against_that_hour(tmp_path, with_history):
     state = tmp_path / "state"
     store = Store(None, state)
@@ -383,6 +390,7 @@ def test_same_hour_yesterday_compares_against_that_hour(tmp_path, with_history):
         daemon.close()
 
 
+@pytest.mark.slow
 def test_same_hour_yesterday_is_taken_per_series(tmp_path):
     """e1 ran all of yesterday's hour; e2 only its last 15 minutes (25 % < 75 %): e1 is
     compared with that hour, e2 with its trailing hour, each alert saying which (the

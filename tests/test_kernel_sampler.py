@@ -21,7 +21,6 @@ from ac_observe.daemon.service import Daemon
 from ac_observe.engine import kernel_sampler as ks
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.llm_engine import Engine, SamplingParams
-
 from support.kernel_reference import classes_from_function_events
 from support.kernel_reference import inclusive_us as _inclusive_us
 from support.telemetry import family_value, read_with_multiprocess_collector

@@ -20,7 +20,6 @@ from ac_observe.engine.evicted_hashes import EvictedHashes
 from ac_observe.engine.llm_engine import Engine, SamplingParams
 from ac_observe.engine.sequence import Sequence
 from ac_observe.engine.skeleton import skeleton_of_text
-
 from support.telemetry import read_as_daemon, sample_value
 
 BLOCK = 16

@@ -127,6 +127,7 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.mark.slow
 def test_installs_beside_python_daemon_wheel_and_editable(tmp_path, wheel):
     top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert top == {"ac_observe", f"ac_observe-{ac_observe.__version__}.dist-info"}

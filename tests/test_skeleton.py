@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 import time
 
-from ac_observe.engine.skeleton import MAX_DEPTH, skeleton_of_request, skeleton_of_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from ac_observe.engine.skeleton import MAX_DEPTH, skeleton_of_request, skeleton_of_text
 from support.servers import run_cli
 
 PROMPT = """# Task

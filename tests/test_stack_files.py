@@ -74,7 +74,8 @@ def test_kubernetes_manifests_validate_for_their_version(tmp_path):
     manifests = sorted((REPO / "dashboards" / "kubernetes").glob("*.yaml"))
     assert KUBERNETES_VERSION.rsplit(".", 1)[0] in \
         (REPO / "dashboards" / "kubernetes" / "README.md").read_text()
-    out = subprocess.run([str(Path(sys.executable).with_name("kubernetes-validate")), "-k", KUBERNETES_VERSION, "--strict",
+    validate = str(Path(sys.executable).with_name("kubernetes-validate"))
+    out = subprocess.run([validate, "-k", KUBERNETES_VERSION, "--strict",
                           *map(str, manifests)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     kinds = {}

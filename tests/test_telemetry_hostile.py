@@ -17,8 +17,13 @@ import pytest
 
 from ac_observe import metrics as m
 from ac_observe.engine.telemetry import TelemetryWriter
-from ac_observe.telemetry_format import (UnsafeDirectory, ValueFile, db_file_name,
-                                         open_dir_nofollow, sample_key)
+from ac_observe.telemetry_format import (
+    UnsafeDirectory,
+    ValueFile,
+    db_file_name,
+    open_dir_nofollow,
+    sample_key,
+)
 from support.servers import EngineServer, sample_value, wait_for
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
@@ -101,6 +106,7 @@ def test_engine_refuses_a_directory_holding_other_files(tmp_path):
     assert (project / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_one_engine_per_directory_and_the_daemon_never_removes_a_held_one(tmp_path):
     from types import SimpleNamespace
 
@@ -125,6 +131,7 @@ def test_one_engine_per_directory_and_the_daemon_never_removes_a_held_one(tmp_pa
     assert not (tmp_path / "root" / "e1").exists()
 
 
+@pytest.mark.slow
 def test_a_users_file_survives_the_engines_death_and_the_grace(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--collectors", "engine", "--interval", "0.5s",
@@ -223,6 +230,7 @@ def _rss_kib(pid: int, field: str) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
+@pytest.mark.slow
 def test_a_bad_engine_directory_is_that_engines_problem_alone(start_daemon, tmp_path):
     root = tmp_path / "telemetry"
     daemon = start_daemon(root, "--collectors", "engine", "--interval", "0.5s",

@@ -12,15 +12,14 @@ import textwrap
 import time
 
 import pytest
-from standardwebhooks.webhooks import Webhook
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Store
 from ac_observe.daemon.alerting.alert import fingerprint
 from ac_observe.daemon.alerting.file import load_alerting
 from ac_observe.daemon.alerting.outbox import Backoff, WebhookSender, retry_after
 from ac_observe.daemon.alerting.receivers import Receiver
 from ac_observe.daemon.alerting.rules import AlertConfigError
-
+from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING
 from support.grafana import Grafana
 from support.processes import start_process
 from support.receivers import SECRET, WebhookReceiver
@@ -69,7 +68,7 @@ def test_a_test_delivery_is_an_alertmanager_v4_body_signed_per_standard_webhooks
     assert payload["commonLabels"] == alert["labels"]
     assert store.delivery(delivery_id)["state"] == DELIVERED
     assert sender.outcomes["ops", "delivered"] == 1
-    with pytest.raises(Exception):  # another secret does not verify it
+    with pytest.raises(WebhookVerificationError):  # another secret does not verify it
         Webhook("whsec_" + "A" * 40).verify(body, headers)
 
 

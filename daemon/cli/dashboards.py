@@ -17,8 +17,8 @@ app.add_typer(dashboards_app, name="dashboards")
 
 @dashboards_app.command("generate")
 def dashboards_generate(
-    out: Path = typer.Option(Path("."), "--root", help="The repository's root (dashboards/ "
-                             "and deploy/kubernetes/ are written under it)."),
+    out: Path = typer.Option(Path("."), "--root", help="The repository's root (the files are "
+                             "written under its dashboards/)."),
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 if any "
                                "generated file is missing or differs."),
 ) -> None:

@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 
 
 class Grafana:
-    def __init__(self, token: str | None):
+    def __init__(self, token: str | None):  # noqa: C901 - the stand-in's routes, one a branch
         owner, self.token = self, token
         self.folders: dict[str, str] = {}
         self.dashboards: list[dict] = []

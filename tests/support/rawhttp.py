@@ -22,7 +22,7 @@ class RawStreamClient:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "RawStreamClient":
+    def __enter__(self) -> RawStreamClient:
         return self
 
     def __exit__(self, *exc) -> None:

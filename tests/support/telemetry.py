@@ -15,7 +15,8 @@ MultiProcessCollector(registry, path=sys.argv[1])
 text = generate_latest(registry).decode()
 families = {}
 for fam in text_string_to_metric_families(text):
-    families[fam.name] = {"type": fam.type, "samples": [[s.name, s.labels, s.value] for s in fam.samples]}
+    families[fam.name] = {"type": fam.type,
+                          "samples": [[s.name, s.labels, s.value] for s in fam.samples]}
 print(json.dumps(families))
 """
 
