@@ -145,7 +145,7 @@ def test_a_users_file_survives_the_engines_death_and_the_grace(start_daemon, tmp
     wait_for(lambda: sorted(p.name for p in (root / "e1").iterdir()) == ["keep-me.txt"], 20,
              "the dead engine's files to go, and nothing else")
     assert (root / "e1" / "keep-me.txt").read_text() == "a user's file"
-    time.sleep(1.5)  # further cycles leave it alone too
+    daemon.wait_cycles(3)  # further cycles leave it alone too
     assert (root / "e1" / "keep-me.txt").exists()
     assert httpx.get(daemon.url + "/healthz").status_code == 200
 
