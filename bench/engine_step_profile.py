@@ -41,7 +41,7 @@ def main() -> None:
     for _ in range(8):
         for mode in timings:
             engine.runner.workspaces = workspaces if mode != "workspace off" else {}
-            for proj, weight in zip(projections, packed):
+            for proj, weight in zip(projections, packed, strict=False):
                 proj.packed = None if mode.endswith("not packed") else weight
             for workspace in workspaces.values():
                 workspace.clear()
@@ -51,7 +51,7 @@ def main() -> None:
                 engine.step()
             timings[mode].append((time.perf_counter() - start) / args.steps * 1e3)
     engine.runner.workspaces = workspaces
-    for proj, weight in zip(projections, packed):
+    for proj, weight in zip(projections, packed, strict=False):
         proj.packed = weight
     context = args.context + args.warmup + 24 * (args.steps + 1)
     for mode, values in timings.items():

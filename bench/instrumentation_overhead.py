@@ -91,7 +91,7 @@ def blocks(batches: list[int], new_tokens: int, count: int) -> dict:
                 for name, engine in order:
                     rate = _run(engine, batch, new_tokens, 20_000 * batch + 100 * (b + 1))
                     seconds[name].append(batch * new_tokens / rate)
-            pairs = sorted(a / b - 1 for a, b in zip(seconds["on"], seconds["off"]))
+            pairs = sorted(a / b - 1 for a, b in zip(seconds["on"], seconds["off"], strict=False))
             out[str(batch)] = {"overhead": sum(seconds["on"]) / sum(seconds["off"]) - 1,
                                "overhead_p10": pairs[len(pairs) // 10],
                                "overhead_p90": pairs[(len(pairs) * 9) // 10],
@@ -244,7 +244,7 @@ def main() -> None:
     for batch in batches:
         on = [r[str(batch)] for r in runs["on"]]
         off = [r[str(batch)] for r in runs["off"]]
-        overheads = sorted(o_off / o_on - 1 for o_on, o_off in zip(on, off))
+        overheads = sorted(o_off / o_on - 1 for o_on, o_off in zip(on, off, strict=False))
         row = {"on_tokens_per_s": statistics.median(on),
                "off_tokens_per_s": statistics.median(off),
                "overhead": statistics.median(overheads),

@@ -50,7 +50,7 @@ def measure(rounds: int, system_tokens: int, device: str) -> dict:
                     seconds, cached = ttft(shared, 2 * r + 3)
                     assert cached >= system_tokens // block * block, cached
                     warm.append(seconds)
-    ratios = sorted(c / w for c, w in zip(cold, warm))
+    ratios = sorted(c / w for c, w in zip(cold, warm, strict=False))
     return {"rounds": rounds, "system_tokens": system_tokens,
             "cold_ttft_ms": statistics.median(cold) * 1e3,
             "warm_ttft_ms": statistics.median(warm) * 1e3,

@@ -231,10 +231,10 @@ def main() -> None:
     widths = [max(len(line[i]) for line in table + [("row", "figure", "aim", "status")])
               for i in range(4)]
     header = ("row", "figure", "aim", "status")
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for line in table:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)) + " |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

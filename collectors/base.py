@@ -3,7 +3,8 @@
 A collector yields freshly built metric families on every `collect()` call, so a source
 that vanished takes its series with it. It signals "cannot run here" by raising
 `CollectorUnavailable` with a reason a user can act on; any other exception is an error.
-Families are built from the metric contract (`new_family`), never declared by hand.
+Families are built from the metric contract (`new_counter`, `new_gauge`, `new_histogram`:
+each refuses a spec of another type), never declared by hand.
 """
 from __future__ import annotations
 

@@ -248,7 +248,7 @@ class EbpfCollector(Collector):
         family = new_histogram(spec)
         for (pid, kind), per in sorted(counts.items()):
             cumulative, running = [], 0
-            for bound, count in zip([*spec.buckets, float("inf")], per):
+            for bound, count in zip([*spec.buckets, float("inf")], per, strict=False):
                 running += count
                 cumulative.append((_le(bound), running))
             family.add_metric([str(pid), self.targets[pid].comm, *extra(kind)], cumulative,

@@ -349,6 +349,13 @@ class Friendly:
     def families(self) -> tuple[MetricSpec, ...]:
         return (self.source,) + ((self.denominator,) if self.denominator else ())
 
+    def sample_names(self) -> set[str]:
+        """The sample names an answer for this name reads (a histogram's bucket, sum and
+        count; a counter's or gauge's own)."""
+        if self.kind == HISTOGRAM_KIND:
+            return {self.source.family + suffix for suffix in ("_bucket", "_sum", "_count")}
+        return {spec.name for spec in self.families()}
+
     def statistic_unit(self, statistic: str) -> str:
         """The unit a statistic of this name is in: a share is a percentage, a histogram's
         rate observations per second, anything else the name's own unit."""

@@ -185,9 +185,11 @@ class ValueFile:
         return at
 
     def close(self) -> None:
-        if not self._map.closed:
+        if not self._map.closed:  # (closed already when a grow failed to map the file)
             self._map.close()
+        if self._fd >= 0:
             os.close(self._fd)
+            self._fd = -1
 
 
 # ----- engine.json ---------------------------------------------------------------------------

@@ -58,10 +58,9 @@ Row = list  # [n, total, min, max, last]; min/max/last are None for a counter
 
 def sample_kinds() -> dict[str, str]:
     """Every sample name a friendly name reads -> counter or gauge."""
-    from ac_observe.daemon.query import samples_read
     kinds = {}
     for friendly in FRIENDLY.values():
-        for name in samples_read(friendly):
+        for name in friendly.sample_names():
             kinds[name] = GAUGE if friendly.kind == "gauge" else COUNTER
     return kinds
 
@@ -165,7 +164,7 @@ class MinuteAggregator:
         for a, kind, n, total, low, high, last in zip(
                 at.tolist(), self._kind[at].tolist(), self._n[at].tolist(),
                 self._total[at].tolist(), self._min[at].tolist(), self._max[at].tolist(),
-                self._last[at].tolist()):
+                self._last[at].tolist(), strict=False):
             rows[key_of[a]] = [n, total, None, None, None] if kind == _COUNTER else \
                 [n, total, low, high, last]
         return rows

@@ -21,8 +21,9 @@ from urllib.parse import parse_qs
 
 from ac_observe.auth import bearer_token
 from ac_observe.daemon.http_server import HttpServer, Request, Response
-from ac_observe.daemon.query import describe_friendly, parse_duration, parse_instant, parse_labels
+from ac_observe.daemon.query import describe_friendly, parse_labels
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
+from ac_observe.durations import parse_duration, parse_instant
 from ac_observe.metrics import FRIENDLY
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -10,47 +10,10 @@ from __future__ import annotations
 import math
 import re
 import time
-from datetime import datetime
 
 from ac_observe.daemon.history import HistoryView
 from ac_observe.daemon.windows import Windows, WindowView
 from ac_observe.metrics import FRIENDLY, Friendly
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-MAX_DURATION_SECONDS = 366 * 86400.0
-_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def parse_duration(text: str) -> float:
-    match = _DURATION.match(text or "")
-    if not match:
-        raise ValueError(f"bad duration {text!r}: use e.g. 30s, 5m, 1h")
-    seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    if not 0 < seconds <= MAX_DURATION_SECONDS:
-        raise ValueError(f"bad duration {text[:40]!r}: it must be positive and at most 366d")
-    return seconds
-
-
-def parse_instant(text: str | None, now: float | None = None) -> float | None:
-    """An instant: unix seconds or an ISO 8601 time (local time when it names no zone);
-    None for none. Never in the future: a window that ends later than now is a mistake."""
-    text = (text or "").strip()
-    if not text:
-        return None
-    try:
-        instant = float(text)
-    except ValueError:
-        iso = text[:-1] + "+00:00" if text[-1:] in ("Z", "z") else text  # 3.10 lacks Z
-        try:
-            instant = datetime.fromisoformat(iso).timestamp()
-        except ValueError:
-            raise ValueError(f"bad time {text[:40]!r}: use unix seconds or ISO 8601, "
-                             f"e.g. 2026-12-01T14:03:00") from None
-    now = time.time() if now is None else now
-    if not 0 < instant <= now + 1.0:
-        raise ValueError(f"bad time {text[:40]!r}: it must be in the past")
-    return instant
-
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -99,7 +62,7 @@ def summarize(values: list[float], mean: float | None = None) -> dict:
 
 def increase(points: list[tuple[float, float]]) -> float:
     total = 0.0
-    for (_, before), (_, after) in zip(points, points[1:]):
+    for (_, before), (_, after) in zip(points, points[1:], strict=False):
         total += after - before if after >= before else after
     return total
 
@@ -146,13 +109,6 @@ def share_below(bound: float, buckets: list[tuple[float, float]], whole: bool = 
     return previous_count / total
 
 
-def samples_read(friendly: Friendly) -> set[str]:
-    """The sample names a friendly name's answer reads."""
-    if friendly.kind == "histogram":
-        return {friendly.source.family + suffix for suffix in ("_bucket", "_sum", "_count")}
-    return {spec.name for spec in friendly.families()}
-
-
 def _series_coverage(series: list[dict], key_coverage: dict) -> None:
     """Each answered series' own coverage: the share of the span's points (minutes, or
     groups of them) in which the series it is made of (its buckets, the label sets it
@@ -176,7 +132,7 @@ class QueryEngine:
     def query(self, name: str, window_seconds: float, label_filter: dict[str, str],
               now: float) -> dict:
         friendly = _friendly(name)
-        view = self.windows.view(samples_read(friendly), now - window_seconds, now)
+        view = self.windows.view(friendly.sample_names(), now - window_seconds, now)
         return self.answer(view, friendly, window_seconds, now - window_seconds, label_filter)
 
     def answer(self, view: WindowView, friendly: Friendly, window_seconds: float,
@@ -264,12 +220,12 @@ class QueryEngine:
         for key in view.keys(friendly.source.name):
             points = self._points(view, key, since)
             rates = [(b - a if b >= a else b) / (tb - ta)
-                     for (ta, a), (tb, b) in zip(points, points[1:]) if tb > ta]
+                     for (ta, a), (tb, b) in zip(points, points[1:], strict=False) if tb > ta]
             if rates:
                 span = points[-1][0] - points[0][0]
                 mean = increase(points) / span if span > 0 else None
                 events = [(tb, b - a if b >= a else b, tb - ta)
-                          for (ta, a), (tb, b) in zip(points, points[1:]) if tb > ta]
+                          for (ta, a), (tb, b) in zip(points, points[1:], strict=False) if tb > ta]
                 yield ({"labels": dict(key[1]), "_span": span,
                         **summarize([r * friendly.scale for r in rates],
                                     None if mean is None else mean * friendly.scale)}, events)
@@ -315,7 +271,7 @@ class QueryEngine:
             points = self._points(view, key, since)
             if points:
                 first, last = min(first, points[0][0]), max(last, points[-1][0])
-            for (_, before), (t, after) in zip(points, points[1:]):
+            for (_, before), (t, after) in zip(points, points[1:], strict=False):
                 total[t] = total.get(t, 0.0) + (after - before if after >= before else after)
         return total, max(0.0, last - first)
 
@@ -370,15 +326,15 @@ def trend(events, since: float, window_seconds: float, scale: float) -> list:
         slot = min(TREND_SLOTS - 1, int((t - since) / window_seconds * TREND_SLOTS))
         num[slot] += numerator
         den[slot] += denominator
-    return [scale * n / d if d > 0 else None for n, d in zip(num, den)]
+    return [scale * n / d if d > 0 else None for n, d in zip(num, den, strict=False)]
 
 
 def _interval_means(sum_points, count_points) -> list[tuple[float, float, float]]:
     """(time, Δsum, Δcount) of every interval in which a histogram had observations."""
     sums = dict(sum_points)
     pairs = [(t, sums[t], c) for t, c in count_points if t in sums]
-    return [(t1, s1 - s0, c1 - c0) for (_, s0, c0), (t1, s1, c1) in zip(pairs, pairs[1:])
-            if c1 > c0]
+    return [(t1, s1 - s0, c1 - c0)
+            for (_, s0, c0), (t1, s1, c1) in zip(pairs, pairs[1:], strict=False) if c1 > c0]
 
 
 def _friendly(name: str) -> Friendly:

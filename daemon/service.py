@@ -23,7 +23,7 @@ from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, build, new_counter, new_gauge
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.exposition import Renderer
-from ac_observe.daemon.query import QueryEngine, samples_read
+from ac_observe.daemon.query import QueryEngine
 from ac_observe.daemon.runner import CollectorRunner
 from ac_observe.daemon.windows import Frame, Windows
 
@@ -84,7 +84,7 @@ class ScrapePace:
         cycles = list(self._cycles)
         if len(cycles) < 3:
             return True
-        gap = min(b - a for a, b in zip(cycles, cycles[1:]))
+        gap = min(b - a for a, b in zip(cycles, cycles[1:], strict=False))
         return cycle - cycles[-1] >= gap - 1
 
 
@@ -393,7 +393,7 @@ class Daemon:
         friendly = m.FRIENDLY[metric]
         until = time.time() if now is None else now
         since = until - window_seconds
-        names = samples_read(friendly)
+        names = friendly.sample_names()
         if self.history is not None and source != "windows" and (
                 source == "history" or window_seconds > self.config.window_seconds
                 or until < self.windows.earliest_time):

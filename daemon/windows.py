@@ -60,7 +60,7 @@ class Frame:
 
     def items(self):
         for keys, values in self.blocks:
-            yield from zip(keys, values.tolist())
+            yield from zip(keys, values.tolist(), strict=False)
         yield from self.loose.items()
 
 
@@ -90,11 +90,11 @@ class Columns:
             blocks = {}
             parts = []
             for keys, _ in frame.blocks:
-                made = self._blocks.get(id(keys))
-                if made is None or made[0] is not keys:
-                    made = (keys, self._assign(keys, new))
-                blocks[id(keys)] = made
-                parts.append(made[1])
+                assigned = self._blocks.get(id(keys))
+                if assigned is None or assigned[0] is not keys:
+                    assigned = (keys, self._assign(keys, new))
+                blocks[id(keys)] = assigned
+                parts.append(assigned[1])
             self._blocks = blocks
             block_columns = np.concatenate(parts) if parts else np.zeros(0, np.intp)
             self._frame = (layout, block_columns)
@@ -269,4 +269,4 @@ class WindowView:
         values = self.series.get(key)
         if values is None:
             return []
-        return [(t, v) for t, v in zip(self.times, values) if not math.isnan(v)]
+        return [(t, v) for t, v in zip(self.times, values, strict=False) if not math.isnan(v)]

@@ -138,7 +138,7 @@ class DecodeGraphs:
         flat = [seq.token_ids[-1] for seq in seqs] + [0] * pad
         flat += positions + [0] * pad
         flat += [seq.block_table[p // block_size] * block_size + p % block_size
-                 for seq, p in zip(seqs, positions)] + [trash * block_size] * pad
+                 for seq, p in zip(seqs, positions, strict=False)] + [trash * block_size] * pad
         for seq in seqs:
             flat += seq.block_table + [trash] * (M - len(seq.block_table))
         flat += [trash] * (M * pad)

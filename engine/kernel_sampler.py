@@ -173,7 +173,7 @@ class _Placer:
         self.starts = [[n[7] for n in ns] for ns in self.threads]
 
     def at(self, instant: int) -> list | None:
-        for nodes, starts in zip(self.threads, self.starts):
+        for nodes, starts in zip(self.threads, self.starts, strict=False):
             i = bisect.bisect_right(starts, instant) - 1
             while i >= 0 and nodes[i][1] <= instant:  # nested: the first that encloses
                 i -= 1                                 # the instant is the innermost

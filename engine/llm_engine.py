@@ -374,7 +374,7 @@ class Engine:
         completed = set()
         try:
             launched = []
-            for batch, key in zip(batches, keys):
+            for batch, key in zip(batches, keys, strict=False):
                 start_ns = time.monotonic_ns()
                 try:
                     launched.append((batch, key, self.runner.launch(batch), start_ns))
@@ -442,7 +442,7 @@ class Engine:
                      device_seconds: float, now_ns: int) -> None:
         first_token_seconds, gap_seconds = [], []
         try:
-            for seq, token_id in zip(batch.seqs, next_tokens):
+            for seq, token_id in zip(batch.seqs, next_tokens, strict=False):
                 request = self._requests[seq.request_id]
                 seq.num_computed_tokens = len(seq)
                 self.block_manager.commit(seq)
@@ -527,7 +527,7 @@ class Engine:
                 prefill_ms=timeline.prefill_seconds * 1e3,
                 decode_ms=timeline.decode_seconds * 1e3,
                 kv_hit_blocks=seq.kv_hit_blocks, kv_query_blocks=seq.kv_query_blocks,
-                kv_miss_blocks=dict(zip(MISS_REASONS, seq.kv_miss_blocks)),
+                kv_miss_blocks=dict(zip(MISS_REASONS, seq.kv_miss_blocks, strict=False)),
                 skeleton_depth=seq.skeleton.depth if seq.skeleton else 0, stream=seq.lane,
                 num_preemptions=seq.num_preemptions)
         return RequestOutput(seq.request_id, new_ids, new_text, False, None, None,

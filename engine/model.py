@@ -471,7 +471,7 @@ class CausalLM(nn.Module):
         packed = [packed_weight(proj.weight) for proj in self.projections()]
         if any(p is None for p in packed):
             return False
-        for proj, weight in zip(self.projections(), packed):
+        for proj, weight in zip(self.projections(), packed, strict=False):
             proj.packed = weight
         return True
 

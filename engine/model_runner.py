@@ -230,7 +230,8 @@ class ModelRunner:
         Returns (input_ids [B], positions [B], num_positions, metadata, None)."""
         bs, dev, B = self.block_size, self.device, len(seqs)
         positions = [len(s) - 1 for s in seqs]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        slots = [s.block_table[p // bs] * bs + p % bs
+                 for s, p in zip(seqs, positions, strict=False)]
         ids = [s.token_ids[-1] for s in seqs]
         workspace = self.workspaces.get(lane)
         if workspace is not None and workspace.prepare(seqs, self.kv_pool):

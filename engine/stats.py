@@ -157,7 +157,7 @@ class EngineStats:
             self.writer.inc(m.KV_HIT_BLOCKS, seq.kv_hit_blocks, skeleton=skeleton)
             self.writer.inc(m.KV_QUERY_TOKENS, seq.num_prompt_tokens, skeleton=skeleton)
             self.writer.inc(m.KV_HIT_TOKENS, seq.kv_hit_blocks * block_size, skeleton=skeleton)
-            for reason, count in zip(m.MISS_REASONS, seq.kv_miss_blocks):
+            for reason, count in zip(m.MISS_REASONS, seq.kv_miss_blocks, strict=False):
                 if count:
                     self.writer.inc(m.KV_MISS_BLOCKS, count, reason=reason)
                     self.writer.inc(m.KV_MISS_TOKENS, count * block_size, reason=reason)

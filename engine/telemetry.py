@@ -137,7 +137,7 @@ class TelemetryWriter:
             choices = [(OTHER_SKELETON,) if label == "skeleton" else LABEL_VALUES[label]
                        for label in extra]
             for values in itertools.product(*choices):
-                self._touch(spec, **dict(zip(extra, values)))
+                self._touch(spec, **dict(zip(extra, values, strict=False)))
 
     def _touch(self, spec: MetricSpec, **labels) -> None:
         if spec.type == HISTOGRAM:

@@ -127,17 +127,17 @@ def greedy_float64(folder: Path, device: str) -> None:
     prompts = _prompts(random.Random(1), 16, 384)
     budgets = [8 + (i * 5) % 17 for i in range(len(prompts))]  # the batch shrinks: padding
     expected = [_reference(folder, device, torch.float64, [p], n)[0]
-                for p, n in zip(prompts, budgets)]
+                for p, n in zip(prompts, budgets, strict=False)]
     for path, options in DECODE_PATHS.items():
         if device == "cpu" and path == "graphs":  # the dry run: fewer buckets to warm up
             options = {**options, "cuda_graph_max_len": 256}
         with Engine(EngineConfig(model=str(folder), device=device, dtype="float64",
                                  **options)) as engine:
             handles = [engine.add_request(p, params=SamplingParams(max_tokens=n))
-                       for p, n in zip(prompts, budgets)]
+                       for p, n in zip(prompts, budgets, strict=False)]
             outs = [h.result() for h in handles]
             graphs = list(engine.runner.graphs.values())
-        same = sum(want == out.new_token_ids for want, out in zip(expected, outs))
+        same = sum(want == out.new_token_ids for want, out in zip(expected, outs, strict=False))
         check(f"float64 greedy = transformers, decode {path}", same == 16,
               f"{same}/16 identical")
         no_errors(outs, f"float64 greedy, decode {path}")
@@ -160,15 +160,16 @@ def two_lanes(folder: Path, device: str) -> None:
     with Engine(EngineConfig(**config, overlap_lanes="on")) as engine:
         engine.generate(prompts[0], params=params)  # its prefix is cached for both lanes
         handles = [engine.add_request(p, params=params, lane=lane)
-                   for p, lane in zip(prompts, lanes)]
+                   for p, lane in zip(prompts, lanes, strict=False)]
         mixed = [h.result() for h in handles]
-    same = sum(a.new_token_ids == b.new_token_ids for a, b in zip(alone, mixed))
+    same = sum(a.new_token_ids == b.new_token_ids for a, b in zip(alone, mixed, strict=False))
     check("two overlapping lanes generate what one request alone does", same == len(prompts),
           f"{same}/{len(prompts)}")
-    hits = sum(o.trace.kv_hit_blocks for o, lane in zip(mixed, lanes) if lane == "low_latency")
+    hits = sum(o.trace.kv_hit_blocks for o, lane in zip(mixed, lanes, strict=False)
+               if lane == "low_latency")
     check("prefix hits across lanes", hits > 0, f"{hits} blocks on low_latency")
     expected = _reference(folder, device, torch.float32, prompts, 20)
-    same = sum(want == o.new_token_ids for want, o in zip(expected, mixed))
+    same = sum(want == o.new_token_ids for want, o in zip(expected, mixed, strict=False))
     check("two overlapping lanes = transformers (float32 greedy)", same == len(prompts),
           f"{same}/{len(prompts)}")
     no_errors(alone + mixed, "two lanes")

@@ -16,7 +16,7 @@ from standardwebhooks.webhooks import Webhook
 from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, new_family
 from ac_observe.daemon.alerting.file import load_alerting_config
-from ac_observe.daemon.alerting.rules import AlertConfigError
+from ac_observe.daemon.alerting.spec import AlertConfigError
 from ac_observe.daemon.alerting.state import FIRING, PENDING
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
@@ -639,7 +639,7 @@ def test_a_slow_rule_never_delays_a_collection_cycle(tmp_path):
             windows = daemon.windows
             times = [windows.times[(windows.cycle - k) % windows.capacity]
                      for k in range(5, 0, -1)]
-        assert max(b - a for a, b in zip(times, times[1:])) < 1.0, times
+        assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 1.0, times
         metrics = parse_metrics(daemon.render_metrics().decode())
         assert sample_value(metrics, "ac_alerts_firing", rule="KvUsageHigh") == 0
         release.set()

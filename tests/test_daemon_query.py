@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from ac_observe.daemon.query import QueryEngine, bucket_quantile, parse_duration, parse_labels
+from ac_observe.daemon.query import QueryEngine, bucket_quantile, parse_labels
 from ac_observe.daemon.windows import Windows
+from ac_observe.durations import parse_duration
 from support.servers import wait_for
 
 LABELS = (("engine", "e"), ("model", "m"), ("stream", "throughput"))
@@ -95,7 +96,7 @@ def test_a_whole_number_histograms_quantiles_and_shares_are_observed_values():
     """Skeleton depths: three prompts of depth 2 and one of 5. The p50 is 2 and the p95 5
     (interpolating inside the buckets would say 1.67 and 4.8), and the share at or below
     4.5 is 75 % (interpolating: 87.5 %)."""
-    from ac_observe.daemon.query import _friendly, samples_read
+    from ac_observe.daemon.query import _friendly
     windows = Windows(capacity=10)
     engine = QueryEngine(windows, interval_seconds=1.0)
     labels = (("engine", "e"), ("model", "m"))
@@ -109,7 +110,7 @@ def test_a_whole_number_histograms_quantiles_and_shares_are_observed_values():
     assert (series["p50"], series["p95"], series["p99"]) == (2.0, 5.0, 5.0)
     assert series["mean"] == pytest.approx(11 / 4)
     friendly = _friendly("skeleton_complexity")
-    view = windows.view(samples_read(friendly), -9.0, 1.0)
+    view = windows.view(friendly.sample_names(), -9.0, 1.0)
     (shared,) = engine.answer(view, friendly, 10, -9.0, {}, {"share": 4.5})["series"]
     assert shared["share"] == pytest.approx(75.0)
     # A latency histogram still interpolates as histogram_quantile does.
@@ -127,7 +128,7 @@ def test_ratio_is_delta_over_delta_and_rate_survives_a_counter_reset():
     labels = (("engine", "e"), ("model", "m"))
     hits, queries = [0, 5, 5, 14], [10, 20, 20, 30]
     tokens = [100, 150, 10, 60]  # reset between t=1 and t=2
-    for t, (h, q, n) in enumerate(zip(hits, queries, tokens)):
+    for t, (h, q, n) in enumerate(zip(hits, queries, tokens, strict=False)):
         windows.append(float(t), {("ac_kv_cache_hit_blocks_total", labels): h,
                                   ("ac_kv_cache_query_blocks_total", labels): q,
                                   ("ac_generation_tokens_total", labels): n})
@@ -285,7 +286,8 @@ def test_latency_quantiles_from_the_buckets_are_within_10_percent():
         engine = QueryEngine(windows, interval_seconds=1.0)
         empty = {b: 0 for b in (*bounds, math.inf)}
         windows.append(0.0, _hist_samples(empty, 0.0))
-        windows.append(1.0, _hist_samples(dict(zip((*bounds, math.inf), counts)), sum(values)))
+        windows.append(1.0, _hist_samples(dict(zip((*bounds, math.inf), counts, strict=False)),
+                                          sum(values)))
         (series,) = engine.query("inference_latency_ns", 10, {}, now=1.0)["series"]
         ordered = sorted(values)
         for q, key in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):

@@ -165,9 +165,9 @@ def test_greedy_16_concurrent_requests_match(float64_pair, decode, monkeypatch):
         assert bool(engine.runner.workspaces) == (decode == "workspace")
         assert bool(engine.runner.graphs) == (decode == "graphs")
         handles = [engine.add_request(p, params=SamplingParams(max_tokens=n))
-                   for p, n in zip(prompts, budgets)]
+                   for p, n in zip(prompts, budgets, strict=False)]
         outs = [h.result() for h in handles]
-    for prompt, out, budget in zip(prompts, outs, budgets):
+    for prompt, out, budget in zip(prompts, outs, budgets, strict=False):
         assert out.new_token_ids == _hf_greedy(reference, prompt, budget)
     if decode == "graphs":  # padded buckets ran, and so did eager steps past the graphs
         assert {size for _, size in replayed} >= {16, 9, 5, 3}  # in buckets 16, 16, 8, 4
@@ -187,7 +187,7 @@ def test_greedy_with_prefix_cache_hits_matches(float64_pair):
         rest = engine.generate_batch(prompts[1:], SamplingParams(max_tokens=MAX_NEW))
     assert first.num_cached_tokens == 0
     assert all(out.num_cached_tokens == 96 for out in rest)  # 6 full blocks of 16
-    for prompt, out in zip(prompts, [first] + rest):
+    for prompt, out in zip(prompts, [first] + rest, strict=False):
         assert out.new_token_ids == _hf_greedy(reference, prompt, MAX_NEW)
 
 
@@ -200,7 +200,7 @@ def test_greedy_after_preemption_matches(float64_pair):
         assert engine.scheduler.num_preemptions > 0
         assert any(out.trace.num_preemptions for out in outs)
         assert engine.block_manager.num_free_blocks == 40
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=False):
         assert out.new_token_ids == _hf_greedy(reference, prompt, MAX_NEW)
 
 
@@ -219,14 +219,14 @@ def test_greedy_with_overlapping_lanes_matches(float64_pair):
         first = engine.generate(prompts[0], params=SamplingParams(max_tokens=budgets[0]),
                                 lane="low_latency")
         handles = [engine.add_request(p, params=SamplingParams(max_tokens=n), lane=lane)
-                   for p, n, lane in zip(prompts[1:], budgets[1:], lanes[1:])]
+                   for p, n, lane in zip(prompts[1:], budgets[1:], lanes[1:], strict=False)]
         outs = [first] + [h.result() for h in handles]
         lane_steps = {name: t.num_steps for name, t in engine.stats.lanes.items()}
         assert engine.scheduler.num_preemptions > 0
         assert engine.block_manager.num_free_blocks == 48
     assert min(lane_steps.values()) > 0
     assert sum(out.trace.kv_hit_blocks for out in outs[1:]) > 0  # hits across lanes
-    for prompt, out, budget in zip(prompts, outs, budgets):
+    for prompt, out, budget in zip(prompts, outs, budgets, strict=False):
         assert out.new_token_ids == _hf_greedy(reference, prompt, budget)
 
 
@@ -260,7 +260,7 @@ def test_graph_padding_rows_write_only_the_trash_block(float64_pair):
             assert any(c[0] == trash for c in changed)
         engine.run_until_idle()
         outs = [h.result() for h in handles]
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=False):
         assert out.new_token_ids == _hf_greedy(reference, prompt, MAX_NEW)
 
 

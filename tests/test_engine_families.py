@@ -128,7 +128,7 @@ def test_every_engine_family_by_value(tmp_path):  # noqa: C901 - one check a fam
     }
     for skeleton, values in kv.items():
         for name, value in zip(("query_blocks", "hit_blocks", "query_tokens", "hit_tokens"),
-                               values):
+                               values, strict=False):
             assert _value(final, f"ac_kv_cache_{name}_total", skeleton=skeleton) == value, \
                 (skeleton, name)
     # Misses: A's 2 blocks cold; B's third (after 2 hits) diverged; C's 6, G's 2 and H's 2

@@ -78,7 +78,7 @@ class Synth:
 
     def samples(self) -> dict:
         out, running = {}, 0
-        for bound, count in zip(BOUNDS, self.counts):
+        for bound, count in zip(BOUNDS, self.counts, strict=False):
             running += count
             out["ac_inference_latency_seconds_bucket", LAT_LABELS + (("le", _le(bound)),)] = \
                 float(running)
@@ -107,7 +107,7 @@ class SynthCollector(Collector):
         s = self.synth
         latency = new_family(LAT)
         running, buckets = 0, []
-        for bound, count in zip(BOUNDS, s.counts):
+        for bound, count in zip(BOUNDS, s.counts, strict=False):
             running += count
             buckets.append((_le(bound), float(running)))
         latency.add_metric([v for _, v in self.labels], buckets, s.total)
@@ -155,7 +155,7 @@ def _expected(synth: Synth, since: float, until: float) -> dict:
     for value in latencies:
         counts[next(i for i, b in enumerate(BOUNDS) if value <= b)] += 1
     cumulative, running = [], 0
-    for bound, count in zip(BOUNDS, counts):
+    for bound, count in zip(BOUNDS, counts, strict=False):
         running += count
         cumulative.append((bound, running))
     usages = [e[4] for e in inside if e[4] is not None]

@@ -72,6 +72,41 @@ def test_every_module_imports_only_what_its_row_allows():
     assert not broken, "\n".join(broken)
 
 
+def _module_of(name: str, modules) -> str | None:
+    """The module an imported name is (or lies in: `pkg.mod.Class` -> `pkg.mod`)."""
+    while name not in modules and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name if name in modules else None
+
+
+def test_no_import_loop_among_the_packages_modules():
+    """Dependencies point one way, never in a loop: no module reaches itself through what
+    it imports, at module level or inside a function."""
+    graph = import_graph()
+    edges = {name: {target for imported in anywhere
+                    if (target := _module_of(imported, graph)) not in (None, name)}
+             for name, (_, anywhere) in graph.items()}
+    # A package's own __init__ is no step of a loop: importing `pkg.mod` runs it anyway.
+    edges = {name: {t for t in targets if not name.startswith(t + ".")}
+             for name, targets in edges.items()}
+    loops = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(edges[name]):
+            if state.get(target) == 1:
+                loops.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+    assert not loops, "\n".join(" -> ".join(loop) for loop in loops)
+
+
 @pytest.mark.parametrize("module, imported, allowed", [
     ("ac_observe.engine.model", "ac_observe.daemon.service", False),
     ("ac_observe.collectors.nvml", "ac_observe.engine.config", False),
@@ -82,6 +117,7 @@ def test_every_module_imports_only_what_its_row_allows():
     ("ac_observe.engine.model", "ac_observe.metrics", True),
     ("ac_observe.daemon.cli.engine", "ac_observe.engine.server", True),
     ("ac_observe.daemon.service", "ac_observe.daemon.cli.app", False),
+    ("ac_observe.daemon.alerting.rules", "ac_observe.daemon.store", False),
 ])
 def test_the_table_says_what_the_architecture_promises(module, imported, allowed):
     """The rules the table must keep (a table edited into allowing anything fails here)."""

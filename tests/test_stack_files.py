@@ -69,7 +69,7 @@ def test_compose_wiring():
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
 
 
-@pytest.mark.stack
+@pytest.mark.slow
 def test_kubernetes_manifests_validate_for_their_version(tmp_path):
     manifests = sorted((REPO / "dashboards" / "kubernetes").glob("*.yaml"))
     assert KUBERNETES_VERSION.rsplit(".", 1)[0] in \

@@ -237,7 +237,7 @@ def test_the_reader_follows_a_file_rewritten_with_as_many_entries_and_one_append
 
         def read():
             values = index.read(fd, "counter_1.db")
-            return {} if values is None else dict(zip(index.keys, values.tolist()))
+            return {} if values is None else dict(zip(index.keys, values.tolist(), strict=False))
         write([("a-key", 1.0), ("b", 2.0)])
         index = FileIndex()
         assert read() == {"a-key": 1.0, "b": 2.0}

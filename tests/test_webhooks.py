@@ -18,7 +18,7 @@ from ac_observe.daemon.alerting.alert import fingerprint
 from ac_observe.daemon.alerting.file import load_alerting
 from ac_observe.daemon.alerting.outbox import Backoff, WebhookSender, retry_after
 from ac_observe.daemon.alerting.receivers import Receiver
-from ac_observe.daemon.alerting.rules import AlertConfigError
+from ac_observe.daemon.alerting.spec import AlertConfigError
 from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING
 from support.grafana import Grafana
 from support.processes import start_process
@@ -109,7 +109,7 @@ def test_receiver_down_then_failing_then_back_gets_it_once_under_one_id(store, r
     assert {h["webhook-id"] for h, _ in receiver.requests} == {delivery_id}
     assert len(receiver.requests) == modes.count("500") + 1
     # Backoff doubled with jitter: each wait between half and all of 1, 2, 4, ... s.
-    waits = [b["at"] - a["at"] for a, b in zip(attempts, attempts[1:])]
+    waits = [b["at"] - a["at"] for a, b in zip(attempts, attempts[1:], strict=False)]
     for n, wait in enumerate(waits, start=1):
         full = min(300.0, 2.0 ** (n - 1))
         assert 0.5 * full <= wait <= full + 1e-6, (n, wait)
@@ -363,6 +363,10 @@ def test_killed_mid_post_the_delivery_still_arrives_once_under_its_id(store, rec
     ("receivers:\n  - {name: a, url: 'http:///y'}\n", "receivers[0] (a).url: no host"),
     ("receivers:\n  - {name: a, url: 'http://h:99999/'}\n", "receivers[0] (a).url: "),
     ("receivers:\n  - {url: 'http://h/'}\n", "receivers[0].name: "),
+    ("receivers:\n  - {url: 'http://h/'}\n", "receivers[0].name: a name of 1-200 characters"),
+    ("receivers:\n  - {name: a}\n", "receivers[0] (a).url: a URL is required"),
+    ("receivers:\n  - {name: a, url: 'http://h/', zeta: 1, alpha: 2}\n",
+     "receivers[0]: unknown field 'alpha'"),
     ("receivers:\n  - {name: a, url: 'http://h/'}\n  - {name: a, url: 'http://g/'}\n",
      "receivers[1] (a).name: 'a' is used twice"),
     ("receivers:\n  - {name: a, url: 'http://h/', secret: 'whsec_c2hvcnQ='}\n",

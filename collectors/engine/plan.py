@@ -117,7 +117,7 @@ class SeriesPlan:
             samples, held = self._samples, self._held
             moved = np.flatnonzero(exposed[start:end] != held[start:end]) + start
             names, labels, new_sample = self._names, self._labels, tuple.__new__
-            for i, value in zip(moved.tolist(), exposed[moved].tolist()):
+            for i, value in zip(moved.tolist(), exposed[moved].tolist(), strict=False):
                 # Sample(name, labels, value), without its Python __new__ (half the time)
                 samples[i] = new_sample(Sample, (names[i], labels[i], value) + _SAMPLE_REST)
             held[moved] = exposed[moved]

@@ -20,7 +20,7 @@ from ac_observe.daemon.alerting.rules import (
     figure,
 )
 
-SeriesKey = tuple[tuple[str, str], ...]  # a series' labels, sorted
+LabelSet = tuple[tuple[str, str], ...]  # a series' labels, sorted: one series of a rule
 Baseline = tuple[float | None, str]      # (the baseline, or None while it has none; whence)
 
 
@@ -48,7 +48,7 @@ class SeriesSource(Protocol):
               source: str = "auto") -> dict: ...
 
 
-def coverage(answer: dict) -> dict[SeriesKey, float]:
+def coverage(answer: dict) -> dict[LabelSet, float]:
     """label set -> the share of the answer's span its series was watched in."""
     return {tuple(sorted(s["labels"].items())): s.get("coverage", answer.get("coverage", 0.0))
             for s in answer["series"]}
@@ -79,7 +79,7 @@ class BaselineReader:
         self._trailing_history: dict[str, HistoryRead] = {}
 
     def statistic(self, rule: Rule, window: float, until: float,
-                  source: str = "auto") -> tuple[dict[SeriesKey, float], dict]:
+                  source: str = "auto") -> tuple[dict[LabelSet, float], dict]:
         """(label set -> the rule's statistic, the query's answer)."""
         shares = ({rule.statistic: rule.share_threshold}
                   if rule.statistic.startswith("share_below") else None)
@@ -92,7 +92,7 @@ class BaselineReader:
                 out[tuple(sorted(series["labels"].items()))] = float(value)
         return out, answer
 
-    def baselines(self, rule: Rule, now: float, keys: list) -> dict[SeriesKey, Baseline]:
+    def read(self, rule: Rule, now: float, keys: list) -> dict[LabelSet, Baseline]:
         """label set -> (baseline, where it came from), for the label sets in `keys`."""
         same: dict = {}
         if rule.baseline == "same_hour_yesterday":
@@ -119,7 +119,7 @@ class BaselineReader:
                         for key, (value, source) in trailing.items()}
         return {**trailing, **same}
 
-    def trailing(self, rule: Rule, now: float, keys: list) -> dict[SeriesKey, Baseline]:
+    def trailing(self, rule: Rule, now: float, keys: list) -> dict[LabelSet, Baseline]:
         """label set -> (the trailing baseline or None, where it came from).
 
         A series watched for less than `baseline_min_coverage` of the span has none yet
@@ -159,7 +159,7 @@ class BaselineReader:
         return out
 
     def _from_history(self, rule: Rule, now: float, end: float, span: float, longer: bool,
-                      keys: list, covered: dict) -> dict[SeriesKey, tuple[float, float, str]]:
+                      keys: list, covered: dict) -> dict[LabelSet, tuple[float, float, str]]:
         """label set -> (baseline, coverage, whence) from the history's whole minutes of
         the span (before the windows begin, unless all of it comes from history), for
         the series in `keys` whose windows cover too little of it."""

@@ -9,7 +9,7 @@ import math
 import threading
 
 from ac_observe.daemon.alerting.alert import Alert, fingerprint
-from ac_observe.daemon.alerting.baselines import Baseline, BaselineReader, SeriesKey, SeriesSource
+from ac_observe.daemon.alerting.baselines import Baseline, BaselineReader, LabelSet, SeriesSource
 from ac_observe.daemon.alerting.outbox import WebhookSender
 from ac_observe.daemon.alerting.rules import TEMPLATE, Rule, alert_labels, figure
 from ac_observe.daemon.alerting.state import (
@@ -139,13 +139,13 @@ class Evaluator:
                     counts[name, self.rules[name].severity] += 1
         self.firing_counts = counts
 
-    def read_inputs(self, rule: Rule, now: float) -> tuple[dict[SeriesKey, float],
-                                                           dict[SeriesKey, Baseline]]:
+    def read_inputs(self, rule: Rule, now: float) -> tuple[dict[LabelSet, float],
+                                                           dict[LabelSet, Baseline]]:
         """(label set -> the window's statistic, label set -> (baseline, its source))."""
         values, _ = self.baselines.statistic(rule, rule.window_seconds, now)
         if not rule.reads_baseline:
             return values, {key: (rule.baseline_value, "static") for key in values}
-        return values, self.baselines.baselines(rule, now, list(values))
+        return values, self.baselines.read(rule, now, list(values))
 
     def _evaluate_rule(self, rule: Rule, values: dict, baselines: dict, now: float) -> None:
         def move(instance: AlertInstance, to: str) -> bool:

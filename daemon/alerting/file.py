@@ -12,22 +12,17 @@ import yaml
 from pydantic import Field
 
 from ac_observe.daemon.alerting.receivers import Receiver, ReceiverSpec, parse_receivers
-from ac_observe.daemon.alerting.rules import (
-    AlertConfigError,
-    Rule,
-    RuleSpec,
-    Spec,
-    default_rules_text,
-    parse_rules,
-)
+from ac_observe.daemon.alerting.rules import Rule, RuleSpec, default_rules_text, parse_rules
+from ac_observe.daemon.alerting.spec import AlertConfigError, Spec
 
 SECTIONS = ("receivers", "rules")
 
 
 class AlertingFile(Spec):
     """An alerting file: the daemon's drift rules and the receivers of their notifications."""
-    receivers: list[ReceiverSpec] = Field(default_factory=list)
-    rules: list[RuleSpec] | Literal["defaults"] = Field(
+    # An empty section (null) is taken as none, as the daemon takes it.
+    receivers: list[ReceiverSpec] | None = Field(default_factory=list)
+    rules: list[RuleSpec] | Literal["defaults"] | None = Field(
         default_factory=list, description="The rules, or `defaults` for the shipped ones "
                                           "(`ac-observe alerts defaults` prints them).")
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ac_observe.auth import header_token_ok
-from ac_observe.daemon.alerting.rules import AlertConfigError, FieldError, Spec, errors_text
+from ac_observe.daemon.alerting.spec import AlertConfigError, FieldError, NamedSpec, checked_entries
 
 FORMATS = ("alertmanager", "slack", "grafana")
 CREDENTIALS = ("secret", "secret_file", "secret_env", "token", "token_file", "token_env")
@@ -39,9 +39,11 @@ class Receiver:
         return Webhook(self.secret)
 
 
-class ReceiverSpec(Spec):
+class ReceiverSpec(NamedSpec):
     """One receiver as an alerting file writes it; a credential is given at most once, as
     itself, `*_file` or `*_env`."""
+    when_missing: ClassVar[dict[str, str]] = {
+        "name": "a name of 1-200 characters is required", "url": "a URL is required"}
     name: str = Field(description="How logs, metrics and `alerts test` name it.",
                       json_schema_extra={"minLength": 1, "maxLength": 200})
     url: str = Field(description="http(s) URL of the webhook, or Grafana's base URL.")
@@ -171,27 +173,9 @@ def _token(spec: ReceiverSpec, where: str) -> str | None:
 
 def parse_receivers(raw: Any, source: str) -> dict[str, Receiver]:
     """`receivers:` of an alerting file (already parsed), checked field by field."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, list):
-        raise AlertConfigError(f"{source}: receivers: must be a list")
-    receivers: dict[str, Receiver] = {}
-    for i, entry in enumerate(raw):
-        where = f"{source}: receivers[{i}]"
-        if not isinstance(entry, dict):
-            raise AlertConfigError(f"{where}: must be a mapping")
-        name = entry.get("name")
-        named = f"{where} ({name})" if isinstance(name, str) else where
-        try:
-            spec = ReceiverSpec.model_validate(entry)
-        except ValidationError as exc:
-            raise AlertConfigError(errors_text(exc, where, named)) from None
-        if spec.name in receivers:
-            raise AlertConfigError(f"{named}.name: {spec.name!r} is used twice")
-        receivers[spec.name] = Receiver(spec.name, spec.url, spec.format,
-                                        _secret(spec, named), spec.timeout_seconds,
-                                        _token(spec, named))
-    return receivers
+    return {spec.name: Receiver(spec.name, spec.url, spec.format, _secret(spec, named),
+                                spec.timeout_seconds, _token(spec, named))
+            for named, spec in checked_entries(raw, source, "receivers", ReceiverSpec)}
 
 
 def grafana_receiver(url: str, token: str | None, name: str = "grafana") -> Receiver:

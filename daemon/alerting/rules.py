@@ -18,17 +18,25 @@ NOTE: the dashboards package imports this module and nothing else of the daemon.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import ErrorDetails
+from pydantic import Field, field_validator, model_validator
 
-from ac_observe.daemon.query import parse_duration
+from ac_observe.daemon.alerting.spec import (
+    FieldError,
+    NamedSpec,
+    checked_duration,
+    checked_entries,
+    finite_number,
+    non_empty_text,
+    one_of,
+    string_map,
+)
+from ac_observe.durations import parse_duration
 from ac_observe.metrics import FRIENDLY, Friendly
 
 STATISTICS = ("mean", "p50", "p95", "p99", "last", "max", "min", "rate", "share_below:<v>")
@@ -53,16 +61,11 @@ COMPARISONS = ("relative_increase", "relative_decrease", "absolute_increase",
                "absolute_decrease", "above", "below")
 THRESHOLD_COMPARISONS = ("above", "below")  # against the threshold: no baseline read
 SEVERITIES = ("info", "warning", "critical")
-BASELINE_KINDS = ("trailing", "static", "same_hour_yesterday")
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,199}$")
 DURATION_PATTERN = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)?\s*$"
 TEMPLATE = re.compile(r"\{\{\s*(\w+)\s*\}\}")  # {{ field }} in annotations
 TEMPLATE_FIELDS = {"value", "baseline", "delta", "delta_percent", "unit", "labels", "rule",
                     "baseline_source"}
-
-
-class AlertConfigError(ValueError):
-    """An alerting file that cannot be used; the message names the file and the field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,66 +124,7 @@ def breached(rule: Rule, value: float, baseline: float) -> bool:
 
 # ----- the file's form, checked ------------------------------------------------------------
 
-class FieldError(ValueError):
-    """A check that names its field (or a key under it) itself: a check across fields
-    says which one is wrong."""
-
-    def __init__(self, message: str, field_name: str = ""):
-        super().__init__(message)
-        self.field_name = field_name
-
-
-def text(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError("a non-empty string is required")
-    return value.strip()
-
-
-def finite_number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value):
-        raise ValueError(f"a number is required, not {value!r}")
-    return float(value)
-
-
-def string_map(value: Any) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise ValueError("a mapping of strings to strings")
-    return dict(value)
-
-
-def duration(value: str) -> str:
-    parse_duration(value)  # its ValueError names the text and the form
-    return value
-
-
-class Spec(BaseModel):
-    """A checked entry of the alerting file: unknown fields refused, every message one a
-    user can act on (see `errors_text`)."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def errors_text(error: ValidationError, where: str, named: str) -> str:
-    """The first of a spec's errors as `<where>[ (name)].<field>: <what to fix>`; an
-    unknown field comes first, before the entry's name is trusted."""
-    details = sorted(error.errors(), key=lambda d: d["type"] != "extra_forbidden")
-    first: ErrorDetails = details[0]
-    loc = [str(part) for part in first["loc"]]
-    if first["type"] == "extra_forbidden":
-        return f"{where}: unknown field {loc[-1]!r}"
-    if first["type"] == "missing":
-        message = "required"
-    else:
-        cause = (first.get("ctx") or {}).get("error")
-        message = str(cause) if isinstance(cause, ValueError) else first["msg"]
-        if isinstance(cause, FieldError) and cause.field_name:
-            loc = loc + cause.field_name.split(".")
-    prefix = where if loc and loc[0] == "name" else named
-    return f"{prefix}.{'.'.join(loc)}: {message}" if loc else f"{prefix}: {message}"
-
-
-class RuleSpec(Spec):
+class RuleSpec(NamedSpec):
     """One drift rule as an alerting file writes it. Fields are checked in this order."""
     name: str = Field(description="Metric-style name: letters, digits, _ (the alertname).",
                       json_schema_extra={"pattern": NAME.pattern})
@@ -225,7 +169,7 @@ class RuleSpec(Spec):
     @field_validator(*_texts, mode="before")
     @classmethod
     def _non_empty(cls, value: Any) -> str:
-        return text(value)
+        return non_empty_text(value)
 
     @field_validator("threshold", "baseline_min_coverage", mode="before")
     @classmethod
@@ -261,12 +205,12 @@ class RuleSpec(Spec):
     @field_validator("comparison")
     @classmethod
     def _comparison(cls, value: str) -> str:
-        return choice(value, COMPARISONS)
+        return one_of(value, COMPARISONS)
 
     @field_validator("severity")
     @classmethod
     def _severity(cls, value: str) -> str:
-        return choice(value, SEVERITIES)
+        return one_of(value, SEVERITIES)
 
     @field_validator("baseline_min_coverage", mode="after")
     @classmethod
@@ -299,7 +243,7 @@ class RuleSpec(Spec):
     def _duration(cls, value: str, info) -> str:
         if info.field_name == "for_" and value in ("0", "0s"):
             return value
-        return duration(value)
+        return checked_duration(value)
 
     @field_validator("match")
     @classmethod
@@ -342,12 +286,6 @@ class RuleSpec(Spec):
             for_seconds=0.0 if self.for_ in ("0", "0s") else parse_duration(self.for_),
             severity=self.severity, match=dict(self.match), labels=dict(self.labels),
             annotations=dict(self.annotations))
-
-
-def choice(value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{value!r} is not one of {list(choices)}")
-    return value
 
 
 def baseline_of(baseline: str) -> tuple[str, float, float]:
@@ -397,32 +335,15 @@ def statistic_threshold(statistic: str, friendly: Friendly) -> float:
 
 def parse_rules(raw: Any, source: str) -> list[Rule]:
     """`rules:` of an alerting file (already parsed), checked field by field."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise AlertConfigError(f"{source}: rules: must be a list")
-    rules: list[Rule] = []
-    names: set[str] = set()
-    for i, entry in enumerate(raw):
-        where = f"{source}: rules[{i}]"
-        if not isinstance(entry, dict):
-            raise AlertConfigError(f"{where}: must be a mapping")
-        name = entry.get("name")
-        named = f"{where} ({str(name).strip()})" if isinstance(name, str) else where
-        try:
-            spec = RuleSpec.model_validate(entry)
-        except ValidationError as exc:
-            raise AlertConfigError(errors_text(exc, where, named)) from None
-        if spec.name in names:
-            raise AlertConfigError(f"{named}.name: {spec.name!r} is used twice")
-        names.add(spec.name)
-        rules.append(spec.rule())
-    return rules
+    return [spec.rule() for _, spec in checked_entries(raw, source, "rules", RuleSpec)]
 
 
 def default_rules_text() -> str:
-    """The shipped rules (`rules: defaults` in an alerting file), as YAML."""
-    return resources.files(__package__).joinpath("defaults.yaml").read_text()
+    """The shipped rules (`rules: defaults` in an alerting file), as YAML, without the
+    file's header comment."""
+    text = resources.files(__package__).joinpath("defaults.yaml").read_text()
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith("#"))
 
 
 def default_rules() -> list[Rule]:

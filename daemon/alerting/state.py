@@ -7,9 +7,10 @@ restart). A series with no value or no baseline is "no data": it changes no stat
 firing alert stays firing, and is listed as no data), until it has had none for
 NO_DATA_RESOLVE_SECONDS: its series is gone, and the instance resolves or is dropped.
 
-NOTE: a state changes only through `move`, which writes the transition (and the
-deliveries it causes) to the store and sets the state once that has committed; a refused
-write leaves the state as it was, and the next evaluation tries again.
+NOTE: a state changes through `move`, which writes the transition (and the deliveries it
+causes) to the store and sets the state once that has committed; a refused write leaves
+the state as it was, and the next evaluation tries again. The one exception is resolved
+-> inactive, a move in memory only: a resolved alert is no longer kept in the store.
 """
 from __future__ import annotations
 

@@ -22,20 +22,12 @@ only, and the alerting code inside the alerts and rules commands.
 from __future__ import annotations
 
 # Every command module, so that every command is registered on the app whatever the entry
-# point (the console script, `python -m ac_observe.daemon.cli`). Commands list in this
-# order in --help, then the groups.
+# point (the console script, `python -m ac_observe.daemon.cli`). Commands list in --help in
+# the order they are registered: the order of this import.
+# isort: off
 from ac_observe.daemon.cli import (  # noqa: F401 - imported to register their commands
-    alerts,
-    daemon,
-    dashboards,
-    engine,
-    query,
-    rules,
-    skeleton,
-    status,
-    top,
-    up,
-)
+    query, status, top, daemon, alerts, up, skeleton, engine, dashboards, rules)
+# isort: on
 from ac_observe.daemon.cli.app import app
 
 __all__ = ["app", "main"]

@@ -73,3 +73,12 @@ def read_token(token: str | None, token_file: Path | None) -> str | None:
         return token_file.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read the token file {token_file}: {exc}") from None
+
+
+def configure_logging(level: str) -> None:
+    """Log lines with time and source at `level`; httpx's own lines only from warnings up
+    (it logs every URL: a webhook's secret path, the demo client's every request)."""
+    import logging
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ac_observe.daemon.cli.app import EXIT_USAGE, app, read_token
+from ac_observe.daemon.cli.app import EXIT_USAGE, app, configure_logging, read_token
 from ac_observe.metrics import DEFAULT_DAEMON_PORT
 
 
@@ -65,19 +65,15 @@ def daemon(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
-    import logging
-
     from sqlalchemy.exc import SQLAlchemyError
 
     from ac_observe.daemon.config import DaemonConfig
     from ac_observe.daemon.http_api import make_server
-    from ac_observe.daemon.query import parse_duration
     from ac_observe.daemon.service import Daemon, tune_interpreter
+    from ac_observe.durations import parse_duration
     from ac_observe.telemetry_format import default_telemetry_root
 
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs URLs: webhook secrets
+    configure_logging(log_level)
     try:
         config = DaemonConfig(
             host=host, port=port, token=read_token(token, token_file),

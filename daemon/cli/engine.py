@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from ac_observe.auth import FAULT_TOKEN_ENV
-from ac_observe.daemon.cli.app import EXIT_USAGE, app, read_token
+from ac_observe.daemon.cli.app import EXIT_USAGE, app, configure_logging, read_token
 from ac_observe.metrics import DEFAULT_ENGINE_PORT, LOW_LATENCY, THROUGHPUT
 
 
@@ -72,7 +72,6 @@ def engine(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Serve the bundled engine: Anthropic Messages and OpenAI Chat Completions APIs."""
-    import logging
     import threading
 
     import uvicorn
@@ -84,9 +83,7 @@ def engine(
     from ac_observe.engine.server import EngineService, create_app
     from ac_observe.telemetry_format import default_telemetry_root, open_engine_dir
 
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # the demo client's per-request lines
+    configure_logging(log_level)
     name = engine_name or f"engine-{port}"
     telemetry = (telemetry_dir or str(default_telemetry_root() / name)) if instrumentation \
         else None

@@ -65,7 +65,8 @@ def root(ctx: typer.Context,
         if at is not None and watch:
             typer.echo("error: --at names one instant; --watch follows the present", err=True)
             raise typer.Exit(EXIT_USAGE)
-        from ac_observe.daemon.query import parse_duration, parse_instant, parse_labels
+        from ac_observe.daemon.query import parse_labels
+        from ac_observe.durations import parse_duration, parse_instant
         # A malformed value is this command line's mistake (2), told before any daemon is
         # asked; whether the metric has such a label is the daemon's to say (1).
         for option, parse, value in (("--window", parse_duration, window),

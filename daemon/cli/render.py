@@ -128,7 +128,7 @@ def metric_table(result: dict, width: int) -> Text:
     one_line = label_width + 2 + numbers + 2 + spark <= width
 
     def number_line(cells) -> str:
-        return sep.join(cell.rjust(w) for cell, w in zip(cells, widths))
+        return sep.join(cell.rjust(w) for cell, w in zip(cells, widths, strict=False))
 
     header = number_line(titles)
     if one_line:

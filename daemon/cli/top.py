@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import select
 import sys
-import termios
 import time
-import tty
 
 import typer
 from rich import box
@@ -163,6 +161,8 @@ def run_top(obj: dict, window: str) -> int:
 
 
 def _live(console: Console, obj: dict, window: str) -> int:
+    import termios  # POSIX terminals only: the rest of the CLI starts without them
+    import tty
     fd = sys.stdin.fileno()
     saved = termios.tcgetattr(fd)
     tty.setcbreak(fd)  # keys arrive one by one, unechoed

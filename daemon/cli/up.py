@@ -25,8 +25,8 @@ def up(
     daemon_arg: list[str] = typer.Option([], "--daemon-arg", help="Extra `daemon` option."),
 ) -> None:
     """Start an engine and a daemon on the embedded defaults; Ctrl-C stops both."""
-    from ac_observe.daemon.query import parse_duration
     from ac_observe.daemon.supervisor import run_up
+    from ac_observe.durations import parse_duration
     schedule = None
     if demo_drift:
         try:

@@ -6,7 +6,7 @@ import math
 import shutil
 import subprocess
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -102,8 +102,7 @@ class Prometheus(_Process):
         def evaluated() -> bool:
             answer = httpx.get(self.url + "/api/v1/rules", timeout=10).json()
             groups = answer["data"]["groups"]
-            return bool(groups) and all(
-                datetime.fromisoformat(g["lastEvaluation"]).timestamp() > seen for g in groups)
+            return bool(groups) and all(_rfc3339(g["lastEvaluation"]) > seen for g in groups)
         wait_for(evaluated, timeout, "every rule group evaluated after that scrape")
 
     def targets_up(self) -> bool:
@@ -145,3 +144,11 @@ def delivery_of(hook, alertname: str):
 def finite(result: list[dict]) -> bool:
     """Some series of an instant query's answer holds a number (not NaN)."""
     return any(math.isfinite(float(r["value"][1])) for r in result)
+
+
+def _rfc3339(text: str) -> float:
+    """Unix seconds of Prometheus' RFC 3339 time (`...T14:03:00.123456789Z`), which
+    Python 3.10's fromisoformat refuses (a Z, nanoseconds)."""
+    stamp, _, fraction = text.rstrip("Z").partition(".")
+    seconds = datetime.fromisoformat(stamp).replace(tzinfo=timezone.utc).timestamp()
+    return seconds + float(f"0.{fraction or 0}")
