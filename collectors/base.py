@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from ac_observe.metrics import COUNTER, GAUGE, HISTOGRAM, MetricSpec
 
 REGISTRY: dict[str, Callable[..., Collector]] = {}
-BUILTIN = ("engine", "nvml", "ebpf")
+BUILTIN = ("engine", "nvml", "ebpf", "scrape")
 _FAMILY_CLASSES = {COUNTER: CounterMetricFamily, GAUGE: GaugeMetricFamily,
                    HISTOGRAM: HistogramMetricFamily}
 Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)

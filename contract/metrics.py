@@ -160,6 +160,17 @@ KV_MISS_TOKENS = _engine("ac_kv_cache_miss_tokens_total", COUNTER,
 KV_EVICTION_AGE = _engine("ac_kv_cache_eviction_age_seconds", HISTOGRAM,
                           "How long a cached block had been unused (no request holding it) "
                           "when it was evicted.", ENGINE_LABELS, "seconds", AGE_BUCKETS_SECONDS)
+KV_REPORTED_HIT = _engine("ac_kv_cache_reported_hit_ratio", GAUGE,
+                          "Prefix-cache hit rate as an engine reports it, a gauge with no "
+                          "counts behind it (vLLM V0's gpu_prefix_cache_hit_rate, SGLang's "
+                          "cache_hit_rate); engines with lookup counters leave it out.",
+                          unit="ratio")
+REQUEST_PREFILL = _latency("ac_request_prefill_seconds",
+                           "Time a request spent in its prefill phase (vLLM's "
+                           "request_prefill_time_seconds; not the device time of one step).")
+REQUEST_DECODE = _latency("ac_request_decode_seconds",
+                          "Time a request spent in its decode phase (vLLM's "
+                          "request_decode_time_seconds).")
 KV_USAGE = _engine("ac_kv_cache_usage_ratio", GAUGE, "Fraction of KV blocks held by requests.",
                    unit="ratio")
 KV_BLOCKS = _engine("ac_kv_cache_blocks", GAUGE, "KV blocks in the pool.", unit="blocks")
@@ -198,8 +209,12 @@ ENGINE_METRICS = (
     KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_MISS_BLOCKS, KV_MISS_TOKENS, KV_EVICTION_AGE, KV_USAGE,
     KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS, REQUESTS_RUNNING, REQUESTS_WAITING,
     SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY, ENGINE_STEPS, KERNEL_SAMPLED_STEPS,
-    KERNEL_SECONDS,
+    KERNEL_SECONDS, KV_REPORTED_HIT, REQUEST_PREFILL, REQUEST_DECODE,
 )
+# Engines the daemon scrapes (vLLM, SGLang) carry `kind` beside `engine` and `model`
+# (collectors/scrape/); a query may filter on it.
+KIND_LABEL = "kind"
+KIND_VLLM, KIND_SGLANG = SCRAPED_KINDS = ("vllm", "sglang")
 # The closed sets of values an engine may write under these labels (the engine declares
 # them, the daemon refuses any other).
 LABEL_VALUES = {"stream": LANES, "status": REQUEST_STATUSES, "reason": MISS_REASONS,
@@ -333,6 +348,9 @@ class Friendly:
     help: str
     denominator: MetricSpec | None = None
     summed: tuple[str, ...] = ()
+    # Names answering for an engine this one has no series of, in order (its `basis`):
+    # a hit rate in blocks, else in tokens (vLLM V1), else the engine's own gauge.
+    fallbacks: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         expected = {GAUGE_KIND: GAUGE, HISTOGRAM_KIND: HISTOGRAM, RATE_KIND: COUNTER,
@@ -386,7 +404,14 @@ FRIENDLY = {f.name: f for f in (
              "Prompt skeleton depth."),
     Friendly("kv_cache_hit_rate", RATIO_KIND, KV_HIT_BLOCKS, "%", 100.0,
              "Prefix-cache hits over lookups, in full blocks (per prompt skeleton with "
-             "--labels skeleton=ID).", KV_QUERY_BLOCKS, ("skeleton",)),
+             "--labels skeleton=ID).", KV_QUERY_BLOCKS, ("skeleton",),
+             (("tokens", "kv_cache_token_hit_rate"), ("gauge", "kv_cache_reported_hit_rate"))),
+    Friendly("kv_cache_reported_hit_rate", GAUGE_KIND, KV_REPORTED_HIT, "%", 100.0,
+             "Prefix-cache hit rate as the engine reports it (a gauge: vLLM V0, SGLang)."),
+    Friendly("request_prefill_ms", HISTOGRAM_KIND, REQUEST_PREFILL, "ms", 1e3,
+             "Time a request spent in its prefill phase (vLLM)."),
+    Friendly("request_decode_ms", HISTOGRAM_KIND, REQUEST_DECODE, "ms", 1e3,
+             "Time a request spent in its decode phase (vLLM)."),
     Friendly("kv_cache_token_hit_rate", RATIO_KIND, KV_HIT_TOKENS, "%", 100.0,
              "Prompt tokens served from the prefix cache over prompt tokens (per prompt "
              "skeleton with --labels skeleton=ID).", KV_QUERY_TOKENS, ("skeleton",)),
@@ -445,6 +470,13 @@ FRIENDLY = {f.name: f for f in (
     Friendly("memcpy_bytes_rate", RATE_KIND, CUDA_MEMCPY_BYTES, "B/s", 1.0,
              "Bytes copied per second by direction (eBPF)."),
 )}
+
+
+def query_labels(friendly: Friendly) -> tuple[str, ...]:
+    """The labels a query of this name may filter on: its family's, and an engine
+    family's `kind` (scraped engines carry it)."""
+    labels = friendly.source.labels
+    return labels + (KIND_LABEL,) if friendly.source.source == "engine" else labels
 
 
 def watched_families() -> set[str]:

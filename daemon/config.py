@@ -5,6 +5,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ac_observe.collectors.scrape.fetch import check_endpoint_url
 from ac_observe.metrics import DEFAULT_DAEMON_PORT
 from ac_observe.telemetry_format import default_telemetry_root
 
@@ -18,6 +19,20 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def parse_endpoint(text: str) -> tuple[str, str]:
+    """`[name=]URL` -> (name, url); the name defaults to the URL's host:port."""
+    name, sep, rest = text.partition("=")
+    if sep and name and "/" not in name and ":" not in name:
+        url = check_endpoint_url(rest.strip())
+        name = name.strip()
+    else:
+        url = check_endpoint_url(text.strip())
+        name = url.split("://", 1)[1].split("/", 1)[0]
+    if not name or any(c in name for c in '"\\\n'):
+        raise ValueError(f"engine endpoint name {name[:100]!r}: give a plain name")
+    return name, url
 
 
 @dataclass(slots=True)
@@ -43,9 +58,17 @@ class DaemonConfig:
     history_retention_seconds: float = 8 * 86400.0
     grafana_url: str | None = None        # alerts become annotations in this Grafana
     grafana_token: str | None = field(default=None, repr=False)  # its service-account token
+    # vLLM / SGLang servers to scrape: (name, /metrics URL) pairs (collectors/scrape/)
+    engine_endpoints: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)
+        names = [name for name, _ in self.engine_endpoints]
+        if len(set(names)) != len(names):
+            raise ValueError("two engine endpoints have one name: give each its own "
+                             "(name=URL)")
+        if self.engine_endpoints and "scrape" not in self.collectors:
+            self.collectors = (*self.collectors, "scrape")
         if self.interval_seconds <= 0 or self.window_seconds < self.interval_seconds:
             raise ValueError("interval must be > 0 and the window at least one interval")
         if self.history_retention_seconds < 3600:

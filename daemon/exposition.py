@@ -33,11 +33,17 @@ class Renderer:
             prefixes.clear()
         kept: dict[int, tuple] = {}
         out: list[str] = []
+        # Two collectors may give one family (the bundled engine's and a scraped vLLM's
+        # ac_inference_latency_seconds): one HELP and TYPE, then both's samples.
+        by_name: dict[str, list[Metric]] = {}
         for family in families:
+            by_name.setdefault(family.name, []).append(family)
+        for same in by_name.values():
+            family = same[0]
             name = family.name + "_total" if family.type == "counter" else family.name
             out.append(f"# HELP {name} {_escape_help(family.documentation)}\n"
                        f"# TYPE {name} {family.type}\n")
-            for sample in family.samples:
+            for sample in (s for f in same for s in f.samples):
                 made = lines.get(id(sample))
                 if made is not None and made[0] is sample:
                     line = made[1]

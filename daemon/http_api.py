@@ -24,7 +24,7 @@ from ac_observe.daemon.http_server import HttpServer, Request, Response
 from ac_observe.daemon.query import describe_friendly, parse_labels
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
 from ac_observe.durations import parse_duration, parse_instant
-from ac_observe.metrics import FRIENDLY
+from ac_observe.metrics import FRIENDLY, query_labels
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOWED_METHODS = "GET, HEAD"
@@ -102,7 +102,7 @@ class Routes:
         try:
             window = parse_duration((params.get("window") or ["60s"])[0])
             labels = parse_labels((params.get("labels") or [""])[0],
-                                  FRIENDLY[metric].source.labels)
+                                  query_labels(FRIENDLY[metric]))
             at = parse_instant((params.get("at") or [""])[0])
         except ValueError as exc:
             return json_response(400, {"error": str(exc)})

@@ -405,7 +405,31 @@ class Daemon:
         else:
             with self._lock:
                 view = self.windows.view(names, since, now)
-        return self.queries.answer(view, friendly, window_seconds, since, labels, shares)
+        answer = self.queries.answer(view, friendly, window_seconds, since, labels, shares)
+        if friendly.fallbacks:
+            self._add_fallbacks(answer, friendly, window_seconds, labels, now, shares, source)
+        return answer
+
+    def _add_fallbacks(self, answer: dict, friendly: m.Friendly, window_seconds: float,
+                       labels: dict[str, str], now: float | None,
+                       shares: dict[str, float] | None, source: str) -> None:
+        """An engine with no series of the name (a vLLM has no block counts) answered by
+        the first fallback it has (tokens, then its own gauge), each series saying which
+        (`basis`)."""
+        primary = friendly.fallbacks and friendly.source.unit or ""
+        for series in answer["series"]:
+            series["basis"] = primary
+        answered = {s["labels"].get("engine") for s in answer["series"]}
+        for basis, name in friendly.fallbacks:
+            other = m.FRIENDLY[name]
+            if not set(labels) <= set(m.query_labels(other)):
+                continue  # filtered on a label it lacks (a skeleton): nothing of its own
+            extra = self.query(name, window_seconds, labels, now, shares, source)
+            for series in extra["series"]:
+                if series["labels"].get("engine") not in answered:
+                    series["basis"] = basis
+                    answer["series"].append(series)
+                    answered.add(series["labels"].get("engine"))
 
     def _history_view(self, names: set[str], since: float, until: float):
         from ac_observe.daemon.history import build_view, group_minute, history_step, merge_minutes

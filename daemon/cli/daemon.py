@@ -62,12 +62,15 @@ def daemon(
                                             help="File holding that Grafana's service "
                                                  "account token (Editor); else "
                                                  "$GRAFANA_TOKEN."),
+    engine_endpoint: list[str] = typer.Option(
+        None, "--engine-endpoint", help="A vLLM or SGLang server's /metrics to read, as "
+        "[name=]URL (repeatable; also $AC_OBSERVE_ENGINE_ENDPOINTS, comma-separated)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ac_observe.daemon.config import DaemonConfig
+    from ac_observe.daemon.config import DaemonConfig, parse_endpoint
     from ac_observe.daemon.http_api import make_server
     from ac_observe.daemon.service import Daemon, tune_interpreter
     from ac_observe.durations import parse_duration
@@ -75,6 +78,9 @@ def daemon(
 
     configure_logging(log_level)
     try:
+        endpoints = tuple(parse_endpoint(text) for text in [
+            *(engine_endpoint or []),
+            *_names(os.environ.get("AC_OBSERVE_ENGINE_ENDPOINTS", ""))])
         config = DaemonConfig(
             host=host, port=port, token=read_token(token, token_file),
             interval_seconds=parse_duration(interval), window_seconds=parse_duration(window),
@@ -88,7 +94,7 @@ def daemon(
             alerting_file=alerting, store_url=store, state_dir=state_dir,
             alert_interval_seconds=parse_duration(alert_interval), history=history,
             history_retention_seconds=parse_duration(history_retention),
-            grafana_url=grafana_url or None,
+            grafana_url=grafana_url or None, engine_endpoints=endpoints,
             grafana_token=read_token(os.environ.get("GRAFANA_TOKEN") or None,
                                       grafana_token_file) if grafana_url else None)
         service = Daemon(config)

@@ -48,12 +48,13 @@ def show_status(obj: dict, as_json: bool) -> int:
     for e in status["engines"]:
         # The engine's name, then its model and API address under it (whole: what a
         # user types next).
-        name = Text(str(e["engine"]))
+        name = Text(str(e["engine"]) + (f" ({e['kind']})" if e.get("kind") else ""))
         name.append(f"\n{e['model']}" + (f"\n{e['api_address']}" if e["api_address"] else ""),
                     style="dim")
         if e.get("error"):
-            state = Text.from_markup(f"[red]bad[/red]: {escape(e['error'])} "
-                                     f"({escape(e['directory'])})")
+            what = "down" if e.get("endpoint") else "bad"  # a scraped engine, a directory
+            state = Text.from_markup(f"[red]{what}[/red]: {escape(e['error'])} "
+                                     f"({escape(e.get('endpoint') or e['directory'])})")
         else:
             state = Text.from_markup("[green]alive[/green]" if e["alive"]
                                      else "[yellow]gone[/yellow]")

@@ -1,0 +1,211 @@
+"""ScrapeCollector: vLLM and SGLang servers read over HTTP, each endpoint's families put
+into the contract's names by the mapping table (collectors/scrape/table.py).
+
+NOTE: each endpoint is read on its own, all at once, and judged whole: one that fails in
+any way (timeout, not Prometheus text, a body too big, a family of the wrong type, NaN, a
+histogram whose buckets go down) is down with the reason in `status` and exports nothing
+this cycle; the other endpoints' series are untouched. Histograms keep the engine's own
+bucket edges; counters are passed on as the engine counts them, so a restart (a counter
+going back) is a reset the daemon's windows and Prometheus both read as such.
+"""
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, cast
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from ac_observe import metrics as m
+from ac_observe.collectors.base import Collector, CollectorUnavailable, register
+from ac_observe.collectors.scrape.fetch import ScrapeFailed, fetch_text, parse_text
+from ac_observe.collectors.scrape.table import MODEL_LABEL, RANK_LABEL, TABLES, Row, kind_of
+
+OUT_LABELS = ("engine", "model", m.KIND_LABEL)
+MAX_SERIES_PER_ENDPOINT = 5000
+
+
+@dataclass(slots=True)
+class EndpointState:
+    name: str
+    url: str
+    kind: str = ""
+    model: str = ""
+    up: bool = False
+    reason: str = "not scraped yet"
+    last_ok: float | None = None
+
+
+# (contract family, (engine, model, kind)) -> a gauge's or counter's value, or a
+# histogram's ({le: count}, sum)
+Values = dict[tuple[str, tuple[str, str, str]], object]
+
+
+def _finite(value: float, what: str) -> float:
+    if not math.isfinite(value):
+        raise ScrapeFailed(f"{what} is {value}")
+    return value
+
+
+def _series_labels(name: str, kind: str, labels: dict) -> tuple[str, str, str]:
+    rank = labels.get(RANK_LABEL, "")
+    engine = name if rank in ("", "0") else f"{name}/{rank}"
+    return engine, labels.get(MODEL_LABEL, ""), kind
+
+
+def map_families(name: str, families: dict[str, Metric]) -> tuple[str, Values]:
+    """(kind, the endpoint's values in the contract's families); ScrapeFailed when the
+    families are not a vLLM's or an SGLang's, or any mapped one is malformed."""
+    kind = kind_of(families)
+    if kind is None:
+        raise ScrapeFailed("no vllm: or sglang: families (not a vLLM or SGLang /metrics)")
+    values: Values = {}
+    fed: set[str] = set()
+    counts: dict[tuple, int] = {}  # how many source series a ratio gauge averages
+    for row in TABLES[kind]:
+        family = families.get(row.source)
+        if family is None or row.target.name in fed:
+            continue
+        if family.type != row.type:
+            raise ScrapeFailed(f"{row.source} is a {family.type}, not a {row.type}")
+        fed.add(row.target.name)
+        if row.type == m.HISTOGRAM:
+            _add_histogram(name, kind, row, family, values)
+        else:
+            _add_scalar(name, kind, row, family, values, counts)
+    if len(values) > MAX_SERIES_PER_ENDPOINT:
+        raise ScrapeFailed(f"over {MAX_SERIES_PER_ENDPOINT} series")
+    for key, n in counts.items():
+        values[key] = values[key] / n  # type: ignore[operator]
+    return kind, values
+
+
+def _add_scalar(name: str, kind: str, row: Row, family: Metric, values: Values,
+                counts: dict) -> None:
+    suffix = "_total" if row.type == m.COUNTER else ""
+    for sample in family.samples:
+        if sample.name != row.source + suffix:
+            continue  # a counter's _created
+        value = _finite(sample.value, f"{sample.name}")
+        if row.negative_is_absent and value < 0:
+            continue
+        if row.type == m.COUNTER and value < 0:
+            raise ScrapeFailed(f"{sample.name} is negative")
+        key = (row.target.name, _series_labels(name, kind, sample.labels))
+        values[key] = values.get(key, 0.0) + value  # type: ignore[operator]
+        if row.target.unit == "ratio":  # a share: the ranks' mean, not their sum
+            counts[key] = counts.get(key, 0) + 1
+
+
+def _add_histogram(name: str, kind: str, row: Row, family: Metric, values: Values) -> None:
+    per_series: dict[tuple, tuple[dict[float, float], list[float]]] = {}
+    for sample in family.samples:
+        if sample.name not in (row.source + "_bucket", row.source + "_sum"):
+            continue
+        labels = dict(sample.labels)
+        le = labels.pop("le", None)
+        key = (row.target.name, _series_labels(name, kind, labels))
+        buckets, total = per_series.setdefault(key, ({}, [0.0]))
+        value = _finite(sample.value, sample.name)
+        if sample.name.endswith("_sum"):
+            total[0] += value
+            continue
+        try:
+            bound = float(le)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ScrapeFailed(f"{sample.name} has a bad le {str(le)[:20]!r}") from None
+        if math.isnan(bound):
+            raise ScrapeFailed(f"{sample.name} has le NaN")
+        buckets[bound] = buckets.get(bound, 0.0) + value
+    for key, (buckets, total) in per_series.items():
+        edges = sorted(buckets)
+        if not edges or not math.isinf(edges[-1]):
+            raise ScrapeFailed(f"{row.source} has no +Inf bucket")
+        counts = [buckets[e] for e in edges]
+        if any(b < a for a, b in zip(counts, counts[1:], strict=False)) or counts[0] < 0:
+            raise ScrapeFailed(f"{row.source}'s buckets are not cumulative")
+        values[key] = (dict(zip(edges, counts, strict=True)), total[0])
+
+
+def _families(values: Values) -> list[Metric]:
+    out: dict[str, Any] = {}
+    for (target, labels), value in sorted(values.items()):
+        spec = m.BY_NAME[target]
+        family = out.get(target)
+        if family is None:
+            cls = {m.COUNTER: CounterMetricFamily, m.GAUGE: GaugeMetricFamily,
+                   m.HISTOGRAM: HistogramMetricFamily}[spec.type]
+            family = out[target] = cls(spec.family, spec.help, labels=OUT_LABELS)
+        if spec.type == m.HISTOGRAM:
+            buckets, total = cast(tuple[dict[float, float], float], value)
+            family.add_metric(list(labels), [(floatToGoString(le), count)
+                                             for le, count in buckets.items()], total)
+        else:
+            family.add_metric(list(labels), value)
+    return list(out.values())
+
+
+@register("scrape")
+class ScrapeCollector(Collector):
+    def __init__(self, config):
+        self.endpoints: tuple[tuple[str, str], ...] = tuple(config.engine_endpoints)
+        # Each endpoint within its own deadline, inside the collector's.
+        self.scrape_timeout = max(0.05, 0.8 * config.collector_timeout_seconds)
+        self.timeout_seconds = config.collector_timeout_seconds
+        self.states = {name: EndpointState(name, url) for name, url in self.endpoints}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(self.endpoints))),
+                                        thread_name_prefix="ac-scrape")
+        self._back: list[dict[str, str]] = []
+
+    def counted_before_seen(self) -> list[dict[str, str]]:
+        return self._back
+
+    def _scrape(self, url: str):
+        return parse_text(fetch_text(url, self.scrape_timeout))
+
+    def collect(self) -> list[Metric]:
+        if not self.endpoints:
+            raise CollectorUnavailable("no engine endpoints (--engine-endpoint URL)")
+        futures = {name: self._pool.submit(self._scrape, url) for name, url in self.endpoints}
+        values: Values = {}
+        up = GaugeMetricFamily(m.ENGINE_UP.family, m.ENGINE_UP.help, labels=OUT_LABELS)
+        self._back = []
+        now = time.time()
+        for name, future in futures.items():
+            state = self.states[name]
+            was_up = state.up
+            try:
+                kind, mine = map_families(name, future.result())
+            except ScrapeFailed as exc:
+                state.up, state.reason = False, str(exc)
+            except Exception as exc:  # a parser surprise is this endpoint's alone
+                state.up, state.reason = False, f"not Prometheus text: {type(exc).__name__}"
+            else:
+                models = sorted({labels[1] for _, labels in mine if labels[1]})
+                state.up, state.reason, state.kind = True, "", kind
+                state.model, state.last_ok = ", ".join(models), now
+                values.update(mine)
+                if not was_up:  # back after an outage: its counters have a past
+                    self._back.append({"engine": name})
+            up.add_metric([name, state.model, state.kind], 1.0 if state.up else 0.0)
+        return [*_families(values), up]
+
+    def status(self) -> list[dict]:
+        return [{"engine": s.name, "model": s.model, "kind": s.kind or None, "pid": None,
+                 "api_address": s.url, "endpoint": s.url, "alive": s.up,
+                 "error": s.reason if not s.up else "", "warning": "",
+                 "restarts": 0, "heartbeat_age_seconds":
+                     round(time.time() - s.last_ok, 1) if s.last_ok else None,
+                 "directory": s.url}
+                for s in self.states.values()]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,87 @@
+"""One bounded scrape of an engine's `/metrics`: its text within a deadline and a size
+limit, parsed by prometheus_client's own parser.
+
+NOTE: an endpoint is outside input. Every way it can fail (refused, slow, a body too big,
+not Prometheus text, an HTTP error) raises `ScrapeFailed` with a reason a user can act
+on; nothing it sends is trusted beyond the families the mapping table names.
+"""
+from __future__ import annotations
+
+import http.client
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+MAX_BODY_BYTES = 4 * 1024 * 1024   # a vLLM with 8 DP ranks answers ~0.5 MiB
+_CHUNK = 64 * 1024
+
+
+class ScrapeFailed(RuntimeError):
+    """The endpoint could not be read as Prometheus text: the reason, for `status`."""
+
+
+def check_endpoint_url(url: str) -> str:
+    """The URL if it is an http(s) URL with a host, else ValueError; a bare host:port
+    gets http:// and /metrics."""
+    if "://" not in url:
+        url = "http://" + url
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"engine endpoint {url[:200]!r}: give an http(s) URL with a host")
+    if parts.path in ("", "/"):
+        url = urllib.parse.urlunsplit(parts._replace(path="/metrics"))
+    return url
+
+
+def fetch_text(url: str, timeout_seconds: float, max_bytes: int = MAX_BODY_BYTES) -> str:
+    """The endpoint's body, read within `timeout_seconds` overall (a server that drips
+    bytes is cut off too) and at most `max_bytes` long."""
+    deadline = time.monotonic() + timeout_seconds
+    request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_seconds) as response:
+            if response.status != 200:
+                raise ScrapeFailed(f"HTTP {response.status}")
+            body = bytearray()
+            while True:
+                if time.monotonic() > deadline:
+                    raise ScrapeFailed(f"timed out after {timeout_seconds:g}s")
+                chunk = response.read(_CHUNK)
+                if not chunk:
+                    break
+                body += chunk
+                if len(body) > max_bytes:
+                    raise ScrapeFailed(f"body over {max_bytes} bytes: not read")
+    except urllib.error.HTTPError as exc:
+        raise ScrapeFailed(f"HTTP {exc.code}") from None
+    except TimeoutError:
+        raise ScrapeFailed(f"timed out after {timeout_seconds:g}s") from None
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            raise ScrapeFailed(f"timed out after {timeout_seconds:g}s") from None
+        raise ScrapeFailed(f"cannot connect: {getattr(reason, 'strerror', None) or reason}"
+                           ) from None
+    except (http.client.HTTPException, OSError) as exc:
+        raise ScrapeFailed(f"bad answer: {type(exc).__name__}") from None
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ScrapeFailed("not Prometheus text: not UTF-8") from None
+
+
+def parse_text(text: str) -> dict[str, Metric]:
+    """The families of a Prometheus text body by name (counters without `_total`, as
+    prometheus_client names them)."""
+    families: dict[str, Metric] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            families[family.name] = family
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        raise ScrapeFailed(f"not Prometheus text: {str(exc)[:120]}") from None
+    return families
