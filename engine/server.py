@@ -11,6 +11,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 
@@ -46,6 +47,9 @@ from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 log = logging.getLogger("ac_observe.engine.api")
 DISCONNECT_POLL_SECONDS = 0.5
 OPENAI_DEFAULT_MAX_TOKENS = 256  # a chat completion that sets no output budget
+# The engine thread's Python (scheduling, postprocess) holds the GIL for up to the switch
+# interval (5 ms by default) while the event loop waits to write a ready first token.
+GIL_SWITCH_SECONDS = 0.001
 
 
 async def _get(queue: asyncio.Queue, seconds: float):
@@ -105,6 +109,7 @@ def freeze_heap() -> None:
 def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         task = asyncio.create_task(service.load())
         lag = asyncio.create_task(sample_loop_lag(
             lambda: service.engine.stats if service.engine is not None else None))

@@ -2,10 +2,11 @@
 delivery stamp (arrival to the first content bytes handed to the socket), answers sent
 whole with that stamp in their trace detail, and the event loop's sampled lag.
 
-NOTE: the delivery stamp is taken right after the ASGI `send` of the message carrying the
-first text returns: uvicorn's protocol writes to the transport inside that call (it yields
-only when the socket's buffer is full), so the stamp is the moment the bytes were handed
-to the kernel, not the moment the chunk was built.
+NOTE: the delivery stamp is taken as the ASGI `send` of the message carrying the first
+text is called, its bytes final: uvicorn's protocol frames them and writes them to the
+socket inside that call, microseconds later. Not after it returns: the write's syscall
+lets the engine thread take the GIL, and a stamp taken after it came out up to 5 ms
+later than the client's own receipt on a busy 2-core VM.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ LOOP_LAG_PERIOD_SECONDS = 0.1
 
 class FirstSent:
     """One stream's delivery stamp. The body generator `arm`s it just before it yields the
-    chunk that carries the request's first text; the response stamps it once that chunk's
-    send returned, and hands both figures to the engine's statistics."""
+    chunk that carries the request's first text; the response stamps it as it sends that
+    chunk, and hands both figures to the engine's statistics."""
     __slots__ = ("arrival_ns", "lane", "stats", "armed", "text_ready_ns", "sent_ns")
 
     def __init__(self, arrival_ns: int, lane: str, stats: EngineStats):
@@ -55,7 +56,7 @@ class EventStreamResponse(StreamingResponse):
     counts. Here the head and the first chunk (which carries the first token's text) are
     written at once; Starlette's own path (writer and disconnect listener) then carries the
     rest, so a client that goes away still cancels the body and frees the request's
-    blocks. `first_sent` is stamped after the send of the chunk it was armed for."""
+    blocks. `first_sent` is stamped as the chunk it was armed for is sent."""
 
     def __init__(self, body, first_sent: FirstSent | None = None, **kwargs):
         super().__init__(body, **kwargs)
@@ -69,18 +70,19 @@ class EventStreamResponse(StreamingResponse):
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
             if first is not None:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": first if isinstance(first, (bytes, memoryview))
-                            else first.encode(self.charset)})
+                message = {"type": "http.response.body", "more_body": True,
+                           "body": first if isinstance(first, (bytes, memoryview))
+                           else first.encode(self.charset)}
                 if first_sent is not None and first_sent.armed:
                     first_sent.stamp()
+                await send(message)
             self.body_iterator = chunks
 
             async def after_head(message) -> None:
                 if message["type"] != "http.response.start":  # sent above
-                    await send(message)
                     if first_sent is not None and first_sent.armed:
                         first_sent.stamp()
+                    await send(message)
 
             await super().__call__(scope, receive, after_head)
         finally:

@@ -24,10 +24,10 @@ def _body(i: int, max_tokens: int) -> bytes:
 
 async def _one(reader, writer, i: int, max_tokens: int) -> dict:
     payload = _body(i, max_tokens)
+    started = time.perf_counter()  # before the write: the server may stamp arrival first
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                  b"Content-Type: application/json\r\n"
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    started = time.perf_counter()
     buffer, first_content, trace = b"", None, None
     scanned = 0
     while trace is None:
