@@ -46,6 +46,8 @@ STEP_BUCKETS_SECONDS = (
 )
 # One class's device time in one sampled step: 5 us to ~5 s.
 KERNEL_BUCKETS_SECONDS = (0.000005, 0.00001, 0.000025, 0.00005) + STEP_BUCKETS_SECONDS
+# How late the API server's event loop ran a timer: 50 us up, then the latency buckets.
+LOOP_LAG_BUCKETS_SECONDS = (0.00005, 0.0001) + LATENCY_BUCKETS_SECONDS
 SKELETON_DEPTH_BUCKETS = tuple(float(d) for d in range(1, 17))
 # How long an unused cached block survived before eviction: 10 ms to a day.
 AGE_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -124,6 +126,17 @@ FRONTEND = _latency("ac_frontend_seconds",
 FIRST_TEXT = _latency("ac_time_to_first_text_seconds",
                       "Request arrival to the first non-empty text sent (later than the first "
                       "token when its bytes do not yet form a character).")
+FIRST_TOKEN_SENT = _latency("ac_first_token_sent_seconds",
+                            "Request arrival to the first content bytes of a streamed answer "
+                            "handed to the socket (time to first token at the server's edge).")
+DELIVERY_LAG = _latency("ac_delivery_lag_seconds",
+                        "First text ready on the engine thread to its bytes handed to the "
+                        "socket: the event loop's turn, serialisation and the write "
+                        "(streamed answers).")
+EVENT_LOOP_LAG = _engine("ac_event_loop_lag_seconds", HISTOGRAM,
+                         "How late the API server's event loop ran a timer due every 100 ms "
+                         "(sampled): a saturated API server shows here.", ENGINE_LABELS,
+                         "seconds", LOOP_LAG_BUCKETS_SECONDS)
 PREFILL_GPU = _step("ac_prefill_gpu_seconds",
                     "Device time of one prefill step (CUDA events; host clock on CPU).")
 DECODE_STEP_GPU = _step("ac_decode_step_gpu_seconds",
@@ -203,8 +216,9 @@ KERNEL_SECONDS = _engine("ac_kernel_seconds", HISTOGRAM,
                          PHASE_LABELS + ("class",), "seconds", KERNEL_BUCKETS_SECONDS)
 
 ENGINE_METRICS = (
-    INFERENCE_LATENCY, FRONTEND, QUEUE_TIME, FIRST_TEXT, PREFILL_GPU, DECODE_STEP_GPU,
-    INTER_TOKEN_LATENCY, E2E_LATENCY, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS,
+    INFERENCE_LATENCY, FRONTEND, QUEUE_TIME, FIRST_TEXT, FIRST_TOKEN_SENT, DELIVERY_LAG,
+    EVENT_LOOP_LAG, PREFILL_GPU, DECODE_STEP_GPU, INTER_TOKEN_LATENCY, E2E_LATENCY, REQUESTS,
+    PROMPT_TOKENS, GENERATION_TOKENS,
     KV_QUERY_BLOCKS, KV_HIT_BLOCKS,
     KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_MISS_BLOCKS, KV_MISS_TOKENS, KV_EVICTION_AGE, KV_USAGE,
     KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS, REQUESTS_RUNNING, REQUESTS_WAITING,
@@ -393,6 +407,14 @@ FRIENDLY = {f.name: f for f in (
              "Arrival to the engine's queue (HTTP, validation, tokenization)."),
     Friendly("time_to_first_text_ns", HISTOGRAM_KIND, FIRST_TEXT, "ns", 1e9,
              "Arrival to the first visible text."),
+    Friendly("first_token_sent_ns", HISTOGRAM_KIND, FIRST_TOKEN_SENT, "ns", 1e9,
+             "Time to first token as it leaves the server: arrival to the first content "
+             "bytes of a stream handed to the socket."),
+    Friendly("delivery_lag_ns", HISTOGRAM_KIND, DELIVERY_LAG, "ns", 1e9,
+             "First text ready to its bytes handed to the socket (the API server's share "
+             "of time to first token)."),
+    Friendly("event_loop_lag_ms", HISTOGRAM_KIND, EVENT_LOOP_LAG, "ms", 1e3,
+             "How late the engine's API event loop ran a 100 ms timer (sampled)."),
     Friendly("e2e_latency_ms", HISTOGRAM_KIND, E2E_LATENCY, "ms", 1e3, "Arrival to finish."),
     Friendly("inter_token_latency_ms", HISTOGRAM_KIND, INTER_TOKEN_LATENCY, "ms", 1e3,
              "Time between output tokens."),

@@ -109,8 +109,18 @@ def overview() -> Board:
                 (stat("queue_time_ns", "p95", LANE), "queue {{engine}} {{stream}}"),
                 (stat("prefill_gpu_ms", "p95", LANE) + " * 1e6",
                  "prefill step {{engine}} {{stream}}"),
+                (stat("delivery_lag_ns", "p95", LANE), "delivery {{engine}} {{stream}}"),
             ], "ns", description="Frontend (HTTP, validation, tokenization), the engine's "
-                                 "queue and the prefill step's device time."),
+                                 "queue, the prefill step's device time, and delivery: "
+                                 "first text ready to its bytes handed to the socket."),
+            Panel("Time to first token: engine vs leaving the server (p95)", [
+                (stat("inference_latency_ns", "p95", LANE), "engine {{engine}} {{stream}}"),
+                (stat("first_token_sent_ns", "p95", LANE), "sent {{engine}} {{stream}}"),
+                (stat("event_loop_lag_ms", "p95", ("engine",)) + " * 1e6",
+                 "event loop lag {{engine}}"),
+            ], "ns", description=m.FIRST_TOKEN_SENT.help + " Beside it the engine's own "
+                                 "TTFT and the API server's event loop lag: a gap that "
+                                 "grows with the lag is a saturated API server."),
         ]),
         ("Throughput and queue", [
             Panel("Tokens / s", [

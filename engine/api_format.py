@@ -70,13 +70,14 @@ def final_trace_headers(trace: TraceDetail | None) -> dict[str, str]:
             "x-ac-first-text-ns": str(trace.first_text_ns if trace else 0)}
 
 
-def trace_metadata(trace: TraceDetail | None) -> dict:
-    """The same figures for the body of a stream's last event (headers left long before)."""
+def trace_metadata(trace: TraceDetail | None, first_sent_ns: int = 0) -> dict:
+    """The same figures for the body of a stream's last event (headers left long before),
+    with the delivery stamp: arrival to the first text's bytes handed to the socket."""
     if trace is None:
         return {}
     return {"model_latency_ns": trace.ttft_ns, "queue_time_ns": trace.queue_ns,
-            "first_text_ns": trace.first_text_ns, "e2e_ns": trace.e2e_ns,
-            **trace_detail_json(trace)}
+            "first_text_ns": trace.first_text_ns, "first_sent_ns": first_sent_ns,
+            "e2e_ns": trace.e2e_ns, **trace_detail_json(trace)}
 
 
 def anthropic_usage(out: RequestOutput) -> dict:
@@ -112,7 +113,7 @@ def anthropic_text_delta(text: str) -> str:
                                        "delta": {"type": "text_delta", "text": text}})
 
 
-def anthropic_stream_end(out: RequestOutput) -> str:
+def anthropic_stream_end(out: RequestOutput, first_sent_ns: int = 0) -> str:
     usage = anthropic_usage(out)
     return (sse("content_block_stop", {"type": "content_block_stop", "index": 0})
             + sse("message_delta", {
@@ -122,7 +123,7 @@ def anthropic_stream_end(out: RequestOutput) -> str:
                 "usage": {"output_tokens": usage["output_tokens"],
                           "input_tokens": usage["input_tokens"],
                           "cache_read_input_tokens": usage["cache_read_input_tokens"]},
-                "metadata": {"ac_trace": trace_metadata(out.trace)}})
+                "metadata": {"ac_trace": trace_metadata(out.trace, first_sent_ns)}})
             + sse("message_stop", {"type": "message_stop"}))
 
 
@@ -130,10 +131,14 @@ def anthropic_stream_error(status: int, message: str) -> str:
     return sse("error", anthropic_error(status, message))
 
 
-def openai_usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+def openai_usage(out: RequestOutput, details: bool = True) -> dict:
+    """Usage as OpenAI words it; `details` off for the running counts of
+    `continuous_usage_stats` (vLLM's: the three counts so far)."""
+    usage = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+             "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+    if details:
+        usage["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}
+    return usage
 
 
 def openai_completion(completion_id: str, model: str, out: RequestOutput) -> dict:
@@ -153,3 +158,44 @@ def openai_chunk(completion_id: str, model: str, created: int, delta: dict | Non
     if usage is not None:
         body["usage"] = usage
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def openai_text_completion(completion_id: str, model: str, out: RequestOutput) -> dict:
+    """The legacy Completions API's answer (`POST /v1/completions`)."""
+    return {"id": completion_id, "object": "text_completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "text": out.new_text, "logprobs": None,
+                         "finish_reason": OPENAI_STOP.get(out.finish_reason)}],
+            "usage": openai_usage(out)}
+
+
+def openai_text_chunk(completion_id: str, model: str, created: int, text: str | None,
+                      finish_reason: str | None = None, usage: dict | None = None,
+                      last: bool = False) -> str:
+    """One event of a streamed legacy completion (the opening, `text` None, is nothing:
+    its first event carries text); `last`: the usage chunk, with no choices as OpenAI's."""
+    if text is None and not last:
+        return ""
+    body = {"id": completion_id, "object": "text_completion", "created": created,
+            "model": model,
+            "choices": [] if last else [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def openai_chat_chunk(completion_id: str, model: str, created: int, text: str | None,
+                      finish_reason: str | None = None, usage: dict | None = None,
+                      last: bool = False) -> str:
+    """One event of a streamed chat completion: `text` None opens it (the role), a finish
+    reason closes it (empty delta), `last` is the usage chunk (no choices)."""
+    if last:
+        delta = None
+    elif text is None:
+        delta = {"role": "assistant", "content": ""}
+    elif finish_reason is not None:
+        delta = {}
+    else:
+        delta = {"content": text}
+    return openai_chunk(completion_id, model, created, delta, finish_reason, usage)

@@ -132,14 +132,15 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    # vLLM's extension (guidellm sends it): usage so far on every chunk, with include_usage.
+    continuous_usage_stats: bool = False
 
 
-class ChatCompletionRequest(SamplingExtensions):
+class OpenAISampling(SamplingExtensions):
+    """The fields both OpenAI routes share."""
     model_config = _STRICT
     model: str = Field(min_length=1, max_length=256)
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0)
@@ -149,20 +150,22 @@ class ChatCompletionRequest(SamplingExtensions):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)  # an identifier, no effect
-    # Sent at their neutral values by some clients; anything else would change sampling.
+    # Sent at their neutral values by benchmark clients (NEUTRAL_ONLY); anything else
+    # would change sampling.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logprobs: bool | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
 
-    @field_validator("frequency_penalty", "presence_penalty", "logprobs")
+    @field_validator("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p")
     @classmethod
     def _neutral_only(cls, value, info):
-        neutral = False if info.field_name == "logprobs" else 0.0
+        neutral = NEUTRAL_ONLY[info.field_name]
         if value is not None and value != neutral:
             raise ValueError(f"only {neutral} is supported by this engine")
         return value
 
-    @field_validator("max_tokens", "max_completion_tokens")
+    @field_validator("max_tokens")
     @classmethod
     def _positive(cls, value):
         if value is not None and value < 1:
@@ -175,4 +178,77 @@ class ChatCompletionRequest(SamplingExtensions):
         stops = [value] if isinstance(value, str) else (value or [])
         if len(stops) > 16 or any(not s for s in stops):
             raise ValueError("stop takes up to 16 non-empty strings")
+        return value
+
+
+# Fields accepted only at the value that changes nothing.
+NEUTRAL_ONLY = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                "min_p": 0.0, "logprobs": None, "echo": False, "best_of": 1, "suffix": None}
+# Who is known to send a field this engine refuses (or accepts only at its neutral value),
+# for the refusal to name: docs/engine.md, "What benchmark clients send".
+FIELD_SENDERS = {
+    "repetition_penalty": "vLLM's `vllm bench serve` --repetition-penalty",
+    "min_p": "vLLM's `vllm bench serve` --min-p",
+    "logprobs": "vLLM's `vllm bench serve` --logprobs",
+    "top_logprobs": "vLLM's `vllm bench serve` --logprobs",
+    "tools": "guidellm (tool-call turns)",
+    "tool_choice": "guidellm (tool-call turns)",
+    "echo": "OpenAI's legacy completions clients",
+    "best_of": "OpenAI's legacy completions clients",
+}
+
+
+class ChatCompletionRequest(OpenAISampling):
+    model_config = _STRICT
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        if value:
+            raise ValueError("only False is supported by this engine")
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive_completion(cls, value):
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+
+class CompletionRequest(OpenAISampling):
+    """The legacy Completions API (`POST /v1/completions`), as `vllm bench serve`,
+    genai-perf and guidellm's completions mode send it: one prompt, as text or token ids
+    (a list of one, as genai-perf sends it, too)."""
+    model_config = _STRICT
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # the API's default
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("logprobs", "echo", "best_of", "suffix")
+    @classmethod
+    def _legacy_neutral_only(cls, value, info):
+        neutral = NEUTRAL_ONLY[info.field_name]
+        if value is not None and value != neutral:
+            raise ValueError(f"only {neutral} is supported by this engine")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError("one prompt per request is supported by this engine "
+                                 f"(got {len(value)})")
+            value = value[0]
+        if not value:
+            raise ValueError("the prompt is empty")
+        if isinstance(value, list) and any(t < 0 for t in value):
+            raise ValueError("token ids are not negative")
         return value

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from ac_observe.engine.api_format import new_request_id
 
-GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions", "/v1/completions"})
 TRACE_DEFAULTS = ((b"x-ac-model-latency-ns", b"0"), (b"x-ac-queue-time-ns", b"0"),
                   (b"x-ac-trace-detail", b"{}"))
 ARRIVAL_KEY = "arrival_ns"  # in the ASGI scope's state: time.monotonic_ns() at arrival

@@ -30,6 +30,7 @@ from ac_observe.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from ac_observe.metrics import DEFAULT_LANE, MISS_REASONS, PHASE_DECODE, PHASE_PREFILL
 
 log = logging.getLogger("ac_observe.engine")
+IDLE_FLUSH_SECONDS = 0.25
 
 __all__ = ["Engine", "RequestOutput", "TraceDetail", "QueueFullError", "NeverFitsError",
            "SamplingParams", "FinishReason"]
@@ -65,6 +66,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     trace: TraceDetail | None  # set on the first token and at the finish
+    # Arrival to the first non-empty text, on the one output that carries it (else 0).
+    first_text_ns: int = 0
 
 
 class RequestHandle:
@@ -341,7 +344,9 @@ class Engine:
             with self._lock:
                 while not self._stopped and not self._aborts and not self.scheduler.has_work():
                     self.stats.flush()  # idle: every figure written
-                    self._wakeup.wait()
+                    # Woken now and then while idle too: the event loop's figures (first
+                    # bytes sent, its lag) arrive without a step to flush them.
+                    self._wakeup.wait(IDLE_FLUSH_SECONDS)
                 if self._stopped:
                     return
             try:
@@ -530,9 +535,12 @@ class Engine:
                 kv_miss_blocks=dict(zip(MISS_REASONS, seq.kv_miss_blocks, strict=False)),
                 skeleton_depth=seq.skeleton.depth if seq.skeleton else 0, stream=seq.lane,
                 num_preemptions=seq.num_preemptions)
+        # The first text is the output's whole text when nothing was emitted before it.
+        first_text = bool(new_text) and request.emitted_chars == len(new_text)
         return RequestOutput(seq.request_id, new_ids, new_text, False, None, None,
                              seq.num_prompt_tokens, seq.num_output_tokens,
-                             seq.num_cached_tokens, trace)
+                             seq.num_cached_tokens, trace,
+                             seq.timeline.first_text_latency_ns if first_text else 0)
 
 
 def _flatten(content) -> str:

@@ -11,18 +11,25 @@ import hmac
 import ipaddress
 import json
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ac_observe import __version__
 from ac_observe.auth import bearer_token
 from ac_observe.engine import api_format as fmt
-from ac_observe.engine.api_models import ChatCompletionRequest, CountTokensRequest, MessagesRequest
+from ac_observe.engine.api_models import (
+    FIELD_SENDERS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.http_middleware import BodyLimitAndIdsMiddleware
 from ac_observe.engine.kernel_sampler import prime_profiler
@@ -34,11 +41,15 @@ from ac_observe.engine.llm_engine import (
     RequestOutput,
     SamplingParams,
 )
+from ac_observe.engine.streaming import FirstSent, WholeResponse, sample_loop_lag, sse_response
 from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 
 log = logging.getLogger("ac_observe.engine.api")
 DISCONNECT_POLL_SECONDS = 0.5
 OPENAI_DEFAULT_MAX_TOKENS = 256  # a chat completion that sets no output budget
+# The engine thread's Python (scheduling, postprocess) holds the GIL for up to the switch
+# interval (5 ms by default) while the event loop waits to write a ready first token.
+GIL_SWITCH_SECONDS = 0.001
 
 
 async def _get(queue: asyncio.Queue, seconds: float):
@@ -98,9 +109,13 @@ def freeze_heap() -> None:
 def create_app(service: EngineService, max_body_bytes: int = 8 << 20) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         task = asyncio.create_task(service.load())
+        lag = asyncio.create_task(sample_loop_lag(
+            lambda: service.engine.stats if service.engine is not None else None))
         yield
         task.cancel()
+        lag.cancel()
         await asyncio.to_thread(service.close)
 
     app = FastAPI(title="ac-observe engine", version=__version__, lifespan=lifespan)
@@ -177,24 +192,28 @@ async def messages(body: MessagesRequest, request: Request):
         return await _complete(first, queue, request, engine, request_id,
                                lambda out: fmt.anthropic_message(message_id, body.model, out))
 
+    sent = _first_sent(request, engine, first)
+
     async def events():
         try:
             # The first token's text goes out with the head, in one write on the handler's
             # own task (EventStreamResponse).
+            sent.arm(first)
             yield fmt.anthropic_stream_start(message_id, body.model, first) + \
                 (fmt.anthropic_text_delta(first.new_text) if first.new_text else "")
             out = first
             async for out in _after(first, queue):
                 if out.new_text:
+                    sent.arm(out)
                     yield fmt.anthropic_text_delta(out.new_text)
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
                 yield fmt.anthropic_stream_error(500, _failure_message(out))
             else:
-                yield fmt.anthropic_stream_end(out)
+                yield fmt.anthropic_stream_end(out, sent.sent_ns)
         finally:
             engine.abort(request_id)  # a client that went away frees its blocks now
 
-    return _sse_response(events(), first)
+    return sse_response(events(), first, sent)
 
 
 async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -218,35 +237,76 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if not body.stream:
         return await _complete(first, queue, request, engine, request_id,
                                lambda out: fmt.openai_completion(completion_id, body.model, out))
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    created = int(time.time())
+    return _openai_stream(engine, request, body, first, queue, completion_id,
+                          fmt.openai_chat_chunk)
+
+
+async def completions(body: CompletionRequest, request: Request):
+    """OpenAI's legacy Completions: one prompt (text or token ids) without a chat template;
+    one text_completion object, or its chunk stream."""
+    engine = _service(request).ready()
+    max_tokens = body.max_tokens or 16
+    _check_max_tokens(engine, max_tokens, "max_tokens")
+    stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    params = _sampling(body, max_tokens, stops, seed=body.seed)
+    request_id = request.state.request_id
+    queue = await _submit(engine, request, params, request_id, prompt=body.prompt)
+    first = await _next_output(queue, request, engine, request_id)
+    completion_id = "cmpl-" + request_id.removeprefix("req_")
+    if not body.stream:
+        return await _complete(
+            first, queue, request, engine, request_id,
+            lambda out: fmt.openai_text_completion(completion_id, body.model, out))
+    return _openai_stream(engine, request, body, first, queue, completion_id,
+                          fmt.openai_text_chunk)
+
+
+def _openai_stream(engine: Engine, request: Request, body, first: RequestOutput, queue,
+                   completion_id: str, chunk):
+    """Either OpenAI route's chunk stream. `chunk(id, model, created, text, finish, usage)`
+    renders one event: `text` None opens the stream (chat's role chunk), "" closes it
+    with its finish reason. With `stream_options.include_usage` a last chunk carries the
+    usage and the trace; with `continuous_usage_stats` as well, every chunk carries the
+    usage so far (vLLM's extension, which guidellm asks for)."""
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    running = include_usage and options.continuous_usage_stats
+    created, model, request_id = int(time.time()), body.model, request.state.request_id
+    sent = _first_sent(request, engine, first)
+
+    def event(out: RequestOutput, text: str | None, finish: str | None = None) -> str:
+        return chunk(completion_id, model, created, text, finish,
+                     fmt.openai_usage(out, details=False) if running else None)
 
     async def chunks():
         try:
-            yield fmt.openai_chunk(completion_id, body.model, created,
-                                   {"role": "assistant", "content": ""}) + \
-                (fmt.openai_chunk(completion_id, body.model, created,
-                                  {"content": first.new_text}) if first.new_text else "")
+            sent.arm(first)
+            opening = event(first, None)
+            yield opening + event(first, first.new_text) if first.new_text else opening
             out = first
             async for out in _after(first, queue):
                 if out.new_text:
-                    yield fmt.openai_chunk(completion_id, body.model, created,
-                                           {"content": out.new_text})
+                    sent.arm(out)
+                    yield event(out, out.new_text)
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
                 yield "data: " + json.dumps(fmt.openai_error(500, _failure_message(out))) \
                     + "\n\n"
                 return
-            yield fmt.openai_chunk(completion_id, body.model, created, {},
-                                   fmt.OPENAI_STOP.get(out.finish_reason))
+            yield event(out, "", fmt.OPENAI_STOP.get(out.finish_reason))
             if include_usage:
                 usage = fmt.openai_usage(out)
-                usage["ac_trace"] = fmt.trace_metadata(out.trace)
-                yield fmt.openai_chunk(completion_id, body.model, created, None, usage=usage)
+                usage["ac_trace"] = fmt.trace_metadata(out.trace, sent.sent_ns)
+                yield chunk(completion_id, model, created, None, None, usage, last=True)
             yield "data: [DONE]\n\n"
         finally:
             engine.abort(request_id)
 
-    return _sse_response(chunks(), first)
+    return sse_response(chunks(), first, sent)
+
+
+def _first_sent(request: Request, engine: Engine, first: RequestOutput) -> FirstSent:
+    lane = first.trace.stream if first.trace else _lane(request)
+    return FirstSent(request.state.arrival_ns, lane, engine.stats)
 
 
 async def faults(request: Request):
@@ -310,6 +370,7 @@ ROUTES = (
     ("POST", "/v1/messages/count_tokens", count_tokens),
     ("POST", "/v1/messages", messages),
     ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/v1/completions", completions),
 )
 
 
@@ -422,11 +483,11 @@ async def _collect(first: RequestOutput, queue, request, engine, request_id) -> 
     return last
 
 
-async def _complete(first, queue, request, engine, request_id, render) -> JSONResponse:
+async def _complete(first, queue, request, engine, request_id, render) -> WholeResponse:
     """A non-streaming answer: wait for the finish, then one body with the trace headers."""
     out = await _collect(first, queue, request, engine, request_id)
     _raise_if_failed(out)
-    return JSONResponse(render(out), headers=fmt.final_trace_headers(out.trace))
+    return WholeResponse(render(out), out.trace, request.state.arrival_ns)
 
 
 def _failure_message(out: RequestOutput) -> str:
@@ -442,53 +503,10 @@ def _raise_if_failed(out: RequestOutput) -> None:
         raise APIError(503, _failure_message(out))
 
 
-class EventStreamResponse(StreamingResponse):
-    """An SSE stream whose head and first event go out on the handler's own task.
-
-    Starlette's StreamingResponse (under ASGI spec < 2.4, which uvicorn speaks) first
-    starts a task group, spawns the writer as a new task and only then sends the head:
-    ~0.2 ms on a 2-core VM between the first token and its bytes that no latency figure
-    counts. Here the head and the first chunk (which carries the first token's text) are
-    written at once; Starlette's own path (writer and disconnect listener) then carries the
-    rest, so a client that goes away still cancels the body and frees the request's
-    blocks."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        chunks = aiter(self.body_iterator)
-        try:
-            first = await anext(chunks, None)
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
-            if first is not None:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": first if isinstance(first, (bytes, memoryview))
-                            else first.encode(self.charset)})
-            self.body_iterator = chunks
-
-            async def after_head(message) -> None:
-                if message["type"] != "http.response.start":  # sent above
-                    await send(message)
-
-            await super().__call__(scope, receive, after_head)
-        finally:
-            # Whatever ended it (a client gone before Starlette's writer ran, a send that
-            # raised), the body's `finally` (which aborts the request) runs now, not when a
-            # garbage collector gets to the generator.
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()
-
-
-def _sse_response(body, first: RequestOutput) -> EventStreamResponse:
-    headers = {"cache-control": "no-cache", "x-accel-buffering": "no",
-               **fmt.trace_headers(first.trace)}
-    return EventStreamResponse(body, media_type="text/event-stream", headers=headers)
-
-
 # ----- errors -----------------------------------------------------------------------------
 
 def _error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
-    if path.startswith("/v1/chat/"):
+    if path.startswith(("/v1/chat/", "/v1/completions")):
         return fmt.openai_error(status, message, param)
     return fmt.anthropic_error(status, message)
 
@@ -510,7 +528,9 @@ def _validation_message(exc: RequestValidationError,
         msg = err.get("msg", "invalid value")
         if err.get("type") == "extra_forbidden":  # never accepted and then ignored
             msg = "not supported by this engine"
-        parts.append(f"{field}: {msg.removeprefix('Value error, ')}")
+        sender = FIELD_SENDERS.get(loc[0] if loc else "")
+        parts.append(f"{field}: {msg.removeprefix('Value error, ')}"
+                     + (f" (sent by {sender})" if sender else ""))
     return "; ".join(parts), param
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ac_observe import metrics as m
@@ -87,6 +88,9 @@ class EngineStats:
     _flush_failed: bool = False
     _scheduler: Scheduler | None = None
     _block_manager: BlockManager | None = None
+    # Figures the event loop measures (delivery, its own lag): appended there without the
+    # engine's lock (a deque's append is atomic), written by the next flush.
+    _from_loop: deque = field(default_factory=deque)
 
     def bind(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
         """The engine's scheduler and KV pool, whose state each flush writes (evictions,
@@ -179,6 +183,24 @@ class EngineStats:
             self.writer.observe(m.FIRST_TEXT, seq.timeline.first_text_latency_ns * NS,
                                 stream=seq.lane)
 
+    def on_first_sent(self, lane: str, sent_seconds: float, lag_seconds: float) -> None:
+        """A stream's first content bytes handed to the socket (the event loop's thread):
+        arrival to then, and first text ready to then."""
+        self._from_loop.append((m.FIRST_TOKEN_SENT, sent_seconds, lane))
+        self._from_loop.append((m.DELIVERY_LAG, lag_seconds, lane))
+
+    def on_loop_lag(self, seconds: float) -> None:
+        """One sample of the event loop's lag (the event loop's thread)."""
+        self._from_loop.append((m.EVENT_LOOP_LAG, seconds, None))
+
+    def _write_from_loop(self) -> None:
+        while self._from_loop:
+            spec, seconds, lane = self._from_loop.popleft()
+            if lane is None:
+                self.writer.observe(spec, seconds)
+            else:
+                self.writer.observe(spec, seconds, stream=lane)
+
     def on_finished(self, seq: Sequence) -> None:
         if not self.writer:
             return
@@ -227,6 +249,7 @@ class EngineStats:
             return
         try:
             self._write_state()
+            self._write_from_loop()
             for series in self._by_lane.values():
                 series.commit()
             if self._pending_tokens:
@@ -259,6 +282,8 @@ class NullStats(EngineStats):
     def on_first_scheduled(self, seq, block_size): pass
     def on_tokens(self, lane, first_token_seconds, gap_seconds): pass
     def on_first_text(self, seq): pass
+    def on_first_sent(self, lane, sent_seconds, lag_seconds): pass
+    def on_loop_lag(self, seconds): pass
     def on_finished(self, seq): pass
     def flush(self): pass
     def flush_due(self): pass

@@ -913,7 +913,7 @@ def test_the_printed_schema_holds_the_shipped_alerting_files_and_refuses_bad_one
     defaults = subprocess.run([AC_OBSERVE, "alerts", "defaults"], capture_output=True,
                               text=True, timeout=60, check=True).stdout
     written = yaml.safe_load(defaults)
-    assert len(written["rules"]) == 8 and list(validator.iter_errors(written)) == []
+    assert len(written["rules"]) == 9 and list(validator.iter_errors(written)) == []
     path = tmp_path / "alerts.yaml"
     path.write_text(f"receivers:\n  - {{name: ops, url: 'http://h/x', secret: '{SECRET}'}}\n"
                     "rules:\n" + RULES)

@@ -555,3 +555,40 @@ def test_traceparent_is_followed_only_when_valid(header, trace_id):
     of its own), never echoed back as if it named a trace."""
     from ac_observe.engine.http_middleware import traceparent_trace_id
     assert traceparent_trace_id(header) == trace_id
+
+
+def test_legacy_completions_and_continuous_usage_as_benchmark_clients_send_them(
+        engine_server):
+    """`POST /v1/completions` through the official SDK, whole and streamed; guidellm's
+    `continuous_usage_stats` (usage so far on every chunk, counts that only grow) and
+    `vllm bench serve`'s neutral extras honoured; another value refused, naming the field
+    and the client that sends it."""
+    client = _openai(engine_server)
+    whole = client.completions.create(model="tiny", prompt="abc", max_tokens=5,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert whole.object == "text_completion" and whole.usage.completion_tokens == 5
+    assert whole.usage.prompt_tokens == 3  # no chat template: the prompt's own bytes
+    chunks = list(client.completions.create(
+        model="tiny", prompt=[[97, 98, 99]], max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.0, "min_p": 0.0}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text and chunks[-1].usage.completion_tokens == 5
+    body = {"model": "tiny", "max_completion_tokens": 6, "ignore_eos": True, "stop": None,
+            "stream": True, "messages": [{"role": "user", "content": "x"}],
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = [json.loads(line[6:]) for line in httpx.post(
+        engine_server.url + "/v1/chat/completions", json=body, timeout=60).text.splitlines()
+        if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert all("usage" in e for e in events) and counts == sorted(counts) and counts[-1] == 6
+    assert events[-1]["usage"]["ac_trace"]["first_sent_ns"] >= \
+        events[-1]["usage"]["ac_trace"]["first_text_ns"] > 0
+    refused = httpx.post(engine_server.url + "/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": "x", "repetition_penalty": 1.2})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "repetition_penalty" and "vllm bench serve" in error["message"]
+    two = httpx.post(engine_server.url + "/v1/completions", timeout=30,
+                     json={"model": "tiny", "prompt": ["a", "b"]})
+    assert two.status_code == 400 and "one prompt" in two.json()["error"]["message"]

@@ -132,7 +132,7 @@ def test_the_head_and_the_first_tokens_text_are_written_before_anything_else_wai
     and closes the body (its `finally` aborts the request) whatever ended it."""
     import asyncio
 
-    from ac_observe.engine.server import EventStreamResponse
+    from ac_observe.engine.streaming import EventStreamResponse
 
     async def run(response_class, disconnect_after_first: bool):
         log, closed = [], []
