@@ -562,3 +562,11 @@ def test_alerts_test_command(tmp_path, receiver):
     bad.write_text("receivers:\n  - {name: ops, url: 'gopher://x/'}\n")
     run = alerts_test(bad)
     assert run.returncode == 2 and f"{bad}: receivers[0] (ops).url: gopher scheme" in run.stderr
+    # Rules the daemon would refuse: nothing is sent, as the daemon would not start.
+    sent = len(receiver.requests)
+    bad.write_text(f"receivers:\n  - {{name: ops, url: '{receiver.url}', secret: '{SECRET}'}}\n"
+                   "rules:\n  - {name: R, metric: inference_latency_ns, statistic: p95,\n"
+                   "     window: 1m, comparison: above, threshold: one}\n")
+    run = alerts_test(bad)
+    assert run.returncode == 2 and "threshold" in run.stderr and str(bad) in run.stderr
+    assert len(receiver.requests) == sent
