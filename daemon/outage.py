@@ -62,7 +62,7 @@ class Outage:
         with self._lock:
             if not self.reason:
                 self.reason, self._since, self._reminded, self._failures = reason, now, now, 1
-                self.log.warning("%s is unreachable: %s; %s", self.what, reason, self.kept)
+                self.log.warning("%s is unavailable: %s; %s", self.what, reason, self.kept)
                 return
             self.reason = reason
             self._failures += 1
@@ -70,7 +70,7 @@ class Outage:
                 return
             self._reminded = now
             since, failures = self._since, self._failures
-        self.log.warning("%s is still unreachable after %s (%d failed calls): %s; %s",
+        self.log.warning("%s is still unavailable after %s (%d failed calls): %s; %s",
                          self.what, duration_text(now - since), failures, reason, self.kept)
 
     def ok(self) -> None:
