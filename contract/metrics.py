@@ -327,11 +327,21 @@ ENGINE_UP = _daemon("ac_engine_up", GAUGE,
                     "1 while the engine's heartbeat is fresh, 0 once it is stale; a gone "
                     "engine stays at 0 for an hour after its last heartbeat.",
                     ("engine", "model"))
+# As Prometheus and Alertmanager name theirs: 1 at start and after each reload of the
+# alerting file that took (SIGHUP, POST /-/reload), 0 after one that did not.
+CONFIG_RELOAD_SUCCESSFUL = _daemon("ac_config_last_reload_successful", GAUGE,
+                                   "1 if the last reload of the configuration (the alerting "
+                                   "file, the token file) took, 0 if it kept the previous "
+                                   "one.", ())
+CONFIG_RELOAD_SUCCESS_TIME = _daemon("ac_config_last_reload_success_timestamp_seconds", GAUGE,
+                                     "When the configuration was last loaded successfully "
+                                     "(Unix time).", (), "seconds")
 
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
                   ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
                   WEBHOOK_OLDEST_PENDING, BUILD_INFO,
-                  ENGINE_RESTARTS, ENGINE_UP)
+                  ENGINE_RESTARTS, ENGINE_UP,
+                  CONFIG_RELOAD_SUCCESSFUL, CONFIG_RELOAD_SUCCESS_TIME)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS
 BY_NAME = {spec.name: spec for spec in ALL_METRICS}

@@ -16,9 +16,11 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack bind
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def parse_endpoint(text: str) -> tuple[str, str]:

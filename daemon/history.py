@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from ac_observe.daemon.outage import StoreUnavailable
 from ac_observe.daemon.windows import NAN, Columns, Frame, SeriesKey, WindowView, grown
 from ac_observe.metrics import FRIENDLY
 
@@ -52,6 +53,9 @@ FORGET_AFTER_MINUTES = 60
 MAX_POINTS = 1440
 # Minutes kept in memory while the store cannot take them (then the oldest are dropped).
 MAX_UNWRITTEN_MINUTES = 24 * 60
+# At shutdown, how long minutes the store cannot take yet are retried before they are lost
+# (within systemd's TimeoutStopSec and Kubernetes' grace period: deploy/).
+SHUTDOWN_RETRY_SECONDS = 20.0
 
 Row = list  # [n, total, min, max, last]; min/max/last are None for a counter
 
@@ -216,6 +220,7 @@ class HistoryWriter:
         self._thread: threading.Thread | None = None
         self._last_prune = -math.inf
         self.failing = ""  # why the last write failed ("" when it did not)
+        self._dropping = False  # minutes are being dropped over the cap (said once)
 
     def submit(self, finished: tuple | None) -> None:
         if finished is None:
@@ -224,6 +229,11 @@ class HistoryWriter:
             self._queue.append(finished)
             while len(self._queue) > MAX_UNWRITTEN_MINUTES:
                 self._queue.popleft()  # the oldest unwritten minute is lost
+                if not self._dropping:
+                    self._dropping = True
+                    log.error("history: %d minutes held in memory while the store is "
+                              "unreachable; the oldest are lost from now on",
+                              MAX_UNWRITTEN_MINUTES)
         self._wake.set()
 
     def unwritten(self) -> list[tuple]:
@@ -262,13 +272,19 @@ class HistoryWriter:
             return
         try:
             self.store.write_minutes(batch)
-        except Exception as exc:  # an outage: keep the minutes, try again later
+        except StoreUnavailable as exc:  # an outage, told once by the store: keep them
+            self.failing = str(exc)
+            return
+        except Exception as exc:  # a bug: keep the minutes, try again later
             if not self.failing:
-                log.warning("cannot write history to the store (%s); keeping it in "
-                            "memory and retrying", type(exc).__name__)
+                log.exception("cannot write history to the store; keeping it in memory "
+                              "and retrying")
             self.failing = type(exc).__name__
             return
+        if self.failing and len(batch) > 1:
+            log.info("history: the %d minutes kept in memory are written", len(batch))
         self.failing = ""
+        self._dropping = False
         written = {id(item) for item in batch}  # alive in `batch`: ids are unique
         with self._lock:  # (some may have been dropped over the cap meanwhile)
             while self._queue and id(self._queue[0]) in written:
@@ -278,6 +294,8 @@ class HistoryWriter:
         self._last_prune = now
         try:
             removed = self.store.prune(now - self.retention_seconds)
+        except StoreUnavailable:  # told by the store; pruned when it is back (an hour on)
+            return
         except Exception:
             log.exception("pruning the store failed")
             return
@@ -291,7 +309,22 @@ class HistoryWriter:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.write_pending(timeout=10.0)  # what is left, once more (an outage loses it)
+        # What is left: retried for a while if the store cannot take it yet (a disk just
+        # freed, a database restarting), then its loss is said.
+        deadline = time.monotonic() + SHUTDOWN_RETRY_SECONDS
+        self.write_pending(timeout=10.0)
+        while self.failing and self._queue and time.monotonic() < deadline:
+            time.sleep(1.0)
+            self.write_pending(timeout=10.0)
+        if self._queue:
+            minutes = [item[0] for item in self.unwritten()]
+            log.error("history: %d minutes (%s to %s UTC) could not be written before "
+                      "exit and are lost: %s", len(minutes), _clock(min(minutes)),
+                      _clock(max(minutes) + 1), self.failing or "the store was busy")
+
+
+def _clock(minute: int) -> str:
+    return time.strftime("%H:%M", time.gmtime(minute * MINUTE))
 
 
 class HistoryView(WindowView):

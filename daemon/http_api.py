@@ -8,8 +8,11 @@ GET /api/v1/status      collectors (up/down, reason) and engines
 GET /api/v1/alerts      pending and firing alerts, the rules' series that cannot be evaluated
                         yet and why (?history=1: the latest transitions)
 GET /healthz            liveness (no token needed)
-A bearer token, when configured, guards everything but /healthz (RFC 6750: the scheme is
-case-insensitive; the token is compared as bytes, in constant time).
+POST /-/reload          reload the alerting file and the token file (daemon/reload.py):
+                        from this host, or with the bearer token
+A bearer token, when configured, guards everything but /healthz and a reload from this
+host (RFC 6750: the scheme is case-insensitive; the token is compared as bytes, in
+constant time).
 """
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ from collections.abc import Callable
 from urllib.parse import parse_qs
 
 from ac_observe.auth import bearer_token
+from ac_observe.daemon.config import is_loopback
 from ac_observe.daemon.http_server import HttpServer, Request, Response
+from ac_observe.daemon.outage import StoreUnavailable
 from ac_observe.daemon.query import describe_friendly, parse_labels
+from ac_observe.daemon.reload import ConfigReloader, ReloadFailed
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
 from ac_observe.durations import parse_duration, parse_instant
 from ac_observe.metrics import FRIENDLY, query_labels
@@ -74,9 +80,13 @@ class Routes:
     """The daemon's routes as one handler: called on the handlers' pool, and `inline` on
     the event loop for what is answered at once (see HttpServer)."""
 
-    def __init__(self, daemon: Daemon, token: str | None):
+    def __init__(self, daemon: Daemon, token: str | None,
+                 reloader: ConfigReloader | None = None):
         self.daemon = daemon
         self.expected = token.encode("utf-8") if token else None
+        self.reloader = reloader
+        if reloader is not None:
+            reloader.on_token = self.set_token
         self.routes: dict[str, Callable[[Request, dict], Response]] = {
             # path -> (request, its query parameters) -> Response
             "/metrics": lambda request, params: self.metrics(request),
@@ -86,6 +96,26 @@ class Routes:
             "/api/v1/status": lambda request, params: json_response(200, daemon.status()),
             "/api/v1/alerts": lambda request, params: self.alerts(params),
         }
+
+    def set_token(self, token: str) -> None:
+        self.expected = token.encode("utf-8")
+
+    def reload(self, request: Request) -> Response:
+        """POST /-/reload: from this host (a sidecar, systemd's ExecReload, an operator's
+        curl) or with the token; 200 with what is loaded, 400 with why not."""
+        if request.method != "POST":
+            return json_response(405, {"error": "POST to reload"}, {"Allow": "POST"})
+        if not (is_loopback(request.peer) or (self.expected and self.authorized(request))):
+            return json_response(401, {"error": "a reload comes from this host or carries "
+                                                "the bearer token"},
+                                 {"WWW-Authenticate": 'Bearer realm="ac-observe"'})
+        if self.reloader is None:
+            return json_response(404, {"error": "this daemon does not reload"})
+        try:
+            return json_response(200, {"status": "reloaded", **self.reloader.reload()})
+        except ReloadFailed as exc:
+            return json_response(400, {"error": f"reload failed, the previous configuration "
+                                                f"stays: {exc}"})
 
     def authorized(self, request: Request) -> bool:
         """No token is configured, or the request carries it."""
@@ -140,6 +170,8 @@ class Routes:
         return None if body is None else metrics_response(body, gzipped)
 
     def __call__(self, request: Request) -> Response:
+        if request.path == "/-/reload":
+            return self.reload(request)
         if request.method not in ("GET", "HEAD"):
             return json_response(405, {"error": f"method {request.method[:20]} not allowed"},
                                  {"Allow": ALLOWED_METHODS})
@@ -155,13 +187,18 @@ class Routes:
             params = parse_qs(request.query, max_num_fields=20)
         except ValueError:
             return json_response(400, {"error": "too many query parameters"})
-        return route(request, params)
+        try:
+            return route(request, params)
+        except StoreUnavailable as exc:  # an outage, not a bug: say which
+            return json_response(503, {"error": f"the daemon's store is unreachable: {exc}"})
 
 
-def make_handler(daemon: Daemon, token: str | None) -> Routes:
-    return Routes(daemon, token)
+def make_handler(daemon: Daemon, token: str | None,
+                 reloader: ConfigReloader | None = None) -> Routes:
+    return Routes(daemon, token, reloader)
 
 
 def make_server(daemon: Daemon, host: str, port: int, token: str | None,
-                max_requests: int = 40) -> HttpServer:
-    return HttpServer(make_handler(daemon, token), host, port, max_requests=max_requests)
+                max_requests: int = 40, reloader: ConfigReloader | None = None) -> HttpServer:
+    return HttpServer(make_handler(daemon, token, reloader), host, port,
+                      max_requests=max_requests)

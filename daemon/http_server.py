@@ -1,9 +1,9 @@
-"""A small HTTP/1.1 server for the daemon's GET routes (stdlib asyncio: the daemon installs
+"""A small HTTP/1.1 server for the daemon's routes (stdlib asyncio: the daemon installs
 without a web stack), built to stay up under careless or hostile clients.
 
 - Connections cost no thread: idle and slow clients wait in the event loop, and each
   request head must arrive within `read_timeout` (slowloris), the next one on a kept-alive
-  connection within `idle_timeout`. Heads are bounded in size; GET and HEAD carry no body.
+  connection within `idle_timeout`. Heads are bounded in size; no request carries a body.
 - At most `max_requests` handlers run at once (node_exporter's `--web.max-requests`); the
   rest queue for up to `queue_timeout`, then get 503. At `max_connections` (kept below
   the descriptor limit, which is raised at start) the server stops accepting and new
@@ -52,6 +52,7 @@ class Request:
     path: str
     query: str
     headers: dict[str, str]  # lower-case names; values as sent (latin-1)
+    peer: str = ""           # the client's address
 
 
 @dataclass(slots=True)
@@ -185,13 +186,18 @@ class HttpServer:
             writer.transport.abort()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def run(self, on_ready: Callable[[], None] | None = None) -> None:
-        """Serve until SIGINT or SIGTERM (main thread)."""
+    def run(self, on_ready: Callable[[], None] | None = None,
+            on_hangup: Callable[[], object] | None = None) -> None:
+        """Serve until SIGINT or SIGTERM (main thread); SIGHUP calls `on_hangup` on a
+        thread of its own (a reload reads files and the store), or is ignored."""
         async def main() -> None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(signal.SIGHUP, lambda: None if on_hangup is None else
+                                    threading.Thread(target=on_hangup, name="ac-reload",
+                                                     daemon=True).start())
             await self.start()
             if on_ready:
                 on_ready()
@@ -250,6 +256,8 @@ class HttpServer:
                     body = f'{{"error":"{exc}"}}'.encode()
                     await self._send(writer, Response(exc.status, body), False, False)
                     return
+                peer = writer.get_extra_info("peername")
+                request.peer = peer[0] if isinstance(peer, tuple) else ""
                 response = None
                 if self._inline is not None:
                     try:

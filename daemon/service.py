@@ -24,14 +24,13 @@ from ac_observe.collectors.base import Collector, build, new_counter, new_gauge
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.exposition import Renderer
 from ac_observe.daemon.query import QueryEngine
+from ac_observe.daemon.reload import alerting_setup
 from ac_observe.daemon.runner import CollectorRunner
 from ac_observe.daemon.windows import Frame, Windows
 
 if TYPE_CHECKING:  # imported when the daemon has alerts, history or a store
     from ac_observe.daemon.alerting.evaluator import Evaluator
     from ac_observe.daemon.alerting.outbox import WebhookSender
-    from ac_observe.daemon.alerting.receivers import Receiver
-    from ac_observe.daemon.alerting.rules import Rule
     from ac_observe.daemon.history import HistoryWriter, MinuteAggregator
     from ac_observe.daemon.store import Store
 
@@ -96,33 +95,6 @@ class WindowTooLong(ValueError):
     """A window reaching further back than the history is kept."""
 
 
-def _receivers_and_rules(config: DaemonConfig) -> tuple[dict[str, Receiver], list[Rule]]:
-    """The alerting file's receivers and rules, with Grafana's receiver when --grafana-url
-    is set."""
-    receivers: dict[str, Receiver] = {}
-    rules: list[Rule] = []
-    if config.alerting_file is not None:
-        from ac_observe.daemon.alerting.file import load_alerting_config
-        # AlertConfigError (a ValueError) names the file and field: fail fast.
-        receivers, rules = load_alerting_config(config.alerting_file)
-    if config.grafana_url:
-        from ac_observe.daemon.alerting.receivers import grafana_receiver
-        grafana = grafana_receiver(config.grafana_url, config.grafana_token)
-        if grafana.name in receivers:
-            raise ValueError(f"--grafana-url adds a receiver named {grafana.name!r}, and "
-                             f"{config.alerting_file} has one: rename it")
-        receivers = {**receivers, grafana.name: grafana}
-        if grafana.token is None:
-            log.warning("--grafana-url without a token (--grafana-token-file or "
-                        "$GRAFANA_TOKEN): only a Grafana that lets anonymous users "
-                        "write annotations will take them")
-        if not rules:
-            log.warning("--grafana-url is set but no alert rules are: nothing will be "
-                        "annotated (an alerting file with `rules: defaults` adds the "
-                        "shipped ones)")
-    return receivers, rules
-
-
 class Daemon:
     def __init__(self, config: DaemonConfig, collectors: list[Collector] | None = None):
         self.config = config
@@ -158,13 +130,17 @@ class Daemon:
         # a store.
         self.history: MinuteAggregator | None = None
         self.history_writer: HistoryWriter | None = None
-        receivers, rules = _receivers_and_rules(config)
-        if receivers or rules or config.history:
+        self.last_reload = (True, time.time())  # (took, when one last took): ConfigReloader
+        # AlertConfigError (a ValueError) names the file and field: fail fast.
+        receivers, rules = alerting_setup(config)
+        # An alerting file, even one with no rules, runs the alerting: a reload fills it.
+        alerting = bool(receivers or rules or config.alerting_file is not None)
+        if alerting or config.history:
             from ac_observe.daemon.store import Store
             try:
                 self.store = Store(config.store_url, config.state_dir)
             except Exception as exc:
-                if receivers or rules or config.store_url is not None:
+                if alerting or config.store_url is not None:
                     raise  # alerts without their store would lose state; a named store
                     # (PostgreSQL) that is not up yet is an error, not a reason to go on
                     # without history: fail fast either way
@@ -175,16 +151,18 @@ class Daemon:
             from ac_observe.daemon.history import HistoryWriter, MinuteAggregator
             self.history = MinuteAggregator()
             self.history_writer = HistoryWriter(self.store, config.history_retention_seconds)
-        if receivers or rules:
+        if self.store is not None:
+            self.store.outage.kept = (
+                "history waits in memory (up to a day), alert transitions are tried again "
+                "at each evaluation, deliveries wait in the outbox")
+        if alerting:
             from ac_observe.daemon.alerting.evaluator import Evaluator
             from ac_observe.daemon.alerting.outbox import WebhookSender
             assert self.store is not None  # alerts never run without it: it raised above
-            if receivers:
-                self.webhooks = WebhookSender(self.store, receivers,
-                                              external_url=f"http://{config.host}:{config.port}")
-            if rules:
-                self.alerts = Evaluator(self, rules, self.store, self.webhooks,
-                                        config.alert_interval_seconds)
+            self.webhooks = WebhookSender(self.store, receivers,
+                                          external_url=f"http://{config.host}:{config.port}")
+            self.alerts = Evaluator(self, rules, self.store, self.webhooks,
+                                    config.alert_interval_seconds)
 
     # ----- the cycle ----------------------------------------------------------------------
 
@@ -282,19 +260,24 @@ class Daemon:
             errors.add_metric([runner.name], runner.errors_total)
         info = new_gauge(m.BUILD_INFO)
         info.add_metric([__version__], 1.0)
-        return [up, duration, errors, info] + self._webhook_metrics()
+        took, when = self.last_reload
+        reloaded, reload_time = (new_gauge(m.CONFIG_RELOAD_SUCCESSFUL),
+                                 new_gauge(m.CONFIG_RELOAD_SUCCESS_TIME))
+        reloaded.add_metric([], 1.0 if took else 0.0)
+        reload_time.add_metric([], when)
+        return [up, duration, errors, info, reloaded, reload_time] + self._webhook_metrics()
 
     def _alert_metrics(self, alerts: Evaluator) -> list[Metric]:
         firing = new_gauge(m.ALERTS_FIRING)
         counts = alerts.firing_counts  # published by each evaluation: no lock waited on
         for (rule, severity), count in sorted(counts.items()):
             firing.add_metric([rule, severity], count)
-        return [firing]
+        return [firing] if firing.samples else []
 
     def _webhook_metrics(self) -> list[Metric]:
         families: list[Metric] = []
         sender = self.webhooks
-        if sender is None:
+        if sender is None or not sender.outcomes:  # (an alerting file with no receivers)
             return families
         deliveries = new_counter(m.WEBHOOK_DELIVERIES)
         for (receiver, outcome), count in sorted(sender.outcomes.items()):
@@ -441,9 +424,9 @@ class Daemon:
         with self.history_writer.io_lock:  # no minute both in the store and still queued
             try:
                 minutes = self.store.read_minutes(names, first, last, step)
-            except Exception as exc:
-                raise HistoryUnavailable(f"the history store cannot be read: "
-                                         f"{type(exc).__name__}") from None
+            except Exception as exc:  # StoreUnavailable says why; anything else, what
+                raise HistoryUnavailable(f"the daemon's store is unreachable: "
+                                         f"{str(exc) or type(exc).__name__}") from None
             with self._lock:  # the cycle hands a finished minute over under this lock
                 unwritten = self.history_writer.unwritten()
                 current = self.history.current()

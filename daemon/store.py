@@ -14,9 +14,14 @@ was committed. Several daemons may share a PostgreSQL store; a delivery is claim
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
 import secrets
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,8 +29,12 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from ac_observe.daemon.outage import Outage, StoreUnavailable, size_text
+
 if TYPE_CHECKING:  # each dialect is imported when its store is used
     from sqlalchemy.dialects import postgresql, sqlite
+
+log = logging.getLogger("ac_observe.daemon.store")
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 PENDING, DELIVERED, FAILED, DISABLED = "pending", "delivered", "failed", "disabled"
@@ -178,6 +187,11 @@ def _json(value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+# Errors of an unreachable or unwritable store (psycopg's and sqlite3's connection and
+# disk errors come as OperationalError; a pool that cannot connect, as TimeoutError).
+OUTAGE_ERRORS = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError, OSError)
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
     id: str
@@ -203,6 +217,49 @@ class Store:
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         with self.engine.begin() as connection:
             migrate(connection)
+        # The daemon says what it keeps meanwhile (Daemon sets `kept`).
+        self.outage = Outage(f"the store ({self.engine.url.render_as_string(True)})",
+                             "what is to be written waits in memory and is retried", log)
+
+    def unavailable_reason(self, exc: BaseException) -> str:
+        """Why the store failed, in a line: a full disk names the path and the free space."""
+        cause = getattr(exc, "orig", None) or exc
+        text = "; ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+        text = text or type(cause).__name__
+        full = (getattr(cause, "errno", None) == errno.ENOSPC or "disk is full" in text
+                or type(cause).__name__ == "DiskFull")
+        if full and self.is_sqlite and self.engine.url.database:
+            path = Path(self.engine.url.database).resolve()
+            try:
+                free = size_text(shutil.disk_usage(path.parent).free)
+            except OSError:
+                free = "unknown"
+            return f"the disk holding {path} is full ({free} free): {text}"
+        return text
+
+    @contextlib.contextmanager
+    def _transaction(self, wrote: bool = True) -> Iterator[Connection]:
+        """A transaction; an outage raises StoreUnavailable (and is told by `outage`), a
+        commit (`wrote`: one that wrote) says the store is back."""
+        try:
+            with self.engine.begin() as connection:
+                yield connection
+        except OUTAGE_ERRORS as exc:
+            reason = self.unavailable_reason(exc)
+            self.outage.failed(reason)
+            raise StoreUnavailable(reason) from exc
+        if wrote:
+            self.outage.ok()
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        try:
+            with self.engine.connect() as connection:
+                yield connection
+        except OUTAGE_ERRORS as exc:
+            reason = self.unavailable_reason(exc)
+            self.outage.failed(reason)
+            raise StoreUnavailable(reason) from exc
 
     def close(self) -> None:
         self.engine.dispose()
@@ -242,15 +299,21 @@ class Store:
         in one transaction, each merged into what the store holds for its minute (sums
         add, extremes widen, last wins). A series id cached here that another daemon's
         prune removed in the meantime fails the foreign key: the ids are looked up afresh
-        and the batch written once more."""
+        and the batch written once more. A failed write forgets the ids it cached (rolled
+        back, SQLite would give them to other series)."""
+        known = set(self._history_ids)
         try:
-            self._write_minutes(batch)
-        except sa.exc.IntegrityError:
-            self._history_ids.clear()
-            self._write_minutes(batch)
+            try:
+                self._write_minutes(batch)
+            except sa.exc.IntegrityError:
+                self._history_ids.clear()
+                self._write_minutes(batch)
+        except BaseException:  # ids of series the failed transaction made are not theirs
+            self._history_ids = {k: v for k, v in self._history_ids.items() if k in known}
+            raise
 
     def _write_minutes(self, batch: list[tuple[int, dict]]) -> None:
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             ids = self._series_ids(connection, list({key for _, rows in batch for key in rows}))
             insert = self._insert(history_minutes)
             table, new = history_minutes.c, insert.excluded
@@ -276,7 +339,7 @@ class Store:
         minute with n and total summed, the extremes of its extremes, and `last` left None
         except in a series' final group (the only one a query reads it from)."""
         out: dict = {}
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             series = {row.id: (row.sample, tuple(tuple(item) for item in json.loads(row.labels)))
                       for row in connection.execute(sa.select(history_series).where(
                           history_series.c.sample.in_(sorted(samples))))}
@@ -312,7 +375,7 @@ class Store:
         """Drops history (minutes, then the series left without any), alert transitions and
         finished deliveries (with their attempts) older than `before`; a pending delivery
         is never dropped here."""
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             minutes = connection.execute(history_minutes.delete().where(
                 history_minutes.c.minute < int(before // 60))).rowcount
             # Series with no minute left (an engine, a skeleton, a label value long gone):
@@ -344,7 +407,7 @@ class Store:
         """In one transaction: the transition, the instance as it now stands (`saved`;
         None: inactive or resolved, so no row) and the deliveries it causes ((receiver,
         kind, body), due at `queued_at`). All of it is committed, or none."""
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             connection.execute(alert_transitions.insert().values(
                 rule=transition.rule, fingerprint=transition.fingerprint,
                 labels=_json(transition.labels), from_state=transition.from_state,
@@ -368,7 +431,7 @@ class Store:
 
     def saved_alerts(self) -> list[SavedAlert]:
         """The alert instances pending or firing when the daemon last wrote them."""
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             rows = list(connection.execute(sa.select(alert_instances)).mappings())
         return [SavedAlert(
             rule=row["rule"], fingerprint=row["fingerprint"], labels=json.loads(row["labels"]),
@@ -381,7 +444,7 @@ class Store:
 
     def recent_transitions(self, limit: int = 100) -> list[dict]:
         """The latest transitions, newest first, labels decoded."""
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             rows = connection.execute(sa.select(alert_transitions)
                                       .order_by(alert_transitions.c.id.desc()).limit(limit))
             return [{**dict(r), "labels": json.loads(r["labels"])} for r in rows.mappings()]
@@ -400,20 +463,23 @@ class Store:
         return delivery_id
 
     def add(self, receiver: str, kind: str, body: dict, now: float) -> str:
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             return self.enqueue(connection, receiver, kind, body, now)
 
     def claim_one(self, now: float, receivers: list[str], lease_seconds: float,
-                  only: list[str] | None = None) -> Delivery | None:
-        """The most overdue pending delivery to these receivers (and among `only`, when
-        given), claimed in one transaction: pushed `lease_seconds` ahead under a fresh claim
-        token, so a sender that dies mid-post leaves it due again after the lease, and no
-        two senders hold it at once (on PostgreSQL, rows another sender locks are
-        skipped)."""
+                  only: list[str] | None = None,
+                  skip: set[str] | frozenset[str] = frozenset()) -> Delivery | None:
+        """The most overdue pending delivery to these receivers (among `only`, when given,
+        and not among `skip`), claimed in one transaction: pushed `lease_seconds` ahead
+        under a fresh claim token, so a sender that dies mid-post leaves it due again after
+        the lease, and no two senders hold it at once (on PostgreSQL, rows another sender
+        locks are skipped)."""
         due = [deliveries.c.state == PENDING, deliveries.c.next_attempt_at <= now,
                deliveries.c.receiver.in_(receivers)]
         if only is not None:
             due.append(deliveries.c.id.in_(only))
+        if skip:
+            due.append(deliveries.c.id.not_in(sorted(skip)))
         pick = (sa.select(deliveries.c.id).where(*due)
                 .order_by(deliveries.c.next_attempt_at, deliveries.c.created_at).limit(1))
         if not self.is_sqlite:
@@ -426,7 +492,7 @@ class Store:
         row = None
         for _ in range(3):
             token = secrets.token_hex(8)
-            with self.engine.begin() as connection:
+            with self._transaction(wrote=False) as connection:
                 picked = connection.execute(pick).scalar()
                 if picked is None:
                     return None
@@ -435,6 +501,7 @@ class Store:
                     .values(next_attempt_at=now + lease_seconds, claim=token)
                     .returning(deliveries)).mappings().first()
             if row is not None:
+                self.outage.ok()
                 break
         if row is None:
             return None
@@ -453,7 +520,7 @@ class Store:
             values["next_attempt_at"] = next_attempt_at
         else:
             values["finished_at"] = at
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             connection.execute(attempts.insert().values(
                 delivery_id=delivery.id, at=at, status=status, error=error, seconds=seconds))
             held = connection.execute(
@@ -465,7 +532,7 @@ class Store:
     def disable_receiver(self, receiver: str, url: str, at: float, reason: str) -> int:
         """A receiver answered 410 Gone: it is off until its URL changes; its pending
         deliveries end as disabled. Returns how many were pending."""
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             connection.execute(disabled_receivers.delete()
                                .where(disabled_receivers.c.receiver == receiver))
             connection.execute(disabled_receivers.insert().values(
@@ -478,11 +545,11 @@ class Store:
 
     def disabled(self) -> dict[str, str]:
         """Disabled receivers: name -> the URL that answered 410."""
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return {r.receiver: r.url for r in connection.execute(sa.select(disabled_receivers))}
 
     def enable_receiver(self, receiver: str) -> None:
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             connection.execute(disabled_receivers.delete()
                                .where(disabled_receivers.c.receiver == receiver))
 
@@ -491,18 +558,18 @@ class Store:
         query = (sa.select(deliveries.c.receiver, sa.func.count(),
                            sa.func.min(deliveries.c.created_at))
                  .where(deliveries.c.state == PENDING).group_by(deliveries.c.receiver))
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return {receiver: (count, max(now - oldest, 0.0))
                     for receiver, count, oldest in connection.execute(query)}
 
     def delivery(self, delivery_id: str) -> dict | None:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             row = connection.execute(sa.select(deliveries)
                                      .where(deliveries.c.id == delivery_id)).mappings().first()
             return dict(row) if row else None
 
     def attempts_of(self, delivery_id: str) -> list[dict]:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return [dict(r) for r in connection.execute(
                 sa.select(attempts).where(attempts.c.delivery_id == delivery_id)
                 .order_by(attempts.c.id)).mappings()]

@@ -40,6 +40,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     # gcc and libc headers: the tests build C stand-ins for libcuda, libcudart and NVML.
     need gcc command -v gcc
     need libc6-dev test -e /usr/include/stdio.h
+    # systemd-analyze: the shipped unit (deploy/systemd) is checked by `verify`.
+    need systemd command -v systemd-analyze
   fi
   if [ "$stack" = 1 ]; then
     # promtool and Prometheus (Debian `prometheus`): the daemon's metrics and the exported

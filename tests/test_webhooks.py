@@ -195,6 +195,26 @@ def test_a_receiver_that_hangs_delays_only_its_own_deliveries(store):
         quick.down()
 
 
+@pytest.mark.slow
+def test_a_receiver_slower_than_its_retry_after_is_posted_to_on_time(store):
+    """500 after 4 s with `Retry-After: 1`: the next post comes about 1 s after the answer
+    (the wait was counted from the post, so it was due before it was recorded: the same
+    pass claimed it again, pushing it a lease of 60 + 4 x 10 s ahead, and skipped it)."""
+    slow = WebhookReceiver()
+    slow.mode, slow.retry_after, slow.answer_after = "500", "1", 4.0
+    sender = WebhookSender(store, {"slow": Receiver("slow", slow.url, secret=SECRET,
+                                                    timeout_seconds=10)}, seed=1)
+    sender.start()
+    try:
+        sender.send_test(host="n")
+        wait_for(lambda: len(slow.received) >= 2, 20, "a second post")
+        waited = slow.received[1] - slow.answered[0]
+        assert 0.9 <= waited < 10.0, waited  # the receiver's wait kept, and no more
+    finally:
+        sender.stop()
+        slow.down()
+
+
 def _grafana_sender(store, grafana, clock):
     return WebhookSender(store, {"grafana": Receiver("grafana", grafana.url + "/", "grafana",
                                                      token="glsa_t", timeout_seconds=2)},
@@ -542,3 +562,11 @@ def test_alerts_test_command(tmp_path, receiver):
     bad.write_text("receivers:\n  - {name: ops, url: 'gopher://x/'}\n")
     run = alerts_test(bad)
     assert run.returncode == 2 and f"{bad}: receivers[0] (ops).url: gopher scheme" in run.stderr
+    # Rules the daemon would refuse: nothing is sent, as the daemon would not start.
+    sent = len(receiver.requests)
+    bad.write_text(f"receivers:\n  - {{name: ops, url: '{receiver.url}', secret: '{SECRET}'}}\n"
+                   "rules:\n  - {name: R, metric: inference_latency_ns, statistic: p95,\n"
+                   "     window: 1m, comparison: above, threshold: one}\n")
+    run = alerts_test(bad)
+    assert run.returncode == 2 and "threshold" in run.stderr and str(bad) in run.stderr
+    assert len(receiver.requests) == sent

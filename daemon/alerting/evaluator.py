@@ -21,7 +21,7 @@ from ac_observe.daemon.alerting.state import (
     lack_data,
     observe,
 )
-from ac_observe.daemon.store import SavedAlert, Store, Transition
+from ac_observe.daemon.store import SavedAlert, Store, StoreUnavailable, Transition
 from ac_observe.metrics import FRIENDLY
 
 log = logging.getLogger("ac_observe.daemon.alerting")
@@ -48,6 +48,7 @@ class Evaluator:
         self.instances: dict[InstanceKey, AlertInstance] = {}
         self._last = -math.inf
         self._lock = threading.Lock()
+        self._evaluating = threading.Lock()  # an evaluation, against a reload's new rules
         self._orphans: list[SavedAlert] = []
         # (rule, severity) -> firing instances, as the last evaluation left them: the
         # cycle reads it without waiting on an evaluation in progress.
@@ -103,6 +104,8 @@ class Evaluator:
                                     saved.baseline, "retired: its rule was removed or changed")
             try:
                 self._record(transition, None, alert)
+            except StoreUnavailable:  # told once by the store's outage
+                continue
             except Exception:
                 log.exception("alert %s %s: retiring it failed; retried next evaluation",
                               saved.rule, saved.fingerprint)
@@ -117,6 +120,11 @@ class Evaluator:
     def evaluate(self, now: float, stop: threading.Event | None = None) -> None:
         """Every rule once at `now`; a set `stop` (the daemon closing) ends it between rules,
         so nothing is written after the store is closed."""
+        with self._evaluating:
+            self._evaluate(now, stop)
+        self._publish()
+
+    def _evaluate(self, now: float, stop: threading.Event | None) -> None:
         self._last = now
         if self._orphans:
             self._retire_orphans(now)
@@ -127,8 +135,29 @@ class Evaluator:
                 values, baselines = self.read_inputs(rule, now)  # reads: no lock held
                 with self._lock:  # the HTTP threads read the instances
                     self._evaluate_rule(rule, values, baselines, now)
-            except Exception:  # one bad rule (or a store outage) never stops the others
+            except StoreUnavailable:  # told once by the store's outage
+                pass
+            except Exception:  # one bad rule never stops the others
                 log.exception("rule %s failed to evaluate", rule.name)
+
+    def replace_rules(self, rules: list[Rule]) -> None:
+        """A reload's rules, from the next evaluation on (one in progress ends first). An
+        instance whose rule is gone, or now gives its series another label set, is
+        retired as at a restart (a firing one gets its resolved notification); the others
+        keep their state. StoreUnavailable (reading the saved instances): nothing changed."""
+        saved = {(s.rule, s.fingerprint): s for s in self.store.saved_alerts()}
+        new = {rule.name: rule for rule in rules}
+        with self._evaluating, self._lock:
+            kept = {key: instance for key, instance in self.instances.items()
+                    if key[0] in new and
+                    fingerprint(alert_labels(new[key[0]], instance.labels)) == key[1]}
+            orphaned = {(o.rule, o.fingerprint) for o in self._orphans}
+            self._orphans += [alert for key, alert in saved.items()
+                              if key in self.instances and key not in kept
+                              and key not in orphaned]
+            self.rules, self.instances = new, kept
+            self.baselines = BaselineReader(self.series)  # its reads are kept per rule name
+        self._warn_unreachable()
         self._publish()
 
     def _publish(self) -> None:
@@ -213,6 +242,8 @@ class Evaluator:
                                alert.annotations if alert else None)
         try:
             self._record(transition, saved, alert)
+        except StoreUnavailable:  # told once by the store's outage; retried as below
+            return False
         except Exception:
             log.exception("alert %s: the store refused %s -> %s; retried next evaluation",
                           rule.name, before, to)

@@ -7,7 +7,9 @@ timed out, 429, 5xx, another 4xx) is retried with exponential backoff (1 s doubl
 min, each wait drawn between half and all of it) or after the receiver's `Retry-After`
 (seconds or an HTTP date; at most an hour), until the delivery is `max_age` old (24 h),
 when it ends as `failed`. Deliveries live in the store: a daemon killed mid-post posts
-again after the claim's lease (60 s), under the same id.
+again after the claim's lease (60 s plus four times the receiver's timeout), under the
+same id. A wait counts from the receiver's answer, so a receiver slower than the wait is
+posted to again as soon as the wait is over.
 
 NOTE: the sender never logs a body, a signature, a token or a secret; a receiver is named by
 its `name`, and its URL only in the status it came from (the alerting file).
@@ -28,7 +30,16 @@ from ac_observe.daemon.alerting import notify
 from ac_observe.daemon.alerting.alert import Alert, trial_alert
 from ac_observe.daemon.alerting.notify.grafana import REFUSED_FOR_GOOD
 from ac_observe.daemon.alerting.receivers import Receiver
-from ac_observe.daemon.store import DELIVERED, DISABLED, FAILED, PENDING, Delivery, Store
+from ac_observe.daemon.outage import Outage
+from ac_observe.daemon.store import (
+    DELIVERED,
+    DISABLED,
+    FAILED,
+    PENDING,
+    Delivery,
+    Store,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("ac_observe.daemon.alerting.outbox")
 
@@ -63,6 +74,13 @@ class Backoff:
 
 
 OUTCOMES = ("delivered", "retried", "failed", "disabled")
+LEASE_SECONDS = 60.0
+
+
+def lease_seconds(timeout_seconds: float) -> float:
+    """How long a claim holds a delivery: 60 s plus four times the receiver's timeout (a
+    post may take the connect, write, read and pool timeouts in turn)."""
+    return LEASE_SECONDS + 4 * timeout_seconds
 
 
 class WebhookSender:
@@ -87,12 +105,43 @@ class WebhookSender:
         self.queue: dict[str, tuple[int, float]] = {}  # receiver -> (pending, oldest age)
         self._wakes = {name: threading.Event() for name in receivers}
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._threads: dict[str, threading.Thread] = {}
         self._warned: set[str] = set()  # receivers whose refusals were logged once
-        # A receiver whose URL changed since a 410 disabled it is tried again.
-        for name, url in store.disabled().items():
+        self.outages = {name: self._outage(name) for name in receivers}
+        self._enable_moved(receivers)
+
+    def _enable_moved(self, receivers: dict[str, Receiver]) -> None:
+        """A receiver whose URL changed since a 410 disabled it is tried again."""
+        for name, url in self.store.disabled().items():
             if name in receivers and receivers[name].url != url:
-                store.enable_receiver(name)
+                self.store.enable_receiver(name)
+
+    def replace_receivers(self, receivers: dict[str, Receiver]) -> None:
+        """A reload's receivers: a new one gets its thread, a removed one's thread ends
+        after its attempt in progress (its pending deliveries stay in the outbox), a
+        changed one is posted to as it now is."""
+        try:
+            self._enable_moved(receivers)
+        except StoreUnavailable:  # (told by the store) kept off until the next reload
+            log.warning("a receiver a 410 disabled stays off although its url changed: "
+                        "the store is unreachable; reload again once it is back")
+        for name in receivers:
+            if name not in self._clients:
+                self._clients[name] = httpx.Client(follow_redirects=False, trust_env=False)
+                self._wakes[name] = threading.Event()
+                self.outages[name] = self._outage(name)
+                for outcome in OUTCOMES:
+                    self.outcomes.setdefault((name, outcome), 0)
+        self.receivers = dict(receivers)
+        if self._started:
+            self.start()
+        self.wake()  # a removed receiver's thread sees it is gone
+
+    @staticmethod
+    def _outage(name: str) -> Outage:
+        return Outage(f"webhook receiver {name}",
+                      "its deliveries wait in the outbox and are retried", log)
 
     def bodies(self, alerts: list[Alert]) -> list[tuple[str, dict]]:
         """(receiver, body) of one delivery per receiver: what the store's outbox takes."""
@@ -124,20 +173,24 @@ class WebhookSender:
         tried: set[str] = set()
         while True:
             disabled = self.store.disabled()  # a 410 earlier in this pass counts at once
-            active = [name for name in receivers if name not in disabled]
+            active = [name for name in receivers
+                      if name in self.receivers and name not in disabled]
             if not active:
                 return done
-            # A post may take connect + write + read (+ pool) timeouts: the lease covers all.
-            lease = 60.0 + 4 * max(self.receivers[n].timeout_seconds for n in active)
-            delivery = self.store.claim_one(self.clock(), active, lease, only)
-            if delivery is None or delivery.id in tried:
+            # A delivery tried in this pass is left unclaimed, due as recorded: the next
+            # pass (at once: this one was busy) takes it on time.
+            delivery = self.store.claim_one(self.clock(), active, lease_seconds(
+                max(self.receivers[n].timeout_seconds for n in active)), only, tried)
+            if delivery is None:
                 return done
             tried.add(delivery.id)
             self._attempt(delivery)
             done += 1
 
     def _attempt(self, delivery: Delivery) -> None:
-        receiver = self.receivers[delivery.receiver]
+        receiver = self.receivers.get(delivery.receiver)
+        if receiver is None:  # removed by a reload since the claim: due again after it
+            return
         now = self.clock()
         started = time.monotonic()
         status = error = None
@@ -149,9 +202,11 @@ class WebhookSender:
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {exc}"[:500]
         seconds = time.monotonic() - started
+        answered = self.clock()  # the wait counts from the answer, not from the post
         if status is not None and 200 <= status < 300:
             self.store.record_attempt(delivery, now, seconds, status, None, DELIVERED)
             self._count(receiver.name, "delivered")
+            self.outages[receiver.name].ok()
             return
         if status == 410:
             reason = "410 Gone: the receiver asked to stop; change its url to resume"
@@ -179,10 +234,11 @@ class WebhookSender:
         if wait is not None:  # at least the first backoff step: Retry-After: 0 never spins
             delay = max(min(wait, self.backoff.max_retry_after), self.backoff.first)
         self.store.record_attempt(delivery, now, seconds, status, error, PENDING,
-                                  next_attempt_at=now + delay)
+                                  next_attempt_at=answered + delay)
         self._count(receiver.name, "retried")
-        log.info("webhook delivery %s to %s: %s; next try in %.1f s", delivery.id,
-                 receiver.name, error, delay)
+        self.outages[receiver.name].failed(error)  # one line an outage, not one a retry
+        log.debug("webhook delivery %s to %s: %s; next try in %.1f s", delivery.id,
+                  receiver.name, error, delay)
 
     def _give_up(self, delivery: Delivery, now: float, seconds: float, status: int | None,
                  error: str, why: str) -> None:
@@ -204,18 +260,25 @@ class WebhookSender:
             event.set()
 
     def start(self) -> None:
+        """A thread for each receiver that has none running."""
+        self._started = True
         for name in self.receivers:
+            running = self._threads.get(name)
+            if running is not None and running.is_alive():
+                continue
             thread = threading.Thread(target=self._loop, args=(name,), daemon=True,
                                       name=f"ac-webhooks-{name}"[:40])
             thread.start()
-            self._threads.append(thread)
+            self._threads[name] = thread
 
     def _loop(self, name: str) -> None:
         wake = self._wakes[name]
-        while not self._stop.is_set():
+        while not self._stop.is_set() and name in self.receivers:
             try:
                 busy = self.run_once(receivers=[name])
-            except Exception:  # a store outage: keep trying, never die
+            except StoreUnavailable:  # told once by the store's outage; keep trying
+                busy = 0
+            except Exception:  # never die
                 log.exception("webhook pass for %s failed", name)
                 busy = 0
             if not busy:
@@ -226,7 +289,7 @@ class WebhookSender:
         self._stop.set()
         self.wake()
         deadline = time.monotonic() + 30
-        for thread in self._threads:
+        for thread in list(self._threads.values()):
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         for client in self._clients.values():
             client.close()

@@ -55,19 +55,22 @@ def alerts_test(
     state_dir: Path = typer.Option(None, help="State directory."),
     wait: float = typer.Option(15.0, help="Seconds to wait for the receivers' answers."),
 ) -> None:
-    """Send a signed test delivery to each receiver through the outbox; print what each
-    answered. One still failing stays in the outbox for the daemon to retry."""
+    """Check the alerting file as the daemon does, then send a signed test delivery to each
+    receiver through the outbox; print what each answered. One still failing stays in the
+    outbox for the daemon to retry."""
     import socket
     import time
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ac_observe.daemon.alerting.file import load_alerting
+    from ac_observe.daemon.alerting.file import load_alerting_config
     from ac_observe.daemon.alerting.outbox import WebhookSender
     from ac_observe.daemon.store import PENDING, Store
 
     try:
-        receivers = load_alerting(alerting)
+        # The whole file, rules too, as the daemon loads it: a file it would refuse sends
+        # nothing.
+        receivers, _ = load_alerting_config(alerting)
         if receiver:
             if receiver not in receivers:
                 raise ValueError(f"{alerting}: no receiver named {receiver!r}")

@@ -1,8 +1,9 @@
 """`ac-observe daemon`: the collectors, /metrics, the query API, drift alerts and webhooks,
-served until Ctrl-C or SIGTERM."""
+served until Ctrl-C or SIGTERM; SIGHUP reloads the alerting file and the token file."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import typer
@@ -70,12 +71,15 @@ def daemon(
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
     from sqlalchemy.exc import SQLAlchemyError
 
+    from ac_observe.daemon import sd_notify
     from ac_observe.daemon.config import DaemonConfig, parse_endpoint
     from ac_observe.daemon.http_api import make_server
+    from ac_observe.daemon.reload import ConfigReloader, ReloadFailed
     from ac_observe.daemon.service import Daemon, tune_interpreter
     from ac_observe.durations import parse_duration
     from ac_observe.telemetry_format import default_telemetry_root
 
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not fatal while starting; then: reload
     configure_logging(log_level)
     try:
         endpoints = tuple(parse_endpoint(text) for text in [
@@ -101,20 +105,29 @@ def daemon(
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    server = make_server(service, host, port, config.token, max_requests)
+    reloader = ConfigReloader(service, token_file)
+    server = make_server(service, host, port, config.token, max_requests, reloader)
     tune_interpreter()
 
     def serving() -> None:
         service.start()
         typer.echo(f"ac-observe daemon: http://{host}:{server.port}/metrics  "
                    f"telemetry root {config.telemetry_root}", err=True)
+        sd_notify.notify("READY=1", f"STATUS=serving http://{host}:{server.port}")
+
+    def hangup() -> None:
+        try:
+            reloader.reload()
+        except ReloadFailed:  # logged, and the gauge says so
+            pass
 
     try:
-        server.run(on_ready=serving)
+        server.run(on_ready=serving, on_hangup=hangup)
     except OSError as exc:  # the port is taken, the address is not ours, ...
         typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     finally:
+        sd_notify.notify("STOPPING=1")
         service.close()
 
 

@@ -57,6 +57,15 @@ class PostgresServer:
             connection.execute(f'CREATE DATABASE "{name}"')
         return f"postgresql+psycopg://postgres@/{name}?host={self.folder}&port=5432"
 
+    def pause(self) -> None:
+        """Stop the server, keeping its data (an outage); `resume` starts it again."""
+        self._run(["pg_ctl", "-D", str(self.data), "-w", "-m", "fast", "stop"])
+
+    def resume(self) -> None:
+        self._run(["pg_ctl", "-D", str(self.data), "-w", "-t", "60", "-l",
+                   str(self.folder / "log"), "-o",
+                   f"-k {self.folder} -c listen_addresses='' -c fsync=off -p 5432", "start"])
+
     def stop(self) -> None:
         try:
             self._run(["pg_ctl", "-D", str(self.data), "-m", "immediate", "stop"])

@@ -4,6 +4,7 @@ deliveries are signed with."""
 from __future__ import annotations
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # A Standard Webhooks secret (whsec_ + base64) the receivers in the tests' alerting files
@@ -22,6 +23,9 @@ class WebhookReceiver:
         self.hang_seconds = 3.0  # "hang": answer after this, or once `release` is set
         self.release = threading.Event()
         self.retry_after = None
+        self.answer_after = 0.0  # seconds before any answer (a slow receiver)
+        self.received: list[float] = []  # time.time() each request came
+        self.answered: list[float] = []  # time.time() of each answer sent
         self.port = None
         self._server = None
         self.up()
@@ -31,16 +35,20 @@ class WebhookReceiver:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
+                owner.received.append(time.time())
                 body = self.rfile.read(int(self.headers["content-length"]))
                 owner.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
                 if owner.mode == "hang":
                     owner.release.wait(owner.hang_seconds)
+                if owner.answer_after:
+                    time.sleep(owner.answer_after)
                 status = {"ok": 200, "500": 500, "410": 410, "429": 429, "hang": 200}[owner.mode]
                 self.send_response(status)
                 if owner.retry_after:
                     self.send_header("Retry-After", owner.retry_after)
                 self.send_header("content-length", "0")
                 self.end_headers()
+                owner.answered.append(time.time())
 
             def log_message(self, *args):
                 pass
