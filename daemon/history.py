@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from ac_observe.daemon.outage import StoreUnavailable
+from ac_observe.daemon.store import StoreUnavailable
 from ac_observe.daemon.windows import NAN, Columns, Frame, SeriesKey, WindowView, grown
 from ac_observe.metrics import FRIENDLY
 

@@ -25,10 +25,10 @@ from urllib.parse import parse_qs
 from ac_observe.auth import bearer_token
 from ac_observe.daemon.config import is_loopback
 from ac_observe.daemon.http_server import HttpServer, Request, Response
-from ac_observe.daemon.outage import StoreUnavailable
 from ac_observe.daemon.query import describe_friendly, parse_labels
 from ac_observe.daemon.reload import ConfigReloader, ReloadFailed
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
+from ac_observe.daemon.store import StoreUnavailable
 from ac_observe.durations import parse_duration, parse_instant
 from ac_observe.metrics import FRIENDLY, query_labels
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ac_observe.daemon import sd_notify
 from ac_observe.daemon.config import DaemonConfig
-from ac_observe.daemon.outage import StoreUnavailable
+from ac_observe.daemon.store import StoreUnavailable
 
 if TYPE_CHECKING:  # imported when the daemon has alerts
     from ac_observe.daemon.alerting.evaluator import Evaluator

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from ac_observe.daemon.outage import Outage, StoreUnavailable, size_text
+from ac_observe.outage import Outage, size_text
 
 if TYPE_CHECKING:  # each dialect is imported when its store is used
     from sqlalchemy.dialects import postgresql, sqlite
@@ -150,6 +150,11 @@ def migrate(connection: Connection) -> None:
     config.set_main_option("script_location", str(MIGRATIONS))
     config.attributes["connection"] = connection
     command.upgrade(config, "head")
+
+
+class StoreUnavailable(RuntimeError):
+    """The daemon's store cannot be read or written now (its server is down, its disk is
+    full): an outage to wait out, not a bug. The message says why."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,9 @@ import pytest
 from ac_observe.collectors.base import Collector, new_family
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.http_api import make_server
-from ac_observe.daemon.outage import Outage
 from ac_observe.daemon.service import Daemon
 from ac_observe.metrics import KV_USAGE
+from ac_observe.outage import Outage
 from support.postgres import PostgresServer
 from support.receivers import SECRET, WebhookReceiver
 from support.servers import wait_for

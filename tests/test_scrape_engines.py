@@ -220,3 +220,25 @@ def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down
     status = run_cli("--daemon", daemon.url, "status")
     assert "vllm-a (vllm)" in status.stdout and "cannot connect" in status.stdout, \
         status.stdout
+
+
+def test_an_endpoint_outage_is_one_log_line_gone_and_one_back(tmp_path, replays, caplog):
+    replay = replays("vllm_v1_0.10.prom")
+    daemon = _daemon(tmp_path, [("vllm-a", replay.url)])
+    try:
+        daemon.run_cycle()
+        replay.mode = "http_500"
+        with caplog.at_level("INFO", logger="ac_observe.collectors.scrape"):
+            for _ in range(4):
+                daemon.run_cycle()
+            replay.mode = "normal"
+            daemon.run_cycle()
+            daemon.run_cycle()
+        lines = [r.getMessage() for r in caplog.records
+                 if r.name.startswith("ac_observe.collectors.scrape")]
+        assert len(lines) == 2, lines
+        assert "engine endpoint vllm-a is unavailable" in lines[0] and "500" in lines[0]
+        assert "engine endpoint vllm-a is back after" in lines[1]
+        assert not any(r.exc_info for r in caplog.records)
+    finally:
+        daemon.close()

@@ -10,10 +10,11 @@ going back) is a reset the daemon's windows and Prometheus both read as such.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from prometheus_client.core import (
@@ -28,6 +29,9 @@ from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, CollectorUnavailable, register
 from ac_observe.collectors.scrape.fetch import ScrapeFailed, fetch_text, parse_text
 from ac_observe.collectors.scrape.table import MODEL_LABEL, RANK_LABEL, TABLES, Row, kind_of
+from ac_observe.outage import Outage
+
+log = logging.getLogger(__name__)
 
 OUT_LABELS = ("engine", "model", m.KIND_LABEL)
 MAX_SERIES_PER_ENDPOINT = 5000
@@ -42,6 +46,12 @@ class EndpointState:
     up: bool = False
     reason: str = "not scraped yet"
     last_ok: float | None = None
+    # The log's account: one line when it goes away, a reminder, one when it is back.
+    outage: Outage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outage = Outage(f"engine endpoint {self.name}",
+                             "its series are left out until it answers", log)
 
 
 # (contract family, (engine, model, kind)) -> a gauge's or counter's value, or a
@@ -189,12 +199,15 @@ class ScrapeCollector(Collector):
             except Exception as exc:  # a parser surprise is this endpoint's alone
                 state.up, state.reason = False, f"not Prometheus text: {type(exc).__name__}"
             else:
+                state.outage.ok()
                 models = sorted({labels[1] for _, labels in mine if labels[1]})
                 state.up, state.reason, state.kind = True, "", kind
                 state.model, state.last_ok = ", ".join(models), now
                 values.update(mine)
                 if not was_up:  # back after an outage: its counters have a past
                     self._back.append({"engine": name})
+            if not state.up:
+                state.outage.failed(state.reason)
             up.add_metric([name, state.model, state.kind], 1.0 if state.up else 0.0)
         return [*_families(values), up]
 

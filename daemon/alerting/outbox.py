@@ -30,7 +30,6 @@ from ac_observe.daemon.alerting import notify
 from ac_observe.daemon.alerting.alert import Alert, trial_alert
 from ac_observe.daemon.alerting.notify.grafana import REFUSED_FOR_GOOD
 from ac_observe.daemon.alerting.receivers import Receiver
-from ac_observe.daemon.outage import Outage
 from ac_observe.daemon.store import (
     DELIVERED,
     DISABLED,
@@ -40,6 +39,7 @@ from ac_observe.daemon.store import (
     Store,
     StoreUnavailable,
 )
+from ac_observe.outage import Outage
 
 log = logging.getLogger("ac_observe.daemon.alerting.outbox")
 

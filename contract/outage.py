@@ -1,4 +1,5 @@
-"""A dependency's outages as the log tells them (the store, a webhook receiver): one line
+"""A dependency's outages as the log tells them (the store, a webhook receiver, a scraped
+engine endpoint): one line
 when it goes away, with why and what is kept meanwhile, a reminder every
 `remind_seconds` while it stays away, one line when it is back; never a traceback, and
 never a line per failed call.
@@ -20,11 +21,6 @@ def duration_text(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-class StoreUnavailable(RuntimeError):
-    """The daemon's store cannot be read or written now (its server is down, its disk is
-    full): an outage to wait out, not a bug. The message says why."""
 
 
 def size_text(count: float) -> str:
