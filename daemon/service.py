@@ -262,8 +262,8 @@ class Daemon:
             if family.name != m.STREAM_BUSY.family:
                 continue
             for sample in family.samples:
-                labels = (sample.labels.get("engine", ""), sample.labels.get("model", ""),
-                          sample.labels.get("stream", ""))
+                labels = tuple(sample.labels.get(label, "")
+                               for label in m.STREAM_UTILIZATION.labels)
                 current[labels] = (now, sample.value)
                 previous = self._busy_previous.get(labels)
                 if previous and now > previous[0] and sample.value >= previous[1]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,6 +161,13 @@ def test_an_ac_observe_engine_and_a_vllm_replay_each_answer_on_their_own_edges(
         families = {f.name: f for f in text_string_to_metric_families(text)}
         engines = {s.labels["engine"] for s in families["ac_inference_latency_seconds"].samples}
         assert engines == {"bundled", "vllm-a"}
+        # Every engine series of every kind carries kind: the bundled engine's too.
+        assert ours["labels"] == {"engine": "bundled", "model": "tiny", "stream": "throughput",
+                                  "kind": "ac-observe"}
+        kinds = {(f.name, s.labels["engine"], s.labels.get("kind")) for f in families.values()
+                 for s in f.samples if "engine" in s.labels}
+        assert {kind for _, _, kind in kinds} == {"ac-observe", "vllm"}, kinds
+        assert ("ac_engine_up", "bundled", "ac-observe") in kinds
     finally:
         daemon.close()
         writer.close()
@@ -220,3 +229,66 @@ def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down
     status = run_cli("--daemon", daemon.url, "status")
     assert "vllm-a (vllm)" in status.stdout and "cannot connect" in status.stdout, \
         status.stdout
+
+
+@pytest.mark.stack
+def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
+        tmp_path, replays, start_daemon):
+    """A real Prometheus scraping a daemon that holds a bundled engine and a vLLM replay:
+    the dashboards' and rules' quantiles (summed within one engine and kind) give each
+    engine's figure on its own edges, the daemon's within 1 %; a quantile over the merged
+    layouts would give neither."""
+    import secrets
+
+    from ac_observe.dashboards import promql
+    from ac_observe.engine.telemetry import TelemetryWriter
+    from support.stack import Prometheus
+
+    vllm = replays("vllm_v1_0.10.prom")  # every TTFT bucket at 0: a base of zeros
+    root = tmp_path / "telemetry"
+    root.mkdir(mode=0o700)
+    writer = TelemetryWriter(root / "bundled", {}, engine="bundled", model="tiny")
+    token = secrets.token_hex(16)
+    prometheus = None
+    try:
+        # A base in the bundled engine's buckets, in proportion to what follows, so
+        # Prometheus' extrapolation scales every bucket alike (the daemon reads it as a base).
+        writer.observe_many(m.INFERENCE_LATENCY, [0.05] * 5 + [0.3] * 5, stream="throughput")
+        daemon = start_daemon(root, "--engine-endpoint", f"vllm-a={vllm.url}", "--collectors",
+                              "engine", "--token", token)
+        prometheus = Prometheus(tmp_path / "prometheus", f"127.0.0.1:{daemon.port}", None,
+                                token)
+        wait_for(prometheus.targets_up, 30, "Prometheus to scrape the daemon")
+        prometheus.wait_scrape_and_rules("ac-observe", time.time())  # the base is in
+        writer.observe_many(m.INFERENCE_LATENCY, [0.05] * 50 + [0.3] * 50, stream="throughput")
+        vllm.observe(TTFT, 0.07, 60)   # vLLM's (0.06, 0.08]
+        vllm.observe(TTFT, 0.6, 40)    # vLLM's (0.5, 0.75]
+        daemon.wait_cycles(2)
+        prometheus.wait_scrape_and_rules("ac-observe", time.time())
+        friendly = m.FRIENDLY["inference_latency_ns"]
+        env = {"AC_OBSERVE_TOKEN": token}
+        for statistic in ("p50", "p95"):
+            out = run_cli("--daemon", daemon.url, "--metric", "inference_latency_ns",
+                          "--window", "5m", "--json", env={**os.environ, **env})
+            ours = {s["labels"]["engine"]: s[statistic] for s in json.loads(out.stdout)["series"]}
+            expr = promql.statistic_expr(friendly, statistic, "5m", by=("engine",))
+            theirs = {r["metric"]["engine"]: float(r["value"][1])
+                      for r in prometheus.query(expr)}
+            assert set(ours) == set(theirs) == {"bundled", "vllm-a"}, (ours, theirs)
+            for engine in ours:
+                assert math.isclose(theirs[engine], ours[engine], rel_tol=0.01), \
+                    (statistic, engine, ours, theirs)
+            # The overview's one-figure stat: the worst engine's, not a merged layout's.
+            (worst,) = prometheus.query(promql.statistic_expr(friendly, statistic, "5m", by=()))
+            assert math.isclose(float(worst["value"][1]), max(theirs.values()), rel_tol=1e-9)
+        # vLLM's p95: rank 95 of 100, the 35th of 40 in (0.5, 0.75]: 0.71875 s; p50 in
+        # (0.06, 0.08]: 0.06 + 0.02 * 50/60. The daemon answered these above.
+        assert math.isclose(theirs["vllm-a"], 0.71875e9, rel_tol=0.01), theirs
+        merged = prometheus.query(
+            "histogram_quantile(0.95, sum by (le) (rate(ac_inference_latency_seconds_bucket[5m])))"
+            " * 1e9")
+        assert not math.isclose(float(merged[0]["value"][1]), theirs["vllm-a"], rel_tol=0.05)
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        writer.close()
