@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ac_observe import metrics as m
+from ac_observe.daemon.alerting.state import FIRING
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
 from support.engine_replay import EngineReplay
@@ -292,3 +293,55 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
         if prometheus is not None:
             prometheus.stop()
         writer.close()
+
+
+@pytest.mark.slow
+def test_the_shipped_drift_rules_fire_on_a_vllm_replay_whose_ttft_shifts_and_resolve(
+        tmp_path, replays):
+    """The shipped rules (`rules: defaults`) on a vLLM replay, the clock driven by the test
+    (a cycle and an evaluation every 10 s of its time, no waiting): 40 min steady, so the
+    trailing hour is a baseline; 12 min with the slow tail moved from vLLM's (0.1, 0.25]
+    to its (0.5, 0.75] and prefix hits halved; then steady again until resolved."""
+    vllm = replays("vllm_v1_0.10.prom")
+    alerting = tmp_path / "alerts.yaml"
+    alerting.write_text("rules: defaults\n")
+    daemon = Daemon(DaemonConfig(
+        telemetry_root=tmp_path / "telemetry", collectors=(), history=False,
+        engine_endpoints=(("vllm-a", vllm.url),), interval_seconds=10.0,
+        window_seconds=4200.0, alerting_file=alerting, state_dir=tmp_path / "state",
+        alert_interval_seconds=10.0))
+    t0 = time.time() // 60 * 60 - 7200  # in the past: a day back holds nothing
+    firing: dict[str, float] = {}
+    resolved: dict[str, float] = {}
+    drifts = {"InferenceLatencyDrift", "FastRequestsShareDrop", "KvCacheHitRateDrop"}
+    try:
+        for step in range(62 * 6):
+            minute = step / 6
+            shifted = 40 <= minute < 52
+            vllm.observe(TTFT, 0.07, 18)                  # (0.06, 0.08]
+            vllm.observe(TTFT, 0.6 if shifted else 0.2, 2)
+            vllm.inc("vllm:prefix_cache_queries", 1000)
+            vllm.inc("vllm:prefix_cache_hits", 500 if shifted else 900)
+            daemon.run_cycle(now=t0 + 10 * step)
+            active = {(a["rule"], a["state"]): a for a in daemon.alerts.active()
+                      if a["labels"].get("engine") == "vllm-a"}
+            for rule in drifts:
+                if (rule, FIRING) in active:
+                    assert active[(rule, FIRING)]["labels"]["kind"] == "vllm"
+                    firing.setdefault(rule, minute)
+                elif rule in firing:
+                    resolved.setdefault(rule, minute)
+            if minute == 39:
+                # The steady hour: p95 0.1 + 0.15 * (19 - 18) / 2 = 0.175 s, nothing drifts.
+                p95 = _one(daemon.query("inference_latency_ns", 300, {}, now=t0 + 10 * step),
+                           engine="vllm-a")["p95"]
+                assert math.isclose(p95, 0.175e9, rel_tol=0.01), p95
+                assert not firing, firing
+        # Firing once the slow tail is over 5 % of the window (~2.5 min) and `for: 5m`
+        # has run; resolved a few minutes after the tail went back.
+        assert set(firing) == drifts, (firing, resolved)
+        for rule in drifts:
+            assert 45 <= firing[rule] < 52, (rule, firing)
+            assert 52 <= resolved.get(rule, math.inf) < 62, (rule, resolved)
+    finally:
+        daemon.close()
