@@ -83,6 +83,21 @@ def test_a_vllm_v1_replay_answers_ttft_hit_rate_and_running_exactly(tmp_path, re
         running = _one(daemon.query("requests_running", 3600, {}), engine="vllm-a")
         assert (running["last"], running["max"]) == (7.0, 7.0)
 
+        # The table says what the hit rate is counted in; a figure vLLM never exports is
+        # said to be so, not an empty table or a zero.
+        from ac_observe.daemon.cli.render import metric_table
+        table = metric_table(daemon.query("kv_cache_hit_rate", 3600, {}), 160).plain
+        header = next(line for line in table.splitlines() if "mean" in line)
+        assert header.split()[-2:] == ["basis", "trend"] and " tokens " in table, table
+        assert "not_exported" not in daemon.query("kv_cache_hit_rate", 3600, {})
+        for name in ("cuda_stream_utilization", "skeleton_complexity", "kv_cache_miss_reasons"):
+            answer = daemon.query(name, 3600, {})
+            assert answer["series"] == [] and answer["not_exported"] == [
+                {"engine": "vllm-a", "kind": "vllm", "reason": "not exported by vLLM"}], name
+            table = metric_table(answer, 160).plain
+            assert "vllm-a (vllm): not exported by vLLM" in table, table
+            assert "no data" not in table
+
         assert _one(daemon.query("inference_latency_ns", 3600, {"kind": "vllm"}),
                     engine="vllm-a")["p95"] == ttft["p95"]
         assert daemon.query("inference_latency_ns", 3600, {"kind": "sglang"})["series"] == []
@@ -227,6 +242,8 @@ def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down
 
     series = wait_for(answered, 30, "the vLLM replay's requests_running")
     assert series["last"] == 4.0 and series["labels"]["engine"] == "vllm-a"
+    out = run_cli("--daemon", daemon.url, "--metric", "skeleton_complexity")
+    assert "vllm-a (vllm): not exported by vLLM" in out.stdout, out.stdout
     status = run_cli("--daemon", daemon.url, "status")
     assert "vllm-a (vllm)" in status.stdout and "cannot connect" in status.stdout, \
         status.stdout
@@ -345,3 +362,91 @@ def test_the_shipped_drift_rules_fire_on_a_vllm_replay_whose_ttft_shifts_and_res
             assert 52 <= resolved.get(rule, math.inf) < 62, (rule, resolved)
     finally:
         daemon.close()
+
+
+def _netns(name: str, subnet: str):
+    """A network namespace with a veth to the host: (the host's, the namespace's) address."""
+    import subprocess
+
+    def ip(*args, ns=None):
+        command = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+        subprocess.run(command, check=True, capture_output=True)
+    host_if, ns_if = f"{name[:10]}h", f"{name[:10]}n"
+    ip("netns", "add", name)
+    ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+    ip("link", "set", ns_if, "netns", name)
+    ip("addr", "add", f"{subnet}.1/30", "dev", host_if)
+    ip("link", "set", host_if, "up")
+    ip("addr", "add", f"{subnet}.2/30", "dev", ns_if, ns=name)
+    ip("link", "set", ns_if, "up", ns=name)
+    ip("link", "set", "lo", "up", ns=name)
+    return f"{subnet}.2"
+
+
+@pytest.mark.stack
+def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_path):
+    """Stand-ins started with the servers' own command lines, one in a network namespace
+    of its own (as a pod's is, made here with `ip netns`): each found by its command line
+    and listening socket, reached on loopback or on its namespace's address, read into
+    the contract with its pid in status; dropped, series and all, once it exits."""
+    import random
+    import shutil
+    import subprocess
+    import sys
+
+    from support.processes import start_process, stop_process
+    from support.servers import free_port
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2's ip for a network namespace")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(tests, "support", "standin_engines"), tests])}
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\n" + (
+        open(os.path.join(tests, "support", "standin_engines", "vllm_cli.py")).read()))
+    script.chmod(0o755)
+    suffix = random.randrange(1 << 16)
+    name, subnet = f"acob{suffix:04x}", f"10.{200 + suffix % 50}.{suffix % 250}"
+    ports = [free_port() for _ in range(3)]
+    procs = []
+    daemon = None
+    try:
+        pod_address = _netns(name, subnet)
+        procs.append(start_process([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                                    "--port", str(ports[0])], env=env))
+        procs.append(start_process([str(script), "serve", "tiny", "--port", str(ports[1])],
+                                   env=env))
+        procs.append(start_process(["ip", "netns", "exec", name, sys.executable, "-m",
+                                    "sglang.launch_server", "--port", str(ports[2])], env=env))
+        daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "telemetry", collectors=(),
+                                     history=False, engine_discovery=True))
+        pids = [p.pid for p in procs]
+
+        def engines():
+            daemon.run_cycle()
+            return {e["pid"]: e for e in daemon.status()["engines"] if e["alive"]}
+        found = wait_for(lambda: set(pids) <= set(engines()) and engines(), 30,
+                         "the three stand-ins found and read")
+        assert {pid: (e["engine"], e["kind"], e["endpoint"]) for pid, e in found.items()
+                if pid in pids} == {
+            pids[0]: (f"vllm-{pids[0]}", "vllm", f"http://127.0.0.1:{ports[0]}/metrics"),
+            pids[1]: (f"vllm-{pids[1]}", "vllm", f"http://127.0.0.1:{ports[1]}/metrics"),
+            pids[2]: (f"sglang-{pids[2]}", "sglang",
+                      f"http://{pod_address}:{ports[2]}/metrics")}
+        running = daemon.query("requests_running", 3600, {})
+        assert {s["labels"]["engine"]: s["last"] for s in running["series"]}.items() >= {
+            f"vllm-{pids[0]}": 3.0, f"vllm-{pids[1]}": 3.0, f"sglang-{pids[2]}": 3.0}.items()
+        stop_process(procs[1])
+        gone = f"vllm-{pids[1]}"
+        wait_for(lambda: gone not in {e["engine"] for e in engines().values()}
+                 and f'engine="{gone}"' not in daemon.render_metrics().decode(), 30,
+                 "the exited stand-in dropped")
+        assert {e["engine"] for e in daemon.status()["engines"]} >= {
+            f"vllm-{pids[0]}", f"sglang-{pids[2]}"}
+    finally:
+        if daemon is not None:
+            daemon.close()
+        for proc in procs:
+            stop_process(proc)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
