@@ -225,10 +225,14 @@ ENGINE_METRICS = (
     SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY, ENGINE_STEPS, KERNEL_SAMPLED_STEPS,
     KERNEL_SECONDS, KV_REPORTED_HIT, REQUEST_PREFILL, REQUEST_DECODE,
 )
-# Engines the daemon scrapes (vLLM, SGLang) carry `kind` beside `engine` and `model`
-# (collectors/scrape/); a query may filter on it.
+# Every engine series carries `kind` beside `engine` and `model`: which engine wrote it
+# (the bundled one, through its files; vLLM and SGLang, scraped by collectors/scrape/), so
+# a query may filter on it and a quantile never mixes two engines' bucket layouts. It is
+# the daemon's label, added on export: the bundled engine's files never hold it.
 KIND_LABEL = "kind"
+KIND_AC_OBSERVE = "ac-observe"
 KIND_VLLM, KIND_SGLANG = SCRAPED_KINDS = ("vllm", "sglang")
+ENGINE_KINDS = (KIND_AC_OBSERVE,) + SCRAPED_KINDS
 # The closed sets of values an engine may write under these labels (the engine declares
 # them, the daemon refuses any other).
 LABEL_VALUES = {"stream": LANES, "status": REQUEST_STATUSES, "reason": MISS_REASONS,
@@ -299,7 +303,7 @@ def _daemon(name, typ, help_text, labels, unit=""):
 
 STREAM_UTILIZATION = _daemon("ac_cuda_stream_utilization", GAUGE,
                              "Busy fraction of the lane's stream over the last collection "
-                             "interval.", STREAM_LABELS, "ratio")
+                             "interval.", STREAM_LABELS + ("kind",), "ratio")
 COLLECTOR_UP = _daemon("ac_collector_up", GAUGE, "1 when the collector's last run succeeded.",
                        ("collector",))
 COLLECTOR_DURATION = _daemon("ac_collector_duration_seconds", GAUGE,
@@ -322,11 +326,12 @@ WEBHOOK_OLDEST_PENDING = _daemon("ac_webhook_oldest_pending_seconds", GAUGE,
 BUILD_INFO = _daemon("ac_build_info", GAUGE, "ac-observe build.", ("version",))
 ENGINE_RESTARTS = _daemon("ac_engine_restarts_total", COUNTER,
                           "A new engine process taking over an engine's telemetry directory, "
-                          "as the daemon saw it.", ("engine",), "restarts")
+                          "as the daemon saw it.", ("engine", "kind"), "restarts")
 ENGINE_UP = _daemon("ac_engine_up", GAUGE,
                     "1 while the engine's heartbeat is fresh, 0 once it is stale; a gone "
-                    "engine stays at 0 for an hour after its last heartbeat.",
-                    ("engine", "model"))
+                    "engine stays at 0 for an hour after its last heartbeat; a scraped "
+                    "one (vLLM, SGLang) is 1 while its /metrics answers.",
+                    ("engine", "model", "kind"))
 # As Prometheus and Alertmanager name theirs: 1 at start and after each reload of the
 # alerting file that took (SIGHUP, POST /-/reload), 0 after one that did not.
 CONFIG_RELOAD_SUCCESSFUL = _daemon("ac_config_last_reload_successful", GAUGE,
@@ -504,11 +509,15 @@ FRIENDLY = {f.name: f for f in (
 )}
 
 
+def exposed_labels(spec: MetricSpec) -> tuple[str, ...]:
+    """The labels a family's series carry on export: its own, and an engine family's
+    `kind` (the daemon adds it; every engine series of every kind has it)."""
+    return spec.labels + (KIND_LABEL,) if spec.source == "engine" else spec.labels
+
+
 def query_labels(friendly: Friendly) -> tuple[str, ...]:
-    """The labels a query of this name may filter on: its family's, and an engine
-    family's `kind` (scraped engines carry it)."""
-    labels = friendly.source.labels
-    return labels + (KIND_LABEL,) if friendly.source.source == "engine" else labels
+    """The labels a query of this name may filter on: its series' exposed ones."""
+    return exposed_labels(friendly.source)
 
 
 def watched_families() -> set[str]:

@@ -62,6 +62,9 @@ class DaemonConfig:
     grafana_token: str | None = field(default=None, repr=False)  # its service-account token
     # vLLM / SGLang servers to scrape: (name, /metrics URL) pairs (collectors/scrape/)
     engine_endpoints: tuple[tuple[str, str], ...] = ()
+    # Find vLLM / SGLang server processes on the node and scrape them too
+    # (collectors/scrape/discovery.py)
+    engine_discovery: bool = False
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)
@@ -69,7 +72,8 @@ class DaemonConfig:
         if len(set(names)) != len(names):
             raise ValueError("two engine endpoints have one name: give each its own "
                              "(name=URL)")
-        if self.engine_endpoints and "scrape" not in self.collectors:
+        if (self.engine_endpoints or self.engine_discovery) and \
+                "scrape" not in self.collectors:
             self.collectors = (*self.collectors, "scrape")
         if self.interval_seconds <= 0 or self.window_seconds < self.interval_seconds:
             raise ValueError("interval must be > 0 and the window at least one interval")

@@ -13,7 +13,7 @@ import time
 
 from ac_observe.daemon.history import HistoryView
 from ac_observe.daemon.windows import Windows, WindowView
-from ac_observe.metrics import FRIENDLY, Friendly
+from ac_observe.metrics import FRIENDLY, Friendly, exposed_labels
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -241,7 +241,7 @@ class QueryEngine:
             groups.setdefault(labels, []).append(key)
         denominator = friendly.denominator
         assert denominator is not None  # a ratio has one (Friendly checks)
-        den_labels = set(denominator.labels)
+        den_labels = set(exposed_labels(denominator))
         den_keys = list(view.keys(denominator.name))
         for labels, keys in groups.items():
             wanted = {k: v for k, v in labels if k in den_labels}

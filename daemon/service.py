@@ -21,6 +21,7 @@ from prometheus_client.core import Metric
 from ac_observe import __version__
 from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, build, new_counter, new_gauge
+from ac_observe.collectors.scrape.table import KIND_TITLES, exports
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.exposition import Renderer
 from ac_observe.daemon.query import QueryEngine
@@ -240,8 +241,8 @@ class Daemon:
             if family.name != m.STREAM_BUSY.family:
                 continue
             for sample in family.samples:
-                labels = (sample.labels.get("engine", ""), sample.labels.get("model", ""),
-                          sample.labels.get("stream", ""))
+                labels = tuple(sample.labels.get(label, "")
+                               for label in m.STREAM_UTILIZATION.labels)
                 current[labels] = (now, sample.value)
                 previous = self._busy_previous.get(labels)
                 if previous and now > previous[0] and sample.value >= previous[1]:
@@ -391,7 +392,33 @@ class Daemon:
         answer = self.queries.answer(view, friendly, window_seconds, since, labels, shares)
         if friendly.fallbacks:
             self._add_fallbacks(answer, friendly, window_seconds, labels, now, shares, source)
+        missing = self._not_exported(friendly, answer, labels)
+        if missing:
+            answer["not_exported"] = missing
         return answer
+
+    def _not_exported(self, friendly: m.Friendly, answer: dict,
+                      labels: dict[str, str]) -> list[dict]:
+        """The scraped engines that have no series of the name because their kind never
+        exports it (a vLLM's stream utilisation), each with that said, so the CLI shows
+        why, not an empty table or a zero."""
+        if friendly.source.source != "engine" and friendly.source is not m.STREAM_UTILIZATION:
+            return []
+        answered = {s["labels"].get("engine") for s in answer["series"]}
+        out = []
+        for runner in self.runners:
+            if runner.name != "scrape":
+                continue
+            for engine in getattr(runner.collector, "status", list)():
+                kind = engine.get("kind")
+                if kind not in KIND_TITLES or engine["engine"] in answered or \
+                        exports(kind, friendly) or \
+                        any(engine.get(k, v) != v for k, v in labels.items()
+                            if k in ("engine", "kind")):
+                    continue
+                out.append({"engine": engine["engine"], "kind": kind,
+                            "reason": f"not exported by {KIND_TITLES[kind]}"})
+        return out
 
     def _add_fallbacks(self, answer: dict, friendly: m.Friendly, window_seconds: float,
                        labels: dict[str, str], now: float | None,

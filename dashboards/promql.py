@@ -8,7 +8,9 @@ statistic means is the daemon's (daemon/query.py):
 - a histogram's p50/p95/p99: `histogram_quantile` over the window's bucket increases;
   its mean: Σ sum / Σ count; its rate: observations per second; `share_below:<v>`: the
   share (in %) of observations at or below v, interpolated linearly inside the bucket
-  that holds v, as the daemon does;
+  that holds v, as the daemon does, on the contract's edges; on an engine's own edges
+  (vLLM's, SGLang's), the share at its nearest edge at or below v;
+- quantiles sum buckets within one engine and kind (one layout) only;
 - a gauge's mean/min/max/last/p50...: `avg_over_time`, `min_over_time`, ...;
 - a rate's mean: `rate()`; a ratio's mean: Σ increases over Σ increases, summed over the
   ratio's `summed` labels unless the rule matches on one.
@@ -31,7 +33,8 @@ import math
 import re
 
 from ac_observe.daemon.alerting.rules import SAME_HOUR_SPAN_SECONDS, TEMPLATE
-from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec
+from ac_observe.dashboards.edges import le_at_or_below
+from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec, exposed_labels
 
 # The daemon resolves an alert at the second evaluation in a row without its condition (one
 # odd sample never resolves it); Prometheus at the first, unless told to keep firing.
@@ -43,6 +46,9 @@ KEEP_FIRING_SECONDS = 1.0
 # Prometheus' target label: an alert rule keeps it, so each node's daemon is its own series
 # (as each daemon evaluates its own), where the dashboards sum over nodes.
 INSTANCE = "instance"
+# The labels that tell one bucket layout from another: a quantile sums buckets within one
+# engine of one kind only.
+LAYOUT_LABELS = ("engine", "kind")
 
 
 def number(value: float) -> str:
@@ -71,9 +77,10 @@ def go_float(value: float) -> str:
 
 def _select(name: str, spec: MetricSpec, match: dict, extra: str = "",
               regex: dict | None = None) -> str:
-    matchers = [f'{k}="{_escape(v)}"' for k, v in sorted(match.items()) if k in spec.labels]
+    labels = exposed_labels(spec)
+    matchers = [f'{k}="{_escape(v)}"' for k, v in sorted(match.items()) if k in labels]
     matchers += [f'{k}=~"{_escape(v)}"' for k, v in sorted((regex or {}).items())
-                 if k in spec.labels and k not in match]
+                 if k in labels and k not in match]
     if extra:
         matchers.append(extra)
     return f"{name}{{{','.join(matchers)}}}" if matchers else name
@@ -89,7 +96,7 @@ def _range(window: str, offset: str) -> str:
 
 def group_labels(friendly: Friendly, match: dict) -> tuple[str, ...]:
     """The labels a friendly name's series are told apart by."""
-    labels = friendly.source.labels
+    labels = exposed_labels(friendly.source)
     return tuple(label for label in labels
                  if label not in friendly.summed or label in match)
 
@@ -106,10 +113,10 @@ def statistic_expr(  # noqa: C901 - the table of PromQL by kind and statistic
     def _selector(name, spec, match, extra=""):
         return _select(name, spec, match, extra, regex)
     spec = friendly.source
-    unknown = sorted(set(match) - set(spec.labels))
+    unknown = sorted(set(match) - set(exposed_labels(spec)))
     if unknown:  # the daemon matches no series on a label they lack: refuse, do not widen
         raise ValueError(f"{friendly.name}: its series have no label {unknown[0]!r} to match "
-                         f"(labels: {', '.join(spec.labels)})")
+                         f"(labels: {', '.join(exposed_labels(spec))})")
     by = group_labels(friendly, match) if by is None else by
     group = ", ".join(by)
     scale = "" if friendly.scale == 1.0 else f" * {friendly.scale:g}"
@@ -121,17 +128,27 @@ def statistic_expr(  # noqa: C901 - the table of PromQL by kind and statistic
                     f"{r}))")
         if statistic in ("p50", "p95", "p99"):
             q = int(statistic[1:]) / 100
-            inner = (f"sum by ({', '.join(('le',) + by)}) "
+            # Engines keep their own bucket edges (a vLLM's are not ours): buckets are
+            # summed within one engine and kind only, and a coarser grouping takes the
+            # worst engine's quantile, never one over a merged layout.
+            layout = tuple(label for label in LAYOUT_LABELS
+                           if label in exposed_labels(spec) and label not in by)
+            inner = (f"sum by ({', '.join(('le',) + by + layout)}) "
                      f"(rate({_selector(spec.name + '_bucket', spec, match)}{r}))")
+            quantile = f"histogram_quantile({q:g}, {inner})"
             if spec.whole:  # observed values, as the daemon answers (the edge it falls in)
-                return f"ceil(histogram_quantile({q:g}, {inner})){scale}"
-            return f"histogram_quantile({q:g}, {inner}){scale}"
+                quantile = f"ceil({quantile})"
+            if layout:
+                quantile = f"max by ({group}) ({quantile})"
+            return f"{quantile}{scale}"
         if statistic == "mean":
             return f"({summed('_sum')} / {summed('_count')}){scale}"
         if statistic == "rate":
             return summed("_count")
         if statistic.startswith("share_below"):
-            return _share_below(spec, share_threshold / friendly.scale, summed)
+            bound = share_threshold / friendly.scale
+            return (f"({_share_below(spec, bound, summed)}) or "
+                    f"({_share_at_nearest_edge(spec, bound, summed, by, match, r, regex)})")
         raise ValueError(f"{friendly.name}: no PromQL for a histogram's {statistic!r}")
     if kind == "gauge":
         selector = _selector(spec.name, spec, match)
@@ -153,10 +170,11 @@ def statistic_expr(  # noqa: C901 - the table of PromQL by kind and statistic
                              "(only its mean, Σ over Σ)")
         den = friendly.denominator
         num = f"sum by ({group}) (rate({_selector(spec.name, spec, match)}{r}))"
-        den_by = tuple(label for label in by if label in den.labels or label == INSTANCE)
+        den_labels = exposed_labels(den)
+        den_by = tuple(label for label in by if label in den_labels or label == INSTANCE)
         den_expr = (f"sum by ({', '.join(den_by)}) "
                     f"(rate({_selector(den.name, den, match)}{r}))")
-        lacking = [label for label in by if label not in den.labels and label != INSTANCE]
+        lacking = [label for label in by if label not in den_labels and label != INSTANCE]
         if lacking:
             return f"({num} / ignoring({', '.join(lacking)}) group_left {den_expr}){scale}"
         return f"({num} / {den_expr}){scale}"
@@ -185,6 +203,21 @@ def _share_below(spec: MetricSpec, bound: float, summed) -> str:
     lower_rate = summed("_bucket", f'le="{go_float(lower)}"')
     return (f"100 * ({lower_rate} + ({upper_rate} - {lower_rate}) * {inside:.12g}) "
             f"/ {count}")
+
+
+def _share_at_nearest_edge(spec: MetricSpec, bound: float, summed, by: tuple[str, ...],
+                           match: dict, r: str, regex: dict | None) -> str:
+    """% of observations at or below the nearest edge at or below `bound`, on any layout
+    (an engine's own edges, which the rule cannot list): buckets are cumulative, so the
+    largest of those whose `le` is at or below the bound is that edge's count. A lower
+    bound of the share the daemon interpolates inside the bucket holding `bound`; a drift
+    compares it with its baseline read the same way. (Prometheus 2.42 has no
+    histogram_fraction for classic histograms.)"""
+    selector = _select(spec.name + "_bucket", spec, match,
+                       f'le=~"{_escape(le_at_or_below(bound))}"', regex)
+    below = (f"max by ({', '.join(by)}) "
+             f"(sum by ({', '.join(by + ('le',))}) (rate({selector}{r})))")
+    return f"100 * {below} / {summed('_count')}"
 
 
 def baseline_expr(rule, regex: dict | None = None) -> str:

@@ -54,6 +54,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     need postgresql initdb_installed
     # tmux: the CLI is tested in a real terminal.
     need tmux command -v tmux
+    # iproute2's ip: engine discovery is tested on a server in a network namespace.
+    need iproute2 command -v ip
     # A Docker engine, docker-compose and debootstrap: the compose stack, built from an
     # offline base image.
     need docker.io command -v dockerd

@@ -519,7 +519,8 @@ def test_an_engine_whose_heartbeat_stopped_is_down_and_fires_until_it_returns(tm
             daemon.run_cycle()
             time.sleep(0.25)
         [alert] = daemon.alerts.active()
-        assert alert["state"] == FIRING and alert["labels"] == {"engine": "e1", "model": "m"}
+        assert alert["state"] == FIRING and alert["labels"] == {
+            "engine": "e1", "model": "m", "kind": "ac-observe"}
         assert up() == ("e1", 0.0)
         # The engine's own series are gone after the grace; it still reads as down.
         assert daemon.query("requests_running", 0.3, {})["series"] == []

@@ -489,3 +489,28 @@ def test_whole_number_histograms_read_the_same_in_promql_as_in_the_daemon():
     assert 'le="2.0"' in share and 'le="3.0"' not in share, share
     latency = statistic_expr(FRIENDLY["inference_latency_ns"], "p50", "5m")
     assert latency.startswith("histogram_quantile(0.5, ")  # interpolated, as Prometheus
+
+
+def test_the_le_pattern_matches_every_spelling_at_or_below_its_bound_and_no_other():
+    """The share-below rules' pattern of the edges at or below a bound, on any layout:
+    every edge prometheus_client or a Go client writes, checked by number."""
+    import random
+    import re as regex
+
+    from prometheus_client.utils import floatToGoString
+
+    from ac_observe.dashboards.edges import le_at_or_below
+    rng = random.Random(7)
+    values = {float(f"{10 ** rng.uniform(-6, 7):.{rng.randint(1, 6)}g}") for _ in range(5000)}
+    values |= {0.1, 0.2, 0.25, 0.16127, 0.203187, 1.0, 2.5, 10.0, 2560.0, 1e-05, 0.0}
+    for bound in (0.2, 0.203187, 0.0001, 0.05, 1.0, 2.5, 7.0, 20.0, 123.456, 999999.0):
+        pattern = regex.compile(le_at_or_below(bound))
+        for value in values:
+            spellings = {floatToGoString(value)}
+            if value == int(value) and value < 1e6:
+                spellings.add(str(int(value)))  # a Go client's "1"
+            for text in spellings:
+                assert (pattern.fullmatch(text) is not None) == (value <= bound), (bound, text)
+        assert not pattern.fullmatch("+Inf") and not pattern.fullmatch("NaN")
+    with pytest.raises(ValueError):
+        le_at_or_below(1e-5)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ac_observe import metrics as m
+from ac_observe.daemon.alerting.state import FIRING
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
 from support.engine_replay import EngineReplay
@@ -79,6 +82,21 @@ def test_a_vllm_v1_replay_answers_ttft_hit_rate_and_running_exactly(tmp_path, re
 
         running = _one(daemon.query("requests_running", 3600, {}), engine="vllm-a")
         assert (running["last"], running["max"]) == (7.0, 7.0)
+
+        # The table says what the hit rate is counted in; a figure vLLM never exports is
+        # said to be so, not an empty table or a zero.
+        from ac_observe.daemon.cli.render import metric_table
+        table = metric_table(daemon.query("kv_cache_hit_rate", 3600, {}), 160).plain
+        header = next(line for line in table.splitlines() if "mean" in line)
+        assert header.split()[-2:] == ["basis", "trend"] and " tokens " in table, table
+        assert "not_exported" not in daemon.query("kv_cache_hit_rate", 3600, {})
+        for name in ("cuda_stream_utilization", "skeleton_complexity", "kv_cache_miss_reasons"):
+            answer = daemon.query(name, 3600, {})
+            assert answer["series"] == [] and answer["not_exported"] == [
+                {"engine": "vllm-a", "kind": "vllm", "reason": "not exported by vLLM"}], name
+            table = metric_table(answer, 160).plain
+            assert "vllm-a (vllm): not exported by vLLM" in table, table
+            assert "no data" not in table
 
         assert _one(daemon.query("inference_latency_ns", 3600, {"kind": "vllm"}),
                     engine="vllm-a")["p95"] == ttft["p95"]
@@ -159,6 +177,13 @@ def test_an_ac_observe_engine_and_a_vllm_replay_each_answer_on_their_own_edges(
         families = {f.name: f for f in text_string_to_metric_families(text)}
         engines = {s.labels["engine"] for s in families["ac_inference_latency_seconds"].samples}
         assert engines == {"bundled", "vllm-a"}
+        # Every engine series of every kind carries kind: the bundled engine's too.
+        assert ours["labels"] == {"engine": "bundled", "model": "tiny", "stream": "throughput",
+                                  "kind": "ac-observe"}
+        kinds = {(f.name, s.labels["engine"], s.labels.get("kind")) for f in families.values()
+                 for s in f.samples if "engine" in s.labels}
+        assert {kind for _, _, kind in kinds} == {"ac-observe", "vllm"}, kinds
+        assert ("ac_engine_up", "bundled", "ac-observe") in kinds
     finally:
         daemon.close()
         writer.close()
@@ -217,6 +242,8 @@ def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down
 
     series = wait_for(answered, 30, "the vLLM replay's requests_running")
     assert series["last"] == 4.0 and series["labels"]["engine"] == "vllm-a"
+    out = run_cli("--daemon", daemon.url, "--metric", "skeleton_complexity")
+    assert "vllm-a (vllm): not exported by vLLM" in out.stdout, out.stdout
     status = run_cli("--daemon", daemon.url, "status")
     assert "vllm-a (vllm)" in status.stdout and "cannot connect" in status.stdout, \
         status.stdout
@@ -242,3 +269,206 @@ def test_an_endpoint_outage_is_one_log_line_gone_and_one_back(tmp_path, replays,
         assert not any(r.exc_info for r in caplog.records)
     finally:
         daemon.close()
+
+
+@pytest.mark.stack
+def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
+        tmp_path, replays, start_daemon):
+    """A real Prometheus scraping a daemon that holds a bundled engine and a vLLM replay:
+    the dashboards' and rules' quantiles (summed within one engine and kind) give each
+    engine's figure on its own edges, the daemon's within 1 %; a quantile over the merged
+    layouts would give neither."""
+    import secrets
+
+    from ac_observe.dashboards import promql
+    from ac_observe.engine.telemetry import TelemetryWriter
+    from support.stack import Prometheus
+
+    vllm = replays("vllm_v1_0.10.prom")  # every TTFT bucket at 0: a base of zeros
+    root = tmp_path / "telemetry"
+    root.mkdir(mode=0o700)
+    writer = TelemetryWriter(root / "bundled", {}, engine="bundled", model="tiny")
+    token = secrets.token_hex(16)
+    prometheus = None
+    try:
+        # A base in the bundled engine's buckets, in proportion to what follows, so
+        # Prometheus' extrapolation scales every bucket alike (the daemon reads it as a base).
+        writer.observe_many(m.INFERENCE_LATENCY, [0.05] * 5 + [0.3] * 5, stream="throughput")
+        daemon = start_daemon(root, "--engine-endpoint", f"vllm-a={vllm.url}", "--collectors",
+                              "engine", "--token", token)
+        prometheus = Prometheus(tmp_path / "prometheus", f"127.0.0.1:{daemon.port}", None,
+                                token)
+        wait_for(prometheus.targets_up, 30, "Prometheus to scrape the daemon")
+        prometheus.wait_scrape_and_rules("ac-observe", time.time())  # the base is in
+        writer.observe_many(m.INFERENCE_LATENCY, [0.05] * 50 + [0.3] * 50, stream="throughput")
+        vllm.observe(TTFT, 0.07, 60)   # vLLM's (0.06, 0.08]
+        vllm.observe(TTFT, 0.6, 40)    # vLLM's (0.5, 0.75]
+        daemon.wait_cycles(2)
+        prometheus.wait_scrape_and_rules("ac-observe", time.time())
+        friendly = m.FRIENDLY["inference_latency_ns"]
+        env = {"AC_OBSERVE_TOKEN": token}
+        for statistic in ("p50", "p95"):
+            out = run_cli("--daemon", daemon.url, "--metric", "inference_latency_ns",
+                          "--window", "5m", "--json", env={**os.environ, **env})
+            ours = {s["labels"]["engine"]: s[statistic] for s in json.loads(out.stdout)["series"]}
+            expr = promql.statistic_expr(friendly, statistic, "5m", by=("engine",))
+            theirs = {r["metric"]["engine"]: float(r["value"][1])
+                      for r in prometheus.query(expr)}
+            assert set(ours) == set(theirs) == {"bundled", "vllm-a"}, (ours, theirs)
+            for engine in ours:
+                assert math.isclose(theirs[engine], ours[engine], rel_tol=0.01), \
+                    (statistic, engine, ours, theirs)
+            # The overview's one-figure stat: the worst engine's, not a merged layout's.
+            (worst,) = prometheus.query(promql.statistic_expr(friendly, statistic, "5m", by=()))
+            assert math.isclose(float(worst["value"][1]), max(theirs.values()), rel_tol=1e-9)
+        # vLLM's p95: rank 95 of 100, the 35th of 40 in (0.5, 0.75]: 0.71875 s; p50 in
+        # (0.06, 0.08]: 0.06 + 0.02 * 50/60. The daemon answered these above.
+        assert math.isclose(theirs["vllm-a"], 0.71875e9, rel_tol=0.01), theirs
+        merged = prometheus.query(
+            "histogram_quantile(0.95, sum by (le) (rate(ac_inference_latency_seconds_bucket[5m])))"
+            " * 1e9")
+        assert not math.isclose(float(merged[0]["value"][1]), theirs["vllm-a"], rel_tol=0.05)
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        writer.close()
+
+
+@pytest.mark.slow
+def test_the_shipped_drift_rules_fire_on_a_vllm_replay_whose_ttft_shifts_and_resolve(
+        tmp_path, replays):
+    """The shipped rules (`rules: defaults`) on a vLLM replay, the clock driven by the test
+    (a cycle and an evaluation every 10 s of its time, no waiting): 40 min steady, so the
+    trailing hour is a baseline; 12 min with the slow tail moved from vLLM's (0.1, 0.25]
+    to its (0.5, 0.75] and prefix hits halved; then steady again until resolved."""
+    vllm = replays("vllm_v1_0.10.prom")
+    alerting = tmp_path / "alerts.yaml"
+    alerting.write_text("rules: defaults\n")
+    daemon = Daemon(DaemonConfig(
+        telemetry_root=tmp_path / "telemetry", collectors=(), history=False,
+        engine_endpoints=(("vllm-a", vllm.url),), interval_seconds=10.0,
+        window_seconds=4200.0, alerting_file=alerting, state_dir=tmp_path / "state",
+        alert_interval_seconds=10.0))
+    t0 = time.time() // 60 * 60 - 7200  # in the past: a day back holds nothing
+    firing: dict[str, float] = {}
+    resolved: dict[str, float] = {}
+    drifts = {"InferenceLatencyDrift", "FastRequestsShareDrop", "KvCacheHitRateDrop"}
+    try:
+        for step in range(62 * 6):
+            minute = step / 6
+            shifted = 40 <= minute < 52
+            vllm.observe(TTFT, 0.07, 18)                  # (0.06, 0.08]
+            vllm.observe(TTFT, 0.6 if shifted else 0.2, 2)
+            vllm.inc("vllm:prefix_cache_queries", 1000)
+            vllm.inc("vllm:prefix_cache_hits", 500 if shifted else 900)
+            daemon.run_cycle(now=t0 + 10 * step)
+            active = {(a["rule"], a["state"]): a for a in daemon.alerts.active()
+                      if a["labels"].get("engine") == "vllm-a"}
+            for rule in drifts:
+                if (rule, FIRING) in active:
+                    assert active[(rule, FIRING)]["labels"]["kind"] == "vllm"
+                    firing.setdefault(rule, minute)
+                elif rule in firing:
+                    resolved.setdefault(rule, minute)
+            if minute == 39:
+                # The steady hour: p95 0.1 + 0.15 * (19 - 18) / 2 = 0.175 s, nothing drifts.
+                p95 = _one(daemon.query("inference_latency_ns", 300, {}, now=t0 + 10 * step),
+                           engine="vllm-a")["p95"]
+                assert math.isclose(p95, 0.175e9, rel_tol=0.01), p95
+                assert not firing, firing
+        # Firing once the slow tail is over 5 % of the window (~2.5 min) and `for: 5m`
+        # has run; resolved a few minutes after the tail went back.
+        assert set(firing) == drifts, (firing, resolved)
+        for rule in drifts:
+            assert 45 <= firing[rule] < 52, (rule, firing)
+            assert 52 <= resolved.get(rule, math.inf) < 62, (rule, resolved)
+    finally:
+        daemon.close()
+
+
+def _netns(name: str, subnet: str):
+    """A network namespace with a veth to the host: (the host's, the namespace's) address."""
+    import subprocess
+
+    def ip(*args, ns=None):
+        command = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+        subprocess.run(command, check=True, capture_output=True)
+    host_if, ns_if = f"{name[:10]}h", f"{name[:10]}n"
+    ip("netns", "add", name)
+    ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+    ip("link", "set", ns_if, "netns", name)
+    ip("addr", "add", f"{subnet}.1/30", "dev", host_if)
+    ip("link", "set", host_if, "up")
+    ip("addr", "add", f"{subnet}.2/30", "dev", ns_if, ns=name)
+    ip("link", "set", ns_if, "up", ns=name)
+    ip("link", "set", "lo", "up", ns=name)
+    return f"{subnet}.2"
+
+
+@pytest.mark.stack
+def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_path):
+    """Stand-ins started with the servers' own command lines, one in a network namespace
+    of its own (as a pod's is, made here with `ip netns`): each found by its command line
+    and listening socket, reached on loopback or on its namespace's address, read into
+    the contract with its pid in status; dropped, series and all, once it exits."""
+    import random
+    import shutil
+    import subprocess
+    import sys
+
+    from support.processes import start_process, stop_process
+    from support.servers import free_port
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2's ip for a network namespace")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(tests, "support", "standin_engines"), tests])}
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\n" + (
+        open(os.path.join(tests, "support", "standin_engines", "vllm_cli.py")).read()))
+    script.chmod(0o755)
+    suffix = random.randrange(1 << 16)
+    name, subnet = f"acob{suffix:04x}", f"10.{200 + suffix % 50}.{suffix % 250}"
+    ports = [free_port() for _ in range(3)]
+    procs = []
+    daemon = None
+    try:
+        pod_address = _netns(name, subnet)
+        procs.append(start_process([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                                    "--port", str(ports[0])], env=env))
+        procs.append(start_process([str(script), "serve", "tiny", "--port", str(ports[1])],
+                                   env=env))
+        procs.append(start_process(["ip", "netns", "exec", name, sys.executable, "-m",
+                                    "sglang.launch_server", "--port", str(ports[2])], env=env))
+        daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "telemetry", collectors=(),
+                                     history=False, engine_discovery=True))
+        pids = [p.pid for p in procs]
+
+        def engines():
+            daemon.run_cycle()
+            return {e["pid"]: e for e in daemon.status()["engines"] if e["alive"]}
+        found = wait_for(lambda: set(pids) <= set(engines()) and engines(), 30,
+                         "the three stand-ins found and read")
+        assert {pid: (e["engine"], e["kind"], e["endpoint"]) for pid, e in found.items()
+                if pid in pids} == {
+            pids[0]: (f"vllm-{pids[0]}", "vllm", f"http://127.0.0.1:{ports[0]}/metrics"),
+            pids[1]: (f"vllm-{pids[1]}", "vllm", f"http://127.0.0.1:{ports[1]}/metrics"),
+            pids[2]: (f"sglang-{pids[2]}", "sglang",
+                      f"http://{pod_address}:{ports[2]}/metrics")}
+        running = daemon.query("requests_running", 3600, {})
+        assert {s["labels"]["engine"]: s["last"] for s in running["series"]}.items() >= {
+            f"vllm-{pids[0]}": 3.0, f"vllm-{pids[1]}": 3.0, f"sglang-{pids[2]}": 3.0}.items()
+        stop_process(procs[1])
+        gone = f"vllm-{pids[1]}"
+        wait_for(lambda: gone not in {e["engine"] for e in engines().values()}
+                 and f'engine="{gone}"' not in daemon.render_metrics().decode(), 30,
+                 "the exited stand-in dropped")
+        assert {e["engine"] for e in daemon.status()["engines"]} >= {
+            f"vllm-{pids[0]}", f"sglang-{pids[2]}"}
+    finally:
+        if daemon is not None:
+            daemon.close()
+        for proc in procs:
+            stop_process(proc)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -30,7 +30,7 @@ from ac_observe.collectors.engine.discovery import (
 )
 from ac_observe.collectors.engine.families import EngineFamily, EngineValues
 from ac_observe.collectors.engine.files import EngineFiles
-from ac_observe.metrics import ENGINE_RESTARTS
+from ac_observe.metrics import ENGINE_RESTARTS, KIND_AC_OBSERVE
 from ac_observe.telemetry_format import UnsafeDirectory, open_trusted_dir
 
 log = logging.getLogger("ac_observe.collectors.engine")
@@ -143,7 +143,7 @@ class EngineCollector(Collector):
             restarts = new_counter(ENGINE_RESTARTS)
             for state in seen.values():
                 if state.info and not state.error:
-                    restarts.add_metric([state.info["engine"]], state.restarts)
+                    restarts.add_metric([state.info["engine"], KIND_AC_OBSERVE], state.restarts)
             return [*families.values(), restarts, self._engine_up.family(seen, now)]
         finally:
             os.close(root_fd)

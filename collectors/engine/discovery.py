@@ -22,7 +22,7 @@ from typing import NamedTuple
 from prometheus_client.core import Metric
 
 from ac_observe.collectors.base import new_gauge
-from ac_observe.metrics import ENGINE_UP
+from ac_observe.metrics import ENGINE_UP, KIND_AC_OBSERVE
 from ac_observe.telemetry_format import (
     ENGINE_INFO_FILE,
     MAX_INFO_BYTES,
@@ -148,13 +148,14 @@ class EngineUp:
             if state.info and not state.error:
                 engine = state.info["engine"]
                 current[engine] = _LastHeartbeat(state.info["model"], state.last_heartbeat)
-                up.add_metric([engine, state.info["model"]], 1.0 if state.alive else 0.0)
+                up.add_metric([engine, state.info["model"], KIND_AC_OBSERVE],
+                              1.0 if state.alive else 0.0)
         for engine, (model, heartbeat) in list(self._last_heartbeats.items()):
             if engine in current:
                 continue
             if now - heartbeat > GONE_KEEP_SECONDS:
                 del self._last_heartbeats[engine]
             else:
-                up.add_metric([engine, model], 0.0)
+                up.add_metric([engine, model, KIND_AC_OBSERVE], 0.0)
         self._last_heartbeats.update(current)
         return up

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from ac_observe.metrics import COUNTER, ENGINE_METRICS, HISTOGRAM, LABEL_VALUES, MetricSpec
+from ac_observe.metrics import (
+    COUNTER,
+    ENGINE_METRICS,
+    HISTOGRAM,
+    KIND_AC_OBSERVE,
+    KIND_LABEL,
+    LABEL_VALUES,
+    MetricSpec,
+)
 from ac_observe.telemetry_format import parse_sample_key
 
 MAX_LABEL_VALUE_CHARS = 256
@@ -31,7 +39,8 @@ class CheckedKey:
     nobody mutates them)."""
     family: str
     sample: str
-    labels: tuple              # ((label, value), ...) in the contract's order, without le
+    labels: tuple              # ((label, value), ...) in the contract's order, then kind;
+    # without le
     le: float | None
     sample_labels: dict        # the sample's labels, le included for a bucket
     count_labels: dict         # a bucket's `_count` labels (its labels without le)
@@ -43,6 +52,7 @@ def _bound_texts(spec) -> frozenset[str]:
     return frozenset([repr(float(b)) for b in spec.buckets] + ["+Inf"])
 
 
+_KIND = ((KIND_LABEL, KIND_AC_OBSERVE),)
 _LE_TEXTS = {spec.family: _bound_texts(spec) for spec in ENGINE_METRICS
              if spec.type == HISTOGRAM}
 
@@ -87,7 +97,9 @@ def check_key(key: str, expected: dict[str, str]) -> CheckedKey | str:
     problem = _labels_problem(family, spec, labels, expected)
     if problem is not None:
         return problem
-    ordered = tuple((label, labels[label]) for label in spec.labels)
+    # The daemon's `kind` after the file's own labels (the file never holds it: checked
+    # above), as on every engine series of every kind.
+    ordered = tuple((label, labels[label]) for label in spec.labels) + _KIND
     sample_labels = dict(ordered)
     if le is not None:
         sample_labels["le"] = floatToGoString(le)

@@ -15,6 +15,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 from prometheus_client.core import (
@@ -27,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 
 from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, CollectorUnavailable, register
+from ac_observe.collectors.scrape.discovery import discover
 from ac_observe.collectors.scrape.fetch import ScrapeFailed, fetch_text, parse_text
 from ac_observe.collectors.scrape.table import MODEL_LABEL, RANK_LABEL, TABLES, Row, kind_of
 from ac_observe.outage import Outage
@@ -165,15 +167,35 @@ def _families(values: Values) -> list[Metric]:
 
 @register("scrape")
 class ScrapeCollector(Collector):
-    def __init__(self, config):
-        self.endpoints: tuple[tuple[str, str], ...] = tuple(config.engine_endpoints)
+    def __init__(self, config, proc: Path = Path("/proc")):
+        self.listed: tuple[tuple[str, str], ...] = tuple(config.engine_endpoints)
+        self.endpoints = self.listed
+        self.discovery = config.engine_discovery
+        self.proc = proc
         # Each endpoint within its own deadline, inside the collector's.
         self.scrape_timeout = max(0.05, 0.8 * config.collector_timeout_seconds)
         self.timeout_seconds = config.collector_timeout_seconds
         self.states = {name: EndpointState(name, url) for name, url in self.endpoints}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(self.endpoints))),
-                                        thread_name_prefix="ac-scrape")
+        self.pids: dict[str, int] = {}  # a discovered engine's process
+        workers = 16 if self.discovery else max(1, min(16, len(self.endpoints)))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ac-scrape")
         self._back: list[dict[str, str]] = []
+
+    def _discover(self) -> None:
+        """The listed endpoints and the server processes found now; a process that
+        exited is dropped, its series with it."""
+        found = {f.name: f for f in discover(self.proc)}
+        self.pids = {name: f.pid for name, f in found.items()}
+        listed = {name for name, _ in self.listed}
+        self.endpoints = self.listed + tuple((name, f.url) for name, f in found.items()
+                                             if name not in listed)
+        current = {name for name, _ in self.endpoints}
+        for name in list(self.states):
+            if name not in current:
+                del self.states[name]
+        for name, url in self.endpoints:
+            if name not in self.states or self.states[name].url != url:
+                self.states[name] = EndpointState(name, url)
 
     def counted_before_seen(self) -> list[dict[str, str]]:
         return self._back
@@ -182,7 +204,9 @@ class ScrapeCollector(Collector):
         return parse_text(fetch_text(url, self.scrape_timeout))
 
     def collect(self) -> list[Metric]:
-        if not self.endpoints:
+        if self.discovery:
+            self._discover()
+        elif not self.endpoints:
             raise CollectorUnavailable("no engine endpoints (--engine-endpoint URL)")
         futures = {name: self._pool.submit(self._scrape, url) for name, url in self.endpoints}
         values: Values = {}
@@ -212,7 +236,8 @@ class ScrapeCollector(Collector):
         return [*_families(values), up]
 
     def status(self) -> list[dict]:
-        return [{"engine": s.name, "model": s.model, "kind": s.kind or None, "pid": None,
+        return [{"engine": s.name, "model": s.model, "kind": s.kind or None,
+                 "pid": self.pids.get(s.name),
                  "api_address": s.url, "endpoint": s.url, "alive": s.up,
                  "error": s.reason if not s.up else "", "warning": "",
                  "restarts": 0, "heartbeat_age_seconds":

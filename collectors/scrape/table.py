@@ -79,3 +79,19 @@ def kind_of(names) -> str | None:
         if any(name.startswith(kind + ":") for name in names):
             return kind
     return None
+
+# What a kind's servers export at all: a figure none of its rows feeds is "not exported by
+# vLLM" in the CLI, never an empty table or a zero.
+TARGETS = {kind: frozenset(row.target.name for row in rows) for kind, rows in TABLES.items()}
+KIND_TITLES = {m.KIND_VLLM: "vLLM", m.KIND_SGLANG: "SGLang"}
+# A family the daemon computes stands for the engine family it is computed from.
+_COMPUTED_FROM = {m.STREAM_UTILIZATION.name: m.STREAM_BUSY.name}
+
+
+def exports(kind: str, friendly: m.Friendly) -> bool:
+    """Whether servers of this kind export what a friendly name reads (any of its
+    fallbacks will do: a vLLM's token hit rate answers kv_cache_hit_rate)."""
+    names = [_COMPUTED_FROM.get(spec.name, spec.name) for spec in friendly.families()]
+    if all(name in TARGETS[kind] for name in names):
+        return True
+    return any(exports(kind, m.FRIENDLY[other]) for _, other in friendly.fallbacks)

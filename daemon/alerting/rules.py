@@ -37,7 +37,7 @@ from ac_observe.daemon.alerting.spec import (
     string_map,
 )
 from ac_observe.durations import parse_duration
-from ac_observe.metrics import FRIENDLY, Friendly
+from ac_observe.metrics import FRIENDLY, Friendly, query_labels
 
 STATISTICS = ("mean", "p50", "p95", "p99", "last", "max", "min", "rate", "share_below:<v>")
 # What each kind of metric can answer (a histogram keeps no exact extremes; a rate of a
@@ -254,9 +254,10 @@ class RuleSpec(NamedSpec):
             return value
         friendly = FRIENDLY[info.data["metric"]]
         for key, wanted in value.items():
-            if key not in friendly.source.labels:
+            labels = query_labels(friendly)
+            if key not in labels:
                 raise ValueError(f"{friendly.name}'s series have no label {str(key)[:40]!r} "
-                                 f"(labels: {', '.join(friendly.source.labels)})")
+                                 f"(labels: {', '.join(labels)})")
             if not wanted:
                 raise FieldError("give a label value", key)
         return value

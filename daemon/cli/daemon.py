@@ -66,6 +66,10 @@ def daemon(
     engine_endpoint: list[str] = typer.Option(
         None, "--engine-endpoint", help="A vLLM or SGLang server's /metrics to read, as "
         "[name=]URL (repeatable; also $AC_OBSERVE_ENGINE_ENDPOINTS, comma-separated)."),
+    discover_engines: bool = typer.Option(
+        False, "--discover-engines", envvar="AC_OBSERVE_DISCOVER_ENGINES", show_envvar=True,
+        help="Find vLLM and SGLang server processes on the node (by command line and "
+             "listening socket, a pod's in its own network namespace) and read them."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
@@ -99,6 +103,7 @@ def daemon(
             alert_interval_seconds=parse_duration(alert_interval), history=history,
             history_retention_seconds=parse_duration(history_retention),
             grafana_url=grafana_url or None, engine_endpoints=endpoints,
+            engine_discovery=discover_engines,
             grafana_token=read_token(os.environ.get("GRAFANA_TOKEN") or None,
                                       grafana_token_file) if grafana_url else None)
         service = Daemon(config)

@@ -109,16 +109,23 @@ def metric_table(result: dict, width: int) -> Text:
                    style="dim")
     if common:
         out.append(" ".join(f"{k}={v}" for k, v in sorted(common.items())) + "\n")
+    # An engine whose kind never exports the figure (a vLLM's stream utilisation): said.
+    missing = Text("".join(f"{e['engine']} ({e['kind']}): {e['reason']}\n"
+                           for e in result.get("not_exported") or []), style="dim")
     if not series_list:
-        out.append("no data in this window yet\n", style="dim")
-        return out
+        if not missing:
+            out.append("no data in this window yet\n", style="dim")
+        return out + missing
+    # What a ratio is counted in, where engines differ (blocks, tokens, the engine's gauge).
+    basis = any(series.get("basis") for series in series_list)
     rows = []
     for series in series_list:
         label = ",".join(f"{k}={v}" for k, v in sorted(series["labels"].items())
                          if k not in common) or "all"
         cells = [human(series.get(c), unit) for c in columns] + [str(series["samples"])]
+        cells += [series.get("basis") or ""] if basis else []
         rows.append((label, cells, series.get("trend") or []))
-    titles = [COLUMN_TITLES.get(c, c) for c in columns] + ["n"]
+    titles = [COLUMN_TITLES.get(c, c) for c in columns] + ["n"] + (["basis"] if basis else [])
     widths = [max(len(t), *(len(cells[i]) for _, cells, _ in rows))
               for i, t in enumerate(titles)]
     sep = "  " if sum(widths) + 2 * (len(widths) - 1) <= width else " "
@@ -136,7 +143,7 @@ def metric_table(result: dict, width: int) -> Text:
         for label, cells, values in rows:
             out.append(f"{label.ljust(label_width)}  {number_line(cells)}  ")
             out.append(sparkline(values, spark) + "\n", style="cyan")
-        return out
+        return out + missing
     out.append(f"{header}\n", style="bold")
     for label, cells, values in rows:
         out.append(label, style="bold")  # whole: the terminal wraps it, never cuts it
@@ -144,7 +151,7 @@ def metric_table(result: dict, width: int) -> Text:
         out.append(" " * gap if gap >= 2 else "\n")
         out.append(sparkline(values, spark) + "\n", style="cyan")
         out.append(f"{number_line(cells)}\n")
-    return out
+    return out + missing
 
 
 def _alert_unit(entry: dict) -> str:

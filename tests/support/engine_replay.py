@@ -19,7 +19,7 @@ MODES = ("normal", "slow", "html", "huge", "wrong_type", "http_500")
 
 
 class EngineReplay:
-    def __init__(self, capture: str):
+    def __init__(self, capture: str, host: str = "127.0.0.1", port: int = 0):
         self.text = (DATA / capture).read_text()
         # [family name, type, help, [[sample name, labels, value], ...]] in file order
         self.families = [[f.name, f.type, f.documentation,
@@ -28,7 +28,7 @@ class EngineReplay:
         self.mode = "normal"
         self.scrapes = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}/metrics"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
