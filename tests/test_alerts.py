@@ -284,7 +284,7 @@ def test_no_data_changes_nothing(tmp_path):
     ("  - {name: a, metric: inference_latency_ns, window: 1m, comparison: above, threshold: 1,"
      " match: {strem: low_latency}}\n",
      "rules[0] (a).match: inference_latency_ns's series have no label 'strem' (labels: "
-     "engine, model, stream)"),
+     "engine, model, stream, kind)"),
     ("  - {name: a, metric: inference_latency_ns, window: 1m, comparison: above, threshold: 1,"
      " match: {stream: ''}}\n", "rules[0] (a).match.stream: give a label value"),
 ])
@@ -357,7 +357,10 @@ def test_a_live_engine_slowed_down_fires_the_latency_drift_alert_and_then_resolv
                 if a["state"] == FIRING:  # at the evaluation's own time, not this poll's
                     fired = a["firing_since"] - injected
             time.sleep(0.05)
-        assert fired is not None, f"the drift alert never fired (client errors: {errors[:3]})"
+        instances = [(i.rule, i.labels, i.state, i.value, i.baseline)
+                     for i in daemon.alerts.instances.values()]
+        assert fired is not None, \
+            f"the drift alert never fired (client errors: {errors[:3]}; {instances})"
         assert time.time() - injected < 15  # the evaluator's state followed soon after
         assert fired <= 3 + 1 + 2 * 0.5 + 1.0, fired  # window + for + two cycles (+ slack)
         deadline = time.time() + 20
