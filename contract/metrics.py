@@ -298,11 +298,19 @@ ENGINE_UP = _daemon("ac_engine_up", GAUGE,
                     "1 while the engine's heartbeat is fresh, 0 once it is stale; a gone "
                     "engine stays at 0 for an hour after its last heartbeat.",
                     ("engine", "model"))
+SERIES = _daemon("ac_daemon_series", GAUGE,
+                 "Series the collectors returned that the daemon exports and keeps in its "
+                 "windows (at most --max-series).", (), "series")
+SERIES_REFUSED = _daemon("ac_daemon_series_refused_total", COUNTER,
+                         "New series refused past --max-series (neither exported nor "
+                         "windowed); one refused for many cycles in a row counts once.", (),
+                         "series")
 
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
                   ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
                   WEBHOOK_OLDEST_PENDING, BUILD_INFO,
-                  ENGINE_RESTARTS, ENGINE_UP)
+                  ENGINE_RESTARTS, ENGINE_UP,
+                  SERIES, SERIES_REFUSED)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS
 BY_NAME = {spec.name: spec for spec in ALL_METRICS}

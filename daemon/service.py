@@ -25,6 +25,7 @@ from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.exposition import Renderer
 from ac_observe.daemon.query import QueryEngine
 from ac_observe.daemon.runner import CollectorRunner
+from ac_observe.daemon.series_budget import SeriesBudget
 from ac_observe.daemon.windows import Frame, Windows
 
 if TYPE_CHECKING:  # imported when the daemon has alerts, history or a store
@@ -131,6 +132,7 @@ class Daemon:
         self.runners = [CollectorRunner(c, config.collector_timeout_seconds)
                         for c in self.collectors]
         self._reporting: dict[str, bool] = {}  # collector -> up in the last cycle
+        self.budget = SeriesBudget(config.max_series)
         self.windows = Windows(max(2, round(config.window_seconds / config.interval_seconds)))
         self.queries = QueryEngine(self.windows, config.interval_seconds)
         self._watched = m.watched_families()
@@ -206,6 +208,7 @@ class Daemon:
                 counted_before_seen.append((got, subsets))
             self._reporting[runner.name] = runner.up
             families.extend(got)
+        self.budget.admit(families)  # in place: `returning` and the rest see it too
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
         watched = self._watched_samples(families)
@@ -282,7 +285,7 @@ class Daemon:
             errors.add_metric([runner.name], runner.errors_total)
         info = new_gauge(m.BUILD_INFO)
         info.add_metric([__version__], 1.0)
-        return [up, duration, errors, info] + self._webhook_metrics()
+        return [up, duration, errors, info, *self.budget.metrics()] + self._webhook_metrics()
 
     def _alert_metrics(self, alerts: Evaluator) -> list[Metric]:
         firing = new_gauge(m.ALERTS_FIRING)
