@@ -5,8 +5,8 @@ store) is driven cycle by cycle on a simulated clock, one cycle a simulated seco
 as it goes. Its collectors are stood in for by a churn collector:
 - engines: `--engines` alive at once (12 of ~860 series: ~10,000 live series), each with
   the series a real bundled engine exports (read once from files its own telemetry writer
-  made), living a random 2-20 minutes, then replaced under a new name (a new engine name
-  every ~45 s on average: faster than life);
+  made), living a random 2-20 minutes (`--engine-life`), then replaced under a new name
+  (a new engine name every ~1 min on average: faster than life);
 - pids: `--pids` CUDA processes at once with per-pid series (the eBPF and NVML kind:
   kernel launches per stream, memcpy bytes, sync waits, process memory), each living a
   random 10-120 s.
@@ -18,7 +18,8 @@ Printed: the RSS curve (every `--every` simulated minutes: live and held series,
 windows' bytes, RSS), the slope of RSS (least squares, MB per simulated hour) once the
 window is full (after two windows: a series gone is dropped at most two windows after its
 last point), and RSS above idle (the daemon built, before its first cycle).
-Usage: python bench/daemon_soak.py [--hours 24] [--engines 12] [--pids 40] [--json]
+Usage: python bench/daemon_soak.py [--hours 24] [--engines 12] [--pids 40]
+                                   [--engine-life 2-20] [--json]
 """
 from __future__ import annotations
 
@@ -129,12 +130,14 @@ class Engine:
 class ChurnCollector(Collector):
     name = "churn"
 
-    def __init__(self, engines: int, pids: int, seed: int = 1):
+    def __init__(self, engines: int, pids: int, life_minutes: tuple[float, float],
+                 seed: int = 1):
         self.random = random.Random(seed)
         self.rng = np.random.default_rng(seed)
         self.template = engine_template()
         self.per_engine = sum(len(series) for _, _, series in self.template)
         self.num_engines, self.num_pids = engines, pids
+        self.life_seconds = (60 * life_minutes[0], 60 * life_minutes[1])
         self.engines: list[Engine] = []
         self.pids: dict[int, float] = {}  # pid -> when it ends
         self.pid_values: dict[tuple, float] = {}
@@ -146,7 +149,7 @@ class ChurnCollector(Collector):
         self.engines = [e for e in self.engines if e.ends > now]
         while len(self.engines) < self.num_engines:
             self.engines.append(Engine(f"engine-{self.next_engine}", self.template, self.rng,
-                                       now, self.random.uniform(120, 1200)))
+                                       now, self.random.uniform(*self.life_seconds)))
             self.next_engine += 1
         self.pids = {pid: ends for pid, ends in self.pids.items() if ends > now}
         while len(self.pids) < self.num_pids:
@@ -190,12 +193,15 @@ def main() -> None:
     parser.add_argument("--hours", type=float, default=24.0, help="simulated hours")
     parser.add_argument("--engines", type=int, default=12, help="engines alive at once")
     parser.add_argument("--pids", type=int, default=40, help="CUDA processes at once")
+    parser.add_argument("--engine-life", default="2-20",
+                        help="an engine's life, minutes: uniform in MIN-MAX")
     parser.add_argument("--window", type=float, default=3600.0, help="daemon --window, s")
     parser.add_argument("--every", type=float, default=30.0, help="minutes between points")
     parser.add_argument("--scrape-every", type=int, default=60, help="cycles between renders")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    churn = ChurnCollector(args.engines, args.pids)
+    low, high = (float(part) for part in args.engine_life.split("-"))
+    churn = ChurnCollector(args.engines, args.pids, (low, high))
     with tempfile.TemporaryDirectory() as tmp:
         daemon = Daemon(DaemonConfig(telemetry_root=Path(tmp), collectors=(), history=False,
                                      window_seconds=args.window), collectors=[churn])
