@@ -341,12 +341,20 @@ CONFIG_RELOAD_SUCCESSFUL = _daemon("ac_config_last_reload_successful", GAUGE,
 CONFIG_RELOAD_SUCCESS_TIME = _daemon("ac_config_last_reload_success_timestamp_seconds", GAUGE,
                                      "When the configuration was last loaded successfully "
                                      "(Unix time).", (), "seconds")
+SERIES = _daemon("ac_daemon_series", GAUGE,
+                 "Series the collectors returned that the daemon exports and keeps in its "
+                 "windows (at most --max-series).", (), "series")
+SERIES_REFUSED = _daemon("ac_daemon_series_refused_total", COUNTER,
+                         "New series refused past --max-series (neither exported nor "
+                         "windowed); one refused for many cycles in a row counts once.", (),
+                         "series")
 
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
                   ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
                   WEBHOOK_OLDEST_PENDING, BUILD_INFO,
                   ENGINE_RESTARTS, ENGINE_UP,
-                  CONFIG_RELOAD_SUCCESSFUL, CONFIG_RELOAD_SUCCESS_TIME)
+                  CONFIG_RELOAD_SUCCESSFUL, CONFIG_RELOAD_SUCCESS_TIME, SERIES,
+                  SERIES_REFUSED)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS
 BY_NAME = {spec.name: spec for spec in ALL_METRICS}

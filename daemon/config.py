@@ -10,6 +10,9 @@ from ac_observe.metrics import DEFAULT_DAEMON_PORT
 from ac_observe.telemetry_format import default_telemetry_root
 
 DEFAULT_COLLECTORS = ("engine", "nvml", "ebpf")
+# Series the daemon exports and windows at most (daemon/series_budget.py): a busy node,
+# ~50 engines of ~900 watched series each, their GPUs and CUDA processes.
+DEFAULT_MAX_SERIES = 50_000
 
 
 def is_loopback(host: str) -> bool:
@@ -49,6 +52,7 @@ class DaemonConfig:
     telemetry_root: Path = field(default_factory=default_telemetry_root)
     engine_stale_seconds: float = 5.0     # no heartbeat for this long: the engine is gone
     engine_grace_seconds: float = 30.0    # then its series stay this long before they vanish
+    max_series: int = DEFAULT_MAX_SERIES  # past it new series are refused
     ebpf_probes: tuple[str, ...] = ()     # probe groups (empty: all)
     ebpf_pids: tuple[int, ...] = ()       # only these processes (empty: every CUDA process)
     ebpf_comm: str = ""                   # only processes whose name matches this regex
@@ -77,6 +81,8 @@ class DaemonConfig:
             self.collectors = (*self.collectors, "scrape")
         if self.interval_seconds <= 0 or self.window_seconds < self.interval_seconds:
             raise ValueError("interval must be > 0 and the window at least one interval")
+        if self.max_series < 1:
+            raise ValueError("--max-series must be at least 1")
         if self.history_retention_seconds < 3600:
             raise ValueError("history retention must be at least an hour")
         if self.token is not None:

@@ -29,7 +29,9 @@ class Renderer:
 
     def render(self, families: list[Metric]) -> bytes:
         prefixes, lines = self._prefixes, self._lines
-        if len(prefixes) > 200_000:  # label churn: start over rather than grow forever
+        # Label churn (engines, pids come and go): once most prefixes are of series gone,
+        # start over rather than hold every series ever seen.
+        if len(prefixes) > max(2 * len(lines), 10_000):
             prefixes.clear()
         kept: dict[int, tuple] = {}
         out: list[str] = []

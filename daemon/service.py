@@ -27,6 +27,7 @@ from ac_observe.daemon.exposition import Renderer
 from ac_observe.daemon.query import QueryEngine
 from ac_observe.daemon.reload import alerting_setup
 from ac_observe.daemon.runner import CollectorRunner
+from ac_observe.daemon.series_budget import SeriesBudget
 from ac_observe.daemon.windows import Frame, Windows
 
 if TYPE_CHECKING:  # imported when the daemon has alerts, history or a store
@@ -104,6 +105,7 @@ class Daemon:
         self.runners = [CollectorRunner(c, config.collector_timeout_seconds)
                         for c in self.collectors]
         self._reporting: dict[str, bool] = {}  # collector -> up in the last cycle
+        self.budget = SeriesBudget(config.max_series)
         self.windows = Windows(max(2, round(config.window_seconds / config.interval_seconds)))
         self.queries = QueryEngine(self.windows, config.interval_seconds)
         self._watched = m.watched_families()
@@ -185,6 +187,7 @@ class Daemon:
                 counted_before_seen.append((got, subsets))
             self._reporting[runner.name] = runner.up
             families.extend(got)
+        self.budget.admit(families)  # in place: `returning` and the rest see it too
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
         watched = self._watched_samples(families)
@@ -266,7 +269,7 @@ class Daemon:
                                  new_gauge(m.CONFIG_RELOAD_SUCCESS_TIME))
         reloaded.add_metric([], 1.0 if took else 0.0)
         reload_time.add_metric([], when)
-        return [up, duration, errors, info, reloaded, reload_time] + self._webhook_metrics()
+        return [up, duration, errors, info, reloaded, reload_time, *self.budget.metrics()] + self._webhook_metrics()
 
     def _alert_metrics(self, alerts: Evaluator) -> list[Metric]:
         firing = new_gauge(m.ALERTS_FIRING)

@@ -1,10 +1,14 @@
 """In-memory windows: the last N collection cycles of every watched series.
 
-One ring of cycle timestamps is shared by all series; each series is a column of float64
-values (NaN where it was absent) in chunks of CHUNK columns x N cycles, so a cycle is
-stored row by row (one NaN fill and one indexed store a chunk, not a store per series)
-and memory is 8 bytes x cycles x columns, up to the last live series' column rounded up
-to a chunk (new series take the lowest free columns). Only families a friendly
+One ring of cycle timestamps is shared by all series; their values go in blocks of
+BLOCK_CYCLES cycles. The open block is dense, a float64 column per series (NaN where it
+was absent) in chunks of CHUNK columns, so a cycle is stored row by row (one NaN fill and
+one indexed store a chunk, not a store per series). A full block is packed
+(window_blocks.PackedBlock: only the series present in it, a still one as one value, a
+counter as small steps) and dropped once the window has moved past it, so memory follows
+the samples the window holds: a series that lived 40 cycles costs at most two blocks of
+it, not a whole window, and one gone a whole window is dropped at the next block's end
+(its column reused: new series take the lowest free columns). Only families a friendly
 name reads are kept.
 
 A cycle arrives as a `Frame`: blocks of (keys, values) whose keys tuple a collector keeps
@@ -14,21 +18,46 @@ keys to columns and remembers each block's columns while its keys object lives, 
 cycle of 10,000 series costs a few array operations, not a dict lookup each.
 
 NOTE: not thread-safe by itself; the daemon appends and takes views under one lock. A
-query computes on a `WindowView` (copies of the rings it needs, inside its window, made
-with array slices) after the lock is released, so a long query never stalls a cycle.
+query computes on a `WindowView` (copies of what it needs, inside its window, read back
+from the blocks with array operations) after the lock is released, so a long query never
+stalls a cycle.
 """
 from __future__ import annotations
 
 import bisect
+import ctypes
 import heapq
 import math
 from array import array
+from collections import deque
 
 import numpy as np
 
+from ac_observe.daemon.window_blocks import PackedBlock
+
 NAN = float("nan")
 SeriesKey = tuple  # (sample name, ((label, value), ...))
-CHUNK = 256  # columns a chunk of the windows holds
+CHUNK = 256  # columns a chunk of the open block holds
+# Cycles a block holds: a series that lived 40 cycles costs at most two blocks of it, and
+# the open block (dense) stays small: 64 x 8 bytes a live series.
+BLOCK_CYCLES = 64
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def give_back_memory() -> None:
+    """Hand the heap's free pages back to the system: glibc keeps them otherwise, and the
+    RSS would stay at its peak after a spike of series has gone."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def grown(array: np.ndarray, width: int, fill) -> np.ndarray:
@@ -147,7 +176,15 @@ class Windows:
         self.times = array("d", [NAN]) * capacity
         self.cycle = 0  # cycles recorded so far
         self.columns = Columns()
-        self._chunks: list[np.ndarray] = []  # [capacity, CHUNK] each
+        # The open block: its cycles as rows, a slot (column) for each series present in
+        # it or in the block before, [block_cycles, CHUNK] a chunk of slots. A series
+        # gone keeps its column number (the packed blocks know it by that) but no slot.
+        self.block_cycles = min(BLOCK_CYCLES, capacity)
+        self._chunks: list[np.ndarray] = []
+        self._open_first = 0  # the open block's first cycle
+        self._slot_of = np.zeros(0, dtype=np.int64)   # each column's slot (-1: none)
+        self._column_of = np.zeros(0, dtype=np.int64)  # each slot's column (-1: none)
+        self._packed: deque[PackedBlock] = deque()  # closed blocks, oldest first
         self._last_present = np.zeros(0, dtype=np.int64)  # each column's last cycle seen
         self.by_sample: dict[str, set[SeriesKey]] = {}
         self.first_seen: dict[SeriesKey, float] = {}
@@ -157,43 +194,99 @@ class Windows:
         """The series held (key -> its column)."""
         return self.columns.column
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the values take: the open block and the packed ones."""
+        return (sum(chunk.nbytes for chunk in self._chunks)
+                + sum(block.nbytes for block in self._packed))
+
     def append(self, timestamp: float, samples, preexisting=()) -> None:
         """One cycle's samples (a Frame, or a dict {key: value}). A new series in
         `preexisting` had a past before it was watched: it is never taken as born inside a
         window (no zero before its first point), so its first value is a base, not an
         increase."""
-        index = self.cycle % self.capacity
-        self.times[index] = timestamp
+        self.times[self.cycle % self.capacity] = timestamp
         columns, values, new = self.columns.place(Frame.of(samples))
         for key in new:
             self.by_sample.setdefault(key[0], set()).add(key)
             self.first_seen[key] = -math.inf if key in preexisting else timestamp
-        width = len(self.columns.key_of)
-        while len(self._chunks) * CHUNK < width:
-            self._chunks.append(np.full((self.capacity, CHUNK), NAN))
-        self._last_present = grown(self._last_present, len(self._chunks) * CHUNK, -1)
+        width = -(-len(self.columns.key_of) // CHUNK) * CHUNK
+        self._last_present = grown(self._last_present, width, -1)
         self._last_present[columns] = self.cycle
+        slots = self._slots(columns)
         row = np.full(len(self._chunks) * CHUNK, NAN)  # absent: NaN
-        row[columns] = values
+        row[slots] = values
+        index = self.cycle - self._open_first
         for k, chunk in enumerate(self._chunks):
             chunk[index] = row[k * CHUNK:(k + 1) * CHUNK]
         self.cycle += 1
-        if self.cycle % self.capacity == 0:  # drop series absent for a whole window
-            horizon = self.cycle - self.capacity
-            stale = np.flatnonzero((self._last_present >= 0) &
-                                   (self._last_present < horizon))
-            gone = [self.columns.key_of[at] for at in stale.tolist()]
-            if gone:
-                self._last_present[stale] = -1
-                for key in gone:
-                    del self.first_seen[key]
-                    self.by_sample[key[0]].discard(key)
-                self.columns.release(gone)
-                # Chunks past the last live column go back (a spike of series does not
-                # hold its memory for good).
-                kept = -(-len(self.columns.key_of) // CHUNK)
-                del self._chunks[kept:]
-                self._last_present = self._last_present[:kept * CHUNK]
+        if self.cycle - self._open_first == self.block_cycles:
+            self._drop_absent()
+            self._close_block()
+
+    def _slots(self, columns: np.ndarray) -> np.ndarray:
+        """The open block's slots of `columns`; one without a slot takes the next."""
+        self._slot_of = grown(self._slot_of, len(self._last_present), -1)
+        slots = self._slot_of[columns]
+        missing = slots < 0
+        if not missing.any():
+            return slots
+        taken = len(self._column_of)
+        slots[missing] = np.arange(taken, taken + np.count_nonzero(missing))
+        self._slot_of[columns[missing]] = slots[missing]
+        self._column_of = np.concatenate([self._column_of, columns[missing]])
+        while len(self._chunks) * CHUNK < len(self._column_of):
+            self._chunks.append(np.full((self.block_cycles, CHUNK), NAN))
+        return slots
+
+    def _drop_absent(self) -> None:
+        """Series absent for a whole window leave it; their columns go to new series."""
+        horizon = self.cycle - self.capacity
+        stale = np.flatnonzero((self._last_present >= 0) & (self._last_present < horizon))
+        gone = [self.columns.key_of[at] for at in stale.tolist()]
+        if not gone:
+            return
+        self._last_present[stale] = -1
+        for key in gone:
+            del self.first_seen[key]
+            self.by_sample[key[0]].discard(key)
+        self.columns.release(gone)
+        # Absent from the whole open block too: a slot left holds no value.
+        slots = self._slot_of[stale]
+        self._column_of[slots[slots >= 0]] = -1
+        self._slot_of[stale] = -1
+        width = -(-len(self.columns.key_of) // CHUNK) * CHUNK
+        self._last_present = self._last_present[:width]
+        self._slot_of = self._slot_of[:width]
+        give_back_memory()
+
+    def _close_block(self) -> None:
+        """Pack the open block, drop the blocks the window has moved past, and open the
+        next block."""
+        present = np.zeros(0, dtype=np.int64)
+        if self._chunks:
+            dense = np.concatenate(self._chunks, axis=1)[:, :len(self._column_of)]
+            present = np.flatnonzero(~np.isnan(dense).all(axis=0) & (self._column_of >= 0))
+            if len(present):
+                columns = self._column_of[present]
+                order = np.argsort(columns)
+                self._packed.append(PackedBlock(self._open_first, dense[:, present[order]],
+                                                columns[order]))
+        self._open_first = self.cycle
+        horizon = self.cycle - self.capacity  # the oldest cycle held
+        while self._packed and self._packed[0].first + self._packed[0].rows <= horizon:
+            self._packed.popleft()
+        # The next block's slots: the series present in this one, in their order; the
+        # chunks a spike of series took go back once it has gone.
+        self._slot_of[:] = -1
+        self._column_of = self._column_of[present]
+        self._slot_of[self._column_of] = np.arange(len(self._column_of))
+        kept = -(-len(self._column_of) // CHUNK)
+        if kept < len(self._chunks):
+            del self._chunks[kept:]
+            give_back_memory()
+        for chunk in self._chunks:
+            chunk.fill(NAN)
 
     @property
     def earliest_time(self) -> float:
@@ -215,16 +308,35 @@ class Windows:
         first = start + bisect.bisect_left(ordered, since)
         last = self.cycle if until is None else start + bisect.bisect_right(ordered, until)
         times = self._slice(self.times, first, last)
-        column = self.columns.column
+        keys = [key for name in sample_names for key in self.by_sample.get(name, ())]
         series = {}
-        for name in sample_names:
-            for key in self.by_sample.get(name, ()):
-                at = column[key]
-                ring = self._chunks[at // CHUNK][:, at % CHUNK]
-                series[key] = array("d", self._slice(ring, first, last).tobytes()) \
-                    if first < last else array("d")
+        if first < last and keys:
+            values = self._read(keys, first, last)
+            for j, key in enumerate(keys):
+                series[key] = array("d", values[j].tobytes())
+        else:
+            series = {key: array("d") for key in keys}
         return WindowView(times, series, {k: self.first_seen[k] for k in series},
                           self.earliest_time)
+
+    def _read(self, keys: list[SeriesKey], first: int, last: int) -> np.ndarray:
+        """[len(keys), last - first]: the series' values over those cycles (NaN: absent)."""
+        column = self.columns.column
+        wanted = np.fromiter((column[key] for key in keys), np.int64, len(keys))
+        out = np.full((len(keys), last - first), NAN)
+        for block in self._packed:
+            lo, hi = max(first, block.first), min(last, block.first + block.rows)
+            if lo < hi:
+                block.read(wanted, lo - block.first, hi - block.first, out, lo - first)
+        lo = max(first, self._open_first)
+        if lo < last:
+            rows = slice(lo - self._open_first, last - self._open_first)
+            slots = self._slot_of[wanted]
+            chunk_of = np.where(slots >= 0, slots // CHUNK, -1)
+            for k in np.unique(chunk_of[chunk_of >= 0]).tolist():
+                mine = np.flatnonzero(chunk_of == k)
+                out[mine, lo - first:] = self._chunks[k][rows, slots[mine] % CHUNK].T
+        return out
 
     def _slice(self, ring, first: int, last: int):
         """ring's values from cycle `first` up to `last` (excluded), oldest first (C-speed
@@ -234,8 +346,6 @@ class Windows:
         begin, end = first % self.capacity, last % self.capacity
         if begin < end:
             return ring[begin:end]
-        if isinstance(ring, np.ndarray):
-            return np.concatenate([ring[begin:], ring[:end]])
         return ring[begin:] + ring[:end]
 
 

@@ -36,3 +36,21 @@ def test_bench_run_prints_the_table_of_the_rows_it_ran():
     figure, aim, status = rows["7 client's first event - engine TTFT, bare socket"]
     assert figure.startswith("median ") and aim == "median < 1 ms", figure
     assert status == "met" or status.startswith("missed")
+
+
+def test_daemon_soak_prints_an_rss_curve_and_a_slope():
+    """bench/daemon_soak.py, shrunk: engines and pids churn through a daemon on a
+    simulated clock, and the curve, the slope and the RSS above idle come out."""
+    import json
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "daemon_soak.py"), "--hours",
+                          "0.1", "--window", "60", "--every", "1", "--engines", "2",
+                          "--engine-life", "0.5-1", "--pids", "5", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert len(result["curve"]) == 6 and result["engines_started"] > 2
+    assert all(point["live"] > 2 * result["series_per_engine"] * 0.9
+               for point in result["curve"])
+    assert result["slope_mb_per_hour_after_two_windows"] == \
+        result["slope_mb_per_hour_after_two_windows"]  # a number, not NaN
+    assert result["above_idle_mb"] > 0

@@ -33,15 +33,31 @@ class EngineFamily(Metric):
     def __init__(self, spec):
         self._shares: list[_EngineShare] = []
         self._built_samples: list | None = None
+        self._refused: set | frozenset = frozenset()
         super().__init__(spec.family, spec.help, spec.type)
 
     def add(self, plan: SeriesPlan, values: np.ndarray, segment: FamilySegment) -> None:
         self._shares.append(_EngineShare(plan, values, segment))
 
+    def refuse(self, keys: set) -> None:
+        """Leave the series of `keys` out of the blocks and the samples (the daemon's
+        series budget refused them)."""
+        self._refused = keys
+        self._built_samples = None
+
     @property
     def blocks(self) -> list[tuple[tuple, np.ndarray]]:
-        return [(segment.series_keys, values[segment.start:segment.end])
-                for _, values, segment in self._shares]
+        blocks = [(segment.series_keys, values[segment.start:segment.end])
+                  for _, values, segment in self._shares]
+        if self._refused:
+            blocks = [self._kept(keys, values) for keys, values in blocks]
+        return blocks
+
+    def _kept(self, keys: tuple, values):
+        kept = [key not in self._refused for key in keys]
+        if all(kept):
+            return keys, values
+        return tuple(key for key, keep in zip(keys, kept, strict=True) if keep), values[kept]
 
     @property
     def samples(self) -> list:
@@ -49,7 +65,12 @@ class EngineFamily(Metric):
         if built is None:  # two threads may both build them: the same samples, either way
             built = []
             for plan, values, segment in self._shares:
-                built += plan.samples(values, segment.start, segment.end)
+                samples = plan.samples(values, segment.start, segment.end)
+                if self._refused:
+                    samples = [sample for key, sample in zip(segment.series_keys, samples,
+                                                             strict=True)
+                               if key not in self._refused]
+                built += samples
             self._built_samples = built
         return built
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from ac_observe.daemon.cli.app import EXIT_USAGE, app, configure_logging, read_token
+from ac_observe.daemon.config import DEFAULT_MAX_SERIES
 from ac_observe.metrics import DEFAULT_DAEMON_PORT
 
 
@@ -37,6 +38,10 @@ def daemon(
                                                 "(default $AC_OBSERVE_TELEMETRY_DIR)."),
     engine_stale: str = typer.Option("5s", help="Heartbeat age after which an engine is gone."),
     engine_grace: str = typer.Option("30s", help="How long a gone engine's series remain."),
+    max_series: int = typer.Option(DEFAULT_MAX_SERIES,
+                                   help="Series the daemon exports and keeps at most; past "
+                                        "it new ones are refused and counted "
+                                        "(ac_daemon_series_refused_total)."),
     max_requests: int = typer.Option(40, help="HTTP requests handled at once; more wait "
                                               "(up to 10 s) or get 503."),
     alerting: Path = typer.Option(None, help="Alerting file (YAML): drift rules and their "
@@ -96,7 +101,7 @@ def daemon(
             collector_timeout_seconds=parse_duration(collector_timeout),
             telemetry_root=Path(telemetry_root) if telemetry_root else default_telemetry_root(),
             engine_stale_seconds=parse_duration(engine_stale),
-            engine_grace_seconds=parse_duration(engine_grace),
+            engine_grace_seconds=parse_duration(engine_grace), max_series=max_series,
             ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,
             ebpf_pids=tuple(int(p) for p in _names(ebpf_pids)),
             alerting_file=alerting, store_url=store, state_dir=state_dir,
