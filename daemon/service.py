@@ -269,7 +269,8 @@ class Daemon:
                                  new_gauge(m.CONFIG_RELOAD_SUCCESS_TIME))
         reloaded.add_metric([], 1.0 if took else 0.0)
         reload_time.add_metric([], when)
-        return [up, duration, errors, info, reloaded, reload_time, *self.budget.metrics()] + self._webhook_metrics()
+        return [up, duration, errors, info, reloaded, reload_time, *self.budget.metrics(),
+                *self._webhook_metrics()]
 
     def _alert_metrics(self, alerts: Evaluator) -> list[Metric]:
         firing = new_gauge(m.ALERTS_FIRING)
