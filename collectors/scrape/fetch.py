@@ -51,7 +51,9 @@ def fetch_text(url: str, timeout_seconds: float, max_bytes: int = MAX_BODY_BYTES
             while True:
                 if time.monotonic() > deadline:
                     raise ScrapeFailed(f"timed out after {timeout_seconds:g}s")
-                chunk = response.read(_CHUNK)
+                # read1: one recv at most, so the deadline is checked between recvs (read
+                # waits for the whole chunk, however slowly it drips).
+                chunk = response.read1(_CHUNK)
                 if not chunk:
                     break
                 body += chunk
