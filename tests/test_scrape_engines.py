@@ -237,6 +237,13 @@ def test_a_body_that_drips_in_is_cut_off_at_the_deadline(replays):
     assert time.monotonic() - started < 3.0  # the drip lasts 10 s
 
 
+def test_an_endpoint_url_with_a_password_is_refused_without_echoing_it():
+    out = run_cli("daemon", "--port", "0", "--collectors", "", "--engine-endpoint",
+                  "http://admin:s3cret@127.0.0.1:9/metrics", timeout=20)
+    assert out.returncode != 0
+    assert "user:password@" in out.stderr and "s3cret" not in out.stderr, out.stderr
+
+
 def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down(
         start_daemon, replays):
     vllm = replays("vllm_v1_0.10.prom")

@@ -31,6 +31,11 @@ def check_endpoint_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        # Said without the URL: its password would land in the log, the status and, as
+        # the default name, the engine label. (urllib would not send it anyway.)
+        raise ValueError(f"engine endpoint at {parts.hostname}: user:password@ in the URL is "
+                         "not supported (vLLM and SGLang serve /metrics without it)")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"engine endpoint {url[:200]!r}: give an http(s) URL with a host")
     if parts.path in ("", "/"):
