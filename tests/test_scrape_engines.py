@@ -237,6 +237,17 @@ def test_a_body_that_drips_in_is_cut_off_at_the_deadline(replays):
     assert time.monotonic() - started < 3.0  # the drip lasts 10 s
 
 
+def test_an_endpoint_that_redirects_is_down_not_followed(replays):
+    """A process on the node that says it is a vLLM must not steer the daemon to another
+    address (a cloud metadata service), whose text a parse error would then show."""
+    from ac_observe.collectors.scrape.fetch import ScrapeFailed, fetch_text
+    steering, elsewhere = replays("vllm_v1_0.10.prom"), replays("sglang_0.4.prom")
+    steering.mode, steering.redirect_to = "redirect", elsewhere.url
+    with pytest.raises(ScrapeFailed, match="HTTP 302"):
+        fetch_text(steering.url, 2.0)
+    assert elsewhere.scrapes == 0
+
+
 def test_an_endpoint_url_with_a_password_is_refused_without_echoing_it():
     out = run_cli("daemon", "--port", "0", "--collectors", "", "--engine-endpoint",
                   "http://admin:s3cret@127.0.0.1:9/metrics", timeout=20)

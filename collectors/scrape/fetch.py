@@ -25,6 +25,17 @@ class ScrapeFailed(RuntimeError):
     """The endpoint could not be read as Prometheus text: the reason, for `status`."""
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # answered as the HTTP error it is
+
+
+# No redirects: a process that claims to be an engine (discovery trusts command lines)
+# would steer the daemon to another address and see its text in a parse error. No
+# proxies from the environment: an engine on the node is reached directly.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
+
+
 def check_endpoint_url(url: str) -> str:
     """The URL if it is an http(s) URL with a host, else ValueError; a bare host:port
     gets http:// and /metrics."""
@@ -49,7 +60,7 @@ def fetch_text(url: str, timeout_seconds: float, max_bytes: int = MAX_BODY_BYTES
     deadline = time.monotonic() + timeout_seconds
     request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_seconds) as response:
+        with _OPENER.open(request, timeout=timeout_seconds) as response:
             if response.status != 200:
                 raise ScrapeFailed(f"HTTP {response.status}")
             body = bytearray()

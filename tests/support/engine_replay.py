@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "engines"
-MODES = ("normal", "slow", "drip_head", "drip_body", "html", "huge", "wrong_type", "http_500")
+MODES = ("normal", "slow", "drip_head", "drip_body", "redirect", "html", "huge",
+         "wrong_type", "http_500")
 
 
 class EngineReplay:
@@ -26,6 +27,7 @@ class EngineReplay:
                           [[s.name, dict(s.labels), s.value] for s in f.samples]]
                          for f in text_string_to_metric_families(self.text)]
         self.mode = "normal"
+        self.redirect_to = ""  # mode "redirect": a 302 to this URL
         self.scrapes = 0
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer((host, port), self._handler())
@@ -112,8 +114,12 @@ class EngineReplay:
             def do_GET(self):  # noqa: N802 (http.server's name)
                 replay.scrapes += 1
                 status, body = replay.body()
+                if replay.mode == "redirect":
+                    status, body = 302, b""
+                location = f"Location: {replay.redirect_to}\r\n" if status == 302 else ""
                 answer = (f"HTTP/1.1 {status} OK\r\nContent-Type: text/plain; version=0.0.4"
-                          f"\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+                          f"\r\n{location}Content-Length: {len(body)}\r\n\r\n"
+                          ).encode() + body
                 # drip_*: from the head's or the body's start, a byte every 0.1 s (each recv
                 # well in time) for 10 s
                 start = answer.index(b"\r\n\r\n") + 4 if replay.mode == "drip_body" else 0
