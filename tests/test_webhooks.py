@@ -570,3 +570,22 @@ def test_alerts_test_command(tmp_path, receiver):
     run = alerts_test(bad)
     assert run.returncode == 2 and "threshold" in run.stderr and str(bad) in run.stderr
     assert len(receiver.requests) == sent
+
+
+def test_a_reload_adding_a_receiver_never_changes_a_table_being_read(store, receiver):
+    """The cycle reads `outcomes` (for /metrics) and the evaluator `wake`s every receiver
+    while a reload may add one: the reload swaps in new tables, so a reader midway through
+    the old one finishes it (an in-place insert raised 'dictionary changed size during
+    iteration' in that reader)."""
+    sender = _sender(store, receiver, _Clock())
+    try:
+        outcomes, wakes = iter(sender.outcomes.items()), iter(sender._wakes.values())
+        next(outcomes), next(wakes)
+        sender.replace_receivers({**sender.receivers, "new": Receiver(
+            "new", receiver.url, secret=SECRET, timeout_seconds=5)})
+        list(outcomes), list(wakes)  # the readers finish what they began
+        assert {name for name, _ in sender.outcomes} == {"ops", "new"}
+        sender._count("ops", "delivered")
+        assert sender.outcomes["ops", "delivered"] == 1
+    finally:
+        sender.stop()
