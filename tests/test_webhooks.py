@@ -420,6 +420,19 @@ def test_a_bad_alerting_file_names_the_file_and_the_field(tmp_path, text, where)
     assert where in str(error.value)
 
 
+def test_a_file_that_is_not_yaml_is_refused_without_quoting_its_lines(tmp_path):
+    """A reload logs why a file was refused (and answers it to POST /-/reload): the YAML
+    parser's own message quotes the broken line, which may carry a secret."""
+    path = tmp_path / "alerts.yaml"
+    path.write_text("receivers:\n  - name: ops\n    url: 'https://hooks.example/x'\n"
+                    f"    secret: {SECRET}: oops\n")
+    with pytest.raises(AlertConfigError) as error:
+        load_alerting(path)
+    message = str(error.value)
+    assert "not YAML" in message and "line 4" in message, message
+    assert SECRET[-12:] not in message, message  # (the parser quotes the line's end)
+
+
 def test_a_good_alerting_file(tmp_path, monkeypatch):
     (tmp_path / "secret").write_text(SECRET + "\n")
     monkeypatch.setenv("AC_TEST_SECRET", SECRET)
