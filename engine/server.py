@@ -250,7 +250,8 @@ async def completions(body: CompletionRequest, request: Request):
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     params = _sampling(body, max_tokens, stops, seed=body.seed)
     request_id = request.state.request_id
-    queue = await _submit(engine, request, params, request_id, prompt=body.prompt)
+    queue = await _submit(engine, request, params, request_id, prompt_field="prompt",
+                          prompt=body.prompt)
     first = await _next_output(queue, request, engine, request_id)
     completion_id = "cmpl-" + request_id.removeprefix("req_")
     if not body.stream:
@@ -411,9 +412,10 @@ def _check_max_tokens(engine: Engine, max_tokens: int, field: str) -> None:
 
 
 async def _submit(engine: Engine, request: Request, params: SamplingParams, request_id: str,
-                  tokens_field: str = "max_tokens", **prompt) -> asyncio.Queue:
-    """Hand the request to the engine; `tokens_field`: how the request set its output
-    budget, for a refusal to name."""
+                  tokens_field: str = "max_tokens", prompt_field: str = "messages",
+                  **prompt) -> asyncio.Queue:
+    """Hand the request to the engine; `tokens_field` and `prompt_field`: the request's
+    names for its output budget and its prompt, for a refusal to name."""
     lane = _lane(request)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -433,7 +435,7 @@ async def _submit(engine: Engine, request: Request, params: SamplingParams, requ
         raise APIError(400, f"{tokens_field}: {exc}; lower {param} or shorten the prompt",
                        param=param) from None
     except ValueError as exc:
-        raise APIError(400, f"messages: {exc}", param="messages") from None
+        raise APIError(400, f"{prompt_field}: {exc}", param=prompt_field) from None
     return queue
 
 

@@ -246,6 +246,7 @@ class EngineStats:
         self._flushed = time.monotonic()
         if not self.writer:
             self._block_manager.eviction_ages.clear()  # not kept without telemetry
+            self._from_loop.clear()  # nor the loop's figures: 10 a second, forever
             return
         try:
             self._write_state()

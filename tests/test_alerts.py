@@ -931,3 +931,41 @@ def test_the_printed_schema_holds_the_shipped_alerting_files_and_refuses_bad_one
         assert list(validator.iter_errors({"rules": [bad]})), bad
     assert list(validator.iter_errors({"receivers": [{"name": "a", "url": "http://h/",
                                                       "format": "teams"}]}))
+
+
+def test_a_reload_during_an_evaluation_still_resolves_what_it_fired(tmp_path):
+    """A reload that removes a rule while an evaluation moves its instance to firing: the
+    instance is retired as it then stands, so the receiver gets the resolved notification
+    for the firing one it got (a snapshot read before the evaluation ended saw it pending
+    and retired it silently)."""
+    gauges, t0 = _Gauges(), 7_000_000.0
+    daemon = _daemon(tmp_path, _write(tmp_path, RULES), gauges)
+    try:
+        for t in range(0, 9):  # e1 above 80 % from t=6: pending, firing at t=10
+            gauges.values["e1"] = 0.95 if t >= 6 else 0.5
+            daemon.run_cycle(now=t0 + t)
+        assert [a["state"] for a in daemon.alerts.active()
+                if a["rule"] == "KvUsageHigh"] == [PENDING]
+        _, rules = load_alerting_config(_write(
+            tmp_path, RULES[RULES.index("  - name: KvUsageDrift"):]))
+        evaluation = threading.Thread(target=daemon.alerts.evaluate, args=(t0 + 11,))
+        read_saved = daemon.store.saved_alerts
+
+        def saved_then_an_evaluation():  # the reload's read, then the cycle's evaluation
+            saved = read_saved()
+            evaluation.start()
+            if not daemon.alerts._evaluating.locked():  # nothing holds it off: it ends
+                evaluation.join(30)
+            return saved
+
+        daemon.store.saved_alerts = saved_then_an_evaluation
+        daemon.alerts.replace_rules(rules)
+        evaluation.join(30)
+        daemon.store.saved_alerts = read_saved
+        daemon.alerts.evaluate(t0 + 12)  # retires what the reload left
+        statuses = [json.loads(row["body"])["alerts"][0]["status"]
+                    for row in _outbox(daemon)
+                    if "KvUsageHigh" in row["body"]]
+        assert statuses.count("firing") == statuses.count("resolved"), statuses
+    finally:
+        daemon.close()

@@ -592,3 +592,14 @@ def test_legacy_completions_and_continuous_usage_as_benchmark_clients_send_them(
     two = httpx.post(engine_server.url + "/v1/completions", timeout=30,
                      json={"model": "tiny", "prompt": ["a", "b"]})
     assert two.status_code == 400 and "one prompt" in two.json()["error"]["message"]
+
+
+def test_a_completions_prompt_the_engine_refuses_is_named_as_the_prompt(engine_server):
+    """Token ids outside the vocabulary, or a prompt longer than the context: a 400 that
+    names `prompt`, the field the client sent (not chat's `messages`)."""
+    for prompt in ([10 ** 9], "a" * 100_000):
+        refused = httpx.post(engine_server.url + "/v1/completions", timeout=30,
+                             json={"model": "tiny", "prompt": prompt})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "prompt" and error["message"].startswith("prompt"), error

@@ -149,6 +149,20 @@ def test_without_instrumentation_the_engine_answers_the_same_and_records_nothing
         EngineConfig(telemetry_dir=str(tmp_path), instrumentation=False)
 
 
+def test_an_engine_without_telemetry_keeps_no_event_loop_figures():
+    """Instrumented but with no telemetry directory (the Python API's default): the event
+    loop's figures (its lag 10 times a second, each stream's first bytes) are dropped at
+    each flush, not kept for a writer that never comes."""
+    with Engine(EngineConfig()) as engine:
+        for _ in range(1000):
+            engine.stats.on_loop_lag(0.001)
+            engine.stats.on_first_sent("default", 0.01, 0.001)
+        engine.generate("hi", params=SamplingParams(max_tokens=2, ignore_eos=True))
+        with engine._lock:
+            engine.stats.flush()
+            assert len(engine.stats._from_loop) == 0
+
+
 def test_the_engine_command_refuses_telemetry_without_instrumentation(tmp_path):
     from support.servers import run_cli
     out = run_cli("engine", "--no-instrumentation", "--telemetry-dir", str(tmp_path / "t"))

@@ -191,6 +191,7 @@ def test_an_ac_observe_engine_and_a_vllm_replay_each_answer_on_their_own_edges(
 
 HOSTILE = [
     ("slow", "timed out after 0.8s"),
+    ("drip_head", "timed out after 0.8s"),
     ("html", "not Prometheus text"),
     ("huge", "body over 4194304 bytes"),
     ("wrong_type", "vllm:num_requests_running is a counter, not a gauge"),
@@ -224,6 +225,34 @@ def test_a_hostile_endpoint_is_down_with_its_reason_and_harms_no_other(
         assert 'engine="bad"' not in text.replace('ac_engine_up{engine="bad"', "")
     finally:
         daemon.close()
+
+
+def test_a_body_that_drips_in_is_cut_off_at_the_deadline(replays):
+    from ac_observe.collectors.scrape.fetch import ScrapeFailed, fetch_text
+    replay = replays("vllm_v1_0.10.prom")
+    replay.mode = "drip_body"  # a byte every 0.1 s: no single read ever times out
+    started = time.monotonic()
+    with pytest.raises(ScrapeFailed, match="timed out after 0.5s"):
+        fetch_text(replay.url, 0.5)
+    assert time.monotonic() - started < 3.0  # the drip lasts 10 s
+
+
+def test_an_endpoint_that_redirects_is_down_not_followed(replays):
+    """A process on the node that says it is a vLLM must not steer the daemon to another
+    address (a cloud metadata service), whose text a parse error would then show."""
+    from ac_observe.collectors.scrape.fetch import ScrapeFailed, fetch_text
+    steering, elsewhere = replays("vllm_v1_0.10.prom"), replays("sglang_0.4.prom")
+    steering.mode, steering.redirect_to = "redirect", elsewhere.url
+    with pytest.raises(ScrapeFailed, match="HTTP 302"):
+        fetch_text(steering.url, 2.0)
+    assert elsewhere.scrapes == 0
+
+
+def test_an_endpoint_url_with_a_password_is_refused_without_echoing_it():
+    out = run_cli("daemon", "--port", "0", "--collectors", "", "--engine-endpoint",
+                  "http://admin:s3cret@127.0.0.1:9/metrics", timeout=20)
+    assert out.returncode != 0
+    assert "user:password@" in out.stderr and "s3cret" not in out.stderr, out.stderr
 
 
 def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down(

@@ -420,6 +420,19 @@ def test_a_bad_alerting_file_names_the_file_and_the_field(tmp_path, text, where)
     assert where in str(error.value)
 
 
+def test_a_file_that_is_not_yaml_is_refused_without_quoting_its_lines(tmp_path):
+    """A reload logs why a file was refused (and answers it to POST /-/reload): the YAML
+    parser's own message quotes the broken line, which may carry a secret."""
+    path = tmp_path / "alerts.yaml"
+    path.write_text("receivers:\n  - name: ops\n    url: 'https://hooks.example/x'\n"
+                    f"    secret: {SECRET}: oops\n")
+    with pytest.raises(AlertConfigError) as error:
+        load_alerting(path)
+    message = str(error.value)
+    assert "not YAML" in message and "line 4" in message, message
+    assert SECRET[-12:] not in message, message  # (the parser quotes the line's end)
+
+
 def test_a_good_alerting_file(tmp_path, monkeypatch):
     (tmp_path / "secret").write_text(SECRET + "\n")
     monkeypatch.setenv("AC_TEST_SECRET", SECRET)
@@ -570,3 +583,22 @@ def test_alerts_test_command(tmp_path, receiver):
     run = alerts_test(bad)
     assert run.returncode == 2 and "threshold" in run.stderr and str(bad) in run.stderr
     assert len(receiver.requests) == sent
+
+
+def test_a_reload_adding_a_receiver_never_changes_a_table_being_read(store, receiver):
+    """The cycle reads `outcomes` (for /metrics) and the evaluator `wake`s every receiver
+    while a reload may add one: the reload swaps in new tables, so a reader midway through
+    the old one finishes it (an in-place insert raised 'dictionary changed size during
+    iteration' in that reader)."""
+    sender = _sender(store, receiver, _Clock())
+    try:
+        outcomes, wakes = iter(sender.outcomes.items()), iter(sender._wakes.values())
+        next(outcomes), next(wakes)
+        sender.replace_receivers({**sender.receivers, "new": Receiver(
+            "new", receiver.url, secret=SECRET, timeout_seconds=5)})
+        list(outcomes), list(wakes)  # the readers finish what they began
+        assert {name for name, _ in sender.outcomes} == {"ops", "new"}
+        sender._count("ops", "delivered")
+        assert sender.outcomes["ops", "delivered"] == 1
+    finally:
+        sender.stop()

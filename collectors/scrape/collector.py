@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -180,6 +181,7 @@ class ScrapeCollector(Collector):
         workers = 16 if self.discovery else max(1, min(16, len(self.endpoints)))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ac-scrape")
         self._back: list[dict[str, str]] = []
+        self._in_flight: dict[str, Future] = {}  # each endpoint's latest scrape
 
     def _discover(self) -> None:
         """The listed endpoints and the server processes found now; a process that
@@ -208,16 +210,28 @@ class ScrapeCollector(Collector):
             self._discover()
         elif not self.endpoints:
             raise CollectorUnavailable("no engine endpoints (--engine-endpoint URL)")
-        futures = {name: self._pool.submit(self._scrape, url) for name, url in self.endpoints}
+        # An endpoint whose last scrape is still out (its headers dripping in) gets no
+        # new one: it holds one worker at most, and the others are answered in time.
+        deadline = time.monotonic() + self.scrape_timeout + 0.1 * self.timeout_seconds
+        for name, url in self.endpoints:
+            previous = self._in_flight.get(name)
+            if previous is None or previous.done():
+                self._in_flight[name] = self._pool.submit(self._scrape, url)
+        current = {name for name, _ in self.endpoints}
+        self._in_flight = {n: f for n, f in self._in_flight.items() if n in current}
         values: Values = {}
         up = GaugeMetricFamily(m.ENGINE_UP.family, m.ENGINE_UP.help, labels=OUT_LABELS)
         self._back = []
         now = time.time()
-        for name, future in futures.items():
+        for name, future in self._in_flight.items():
             state = self.states[name]
             was_up = state.up
             try:
-                kind, mine = map_families(name, future.result())
+                families = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                kind, mine = map_families(name, families)
+            except FutureTimeout:
+                state.up = False
+                state.reason = f"timed out after {self.scrape_timeout:g}s"
             except ScrapeFailed as exc:
                 state.up, state.reason = False, str(exc)
             except Exception as exc:  # a parser surprise is this endpoint's alone

@@ -25,12 +25,28 @@ class ScrapeFailed(RuntimeError):
     """The endpoint could not be read as Prometheus text: the reason, for `status`."""
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # answered as the HTTP error it is
+
+
+# No redirects: a process that claims to be an engine (discovery trusts command lines)
+# would steer the daemon to another address and see its text in a parse error. No
+# proxies from the environment: an engine on the node is reached directly.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
+
+
 def check_endpoint_url(url: str) -> str:
     """The URL if it is an http(s) URL with a host, else ValueError; a bare host:port
     gets http:// and /metrics."""
     if "://" not in url:
         url = "http://" + url
     parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        # Said without the URL: its password would land in the log, the status and, as
+        # the default name, the engine label. (urllib would not send it anyway.)
+        raise ValueError(f"engine endpoint at {parts.hostname}: user:password@ in the URL is "
+                         "not supported (vLLM and SGLang serve /metrics without it)")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"engine endpoint {url[:200]!r}: give an http(s) URL with a host")
     if parts.path in ("", "/"):
@@ -44,14 +60,16 @@ def fetch_text(url: str, timeout_seconds: float, max_bytes: int = MAX_BODY_BYTES
     deadline = time.monotonic() + timeout_seconds
     request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_seconds) as response:
+        with _OPENER.open(request, timeout=timeout_seconds) as response:
             if response.status != 200:
                 raise ScrapeFailed(f"HTTP {response.status}")
             body = bytearray()
             while True:
                 if time.monotonic() > deadline:
                     raise ScrapeFailed(f"timed out after {timeout_seconds:g}s")
-                chunk = response.read(_CHUNK)
+                # read1: one recv at most, so the deadline is checked between recvs (read
+                # waits for the whole chunk, however slowly it drips).
+                chunk = response.read1(_CHUNK)
                 if not chunk:
                     break
                 body += chunk

@@ -145,18 +145,21 @@ class Evaluator:
         instance whose rule is gone, or now gives its series another label set, is
         retired as at a restart (a firing one gets its resolved notification); the others
         keep their state. StoreUnavailable (reading the saved instances): nothing changed."""
-        saved = {(s.rule, s.fingerprint): s for s in self.store.saved_alerts()}
         new = {rule.name: rule for rule in rules}
-        with self._evaluating, self._lock:
-            kept = {key: instance for key, instance in self.instances.items()
-                    if key[0] in new and
-                    fingerprint(alert_labels(new[key[0]], instance.labels)) == key[1]}
-            orphaned = {(o.rule, o.fingerprint) for o in self._orphans}
-            self._orphans += [alert for key, alert in saved.items()
-                              if key in self.instances and key not in kept
-                              and key not in orphaned]
-            self.rules, self.instances = new, kept
-            self.baselines = BaselineReader(self.series)  # its reads are kept per rule name
+        # The saved instances are read with no evaluation running: one that ended after the
+        # read would leave a firing instance retired as the pending one it read.
+        with self._evaluating:
+            saved = {(s.rule, s.fingerprint): s for s in self.store.saved_alerts()}
+            with self._lock:
+                kept = {key: instance for key, instance in self.instances.items()
+                        if key[0] in new and
+                        fingerprint(alert_labels(new[key[0]], instance.labels)) == key[1]}
+                orphaned = {(o.rule, o.fingerprint) for o in self._orphans}
+                self._orphans += [alert for key, alert in saved.items()
+                                  if key in self.instances and key not in kept
+                                  and key not in orphaned]
+                self.rules, self.instances = new, kept
+                self.baselines = BaselineReader(self.series)  # reads are kept per rule name
         self._warn_unreachable()
         self._publish()
 

@@ -45,7 +45,7 @@ def read_alerting(path: str | os.PathLike) -> dict:
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise AlertConfigError(f"{source}: not YAML: {exc}") from None
+        raise AlertConfigError(f"{source}: not YAML: {_yaml_problem(exc)}") from None
     if document is None:
         document = {}
     if not isinstance(document, dict):
@@ -71,3 +71,11 @@ def load_alerting_config(path: str | os.PathLike) -> tuple[dict[str, Receiver], 
         rules, source = yaml.safe_load(default_rules_text()), f"{path} (the shipped defaults)"
     return (parse_receivers(document.get("receivers"), str(path)),
             parse_rules(rules, source))
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The parser's problem and where, without the lines it quotes: a secret or a webhook
+    URL (its path is the credential) may stand on them, and this goes to the log."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or type(exc).__name__
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem

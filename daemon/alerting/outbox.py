@@ -105,6 +105,7 @@ class WebhookSender:
         self.queue: dict[str, tuple[int, float]] = {}  # receiver -> (pending, oldest age)
         self._wakes = {name: threading.Event() for name in receivers}
         self._stop = threading.Event()
+        self._counting = threading.Lock()  # the receivers' threads count; a reload copies
         self._started = False
         self._threads: dict[str, threading.Thread] = {}
         self._warned: set[str] = set()  # receivers whose refusals were logged once
@@ -126,13 +127,16 @@ class WebhookSender:
         except StoreUnavailable:  # (told by the store) kept off until the next reload
             log.warning("a receiver a 410 disabled stays off although its url changed: "
                         "the store is unreachable; reload again once it is back")
-        for name in receivers:
-            if name not in self._clients:
-                self._clients[name] = httpx.Client(follow_redirects=False, trust_env=False)
-                self._wakes[name] = threading.Event()
-                self.outages[name] = self._outage(name)
-                for outcome in OUTCOMES:
-                    self.outcomes.setdefault((name, outcome), 0)
+        added = [name for name in receivers if name not in self._clients]
+        # New tables swapped in whole, never changed in place: the cycle (outcomes), the
+        # evaluator (wake) and the receivers' threads read them without a lock.
+        self._clients = {**self._clients, **{name: httpx.Client(
+            follow_redirects=False, trust_env=False) for name in added}}
+        self._wakes = {**self._wakes, **{name: threading.Event() for name in added}}
+        self.outages = {**self.outages, **{name: self._outage(name) for name in added}}
+        with self._counting:  # (no count lost between the copy and the swap)
+            self.outcomes = {**self.outcomes, **{(name, outcome): 0 for name in added
+                                                 for outcome in OUTCOMES}}
         self.receivers = dict(receivers)
         if self._started:
             self.start()
@@ -173,14 +177,14 @@ class WebhookSender:
         tried: set[str] = set()
         while True:
             disabled = self.store.disabled()  # a 410 earlier in this pass counts at once
-            active = [name for name in receivers
-                      if name in self.receivers and name not in disabled]
+            current = self.receivers  # one table, whatever a reload swaps in meanwhile
+            active = [name for name in receivers if name in current and name not in disabled]
             if not active:
                 return done
             # A delivery tried in this pass is left unclaimed, due as recorded: the next
             # pass (at once: this one was busy) takes it on time.
             delivery = self.store.claim_one(self.clock(), active, lease_seconds(
-                max(self.receivers[n].timeout_seconds for n in active)), only, tried)
+                max(current[n].timeout_seconds for n in active)), only, tried)
             if delivery is None:
                 return done
             tried.add(delivery.id)
@@ -253,7 +257,8 @@ class WebhookSender:
 
     def _count(self, receiver: str, outcome: str) -> None:
         key = (receiver, outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        with self._counting:
+            self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
     def wake(self) -> None:
         for event in self._wakes.values():

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "engines"
-MODES = ("normal", "slow", "html", "huge", "wrong_type", "http_500")
+MODES = ("normal", "slow", "drip_head", "drip_body", "redirect", "html", "huge",
+         "wrong_type", "http_500")
 
 
 class EngineReplay:
@@ -26,6 +27,7 @@ class EngineReplay:
                           [[s.name, dict(s.labels), s.value] for s in f.samples]]
                          for f in text_string_to_metric_families(self.text)]
         self.mode = "normal"
+        self.redirect_to = ""  # mode "redirect": a 302 to this URL
         self.scrapes = 0
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer((host, port), self._handler())
@@ -112,14 +114,26 @@ class EngineReplay:
             def do_GET(self):  # noqa: N802 (http.server's name)
                 replay.scrapes += 1
                 status, body = replay.body()
+                if replay.mode == "redirect":
+                    status, body = 302, b""
+                location = f"Location: {replay.redirect_to}\r\n" if status == 302 else ""
+                answer = (f"HTTP/1.1 {status} OK\r\nContent-Type: text/plain; version=0.0.4"
+                          f"\r\n{location}Content-Length: {len(body)}\r\n\r\n"
+                          ).encode() + body
+                # drip_*: from the head's or the body's start, a byte every 0.1 s (each recv
+                # well in time) for 10 s
+                start = answer.index(b"\r\n\r\n") + 4 if replay.mode == "drip_body" else 0
+                dripping = replay.mode.startswith("drip_")
                 try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self.wfile.write(answer[:start])
+                    for byte in answer[start:start + 100] if dripping else b"":
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(0.1)
+                    self.wfile.write(answer[start + 100:] if dripping else answer[start:])
                 except OSError:
                     pass  # the reader gave up (a timeout test)
+                self.close_connection = True
 
             def log_message(self, *args):
                 pass
