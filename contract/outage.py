@@ -1,8 +1,8 @@
 """A dependency's outages as the log tells them (the store, a webhook receiver, a scraped
-engine endpoint): one line
-when it goes away, with why and what is kept meanwhile, a reminder every
-`remind_seconds` while it stays away, one line when it is back; never a traceback, and
-never a line per failed call.
+engine endpoint): one line when it goes away, with why and what is kept meanwhile, a
+reminder every `remind_seconds` while it stays away, one line when it is back; never a
+traceback, and never a line per failed call. It sits in the contract so that the
+collectors and the daemon tell outages alike.
 
 NOTE: `failed` and `ok` may be called from any thread, as often as calls are made.
 """

@@ -105,6 +105,8 @@ class Routes:
         curl) or with the token; 200 with what is loaded, 400 with why not."""
         if request.method != "POST":
             return json_response(405, {"error": "POST to reload"}, {"Allow": "POST"})
+        if request.headers.get("origin"):  # a browser's cross-site POST needs no preflight
+            return json_response(403, {"error": "a reload is not taken from a web page"})
         if not (is_loopback(request.peer) or (self.expected and self.authorized(request))):
             return json_response(401, {"error": "a reload comes from this host or carries "
                                                 "the bearer token"},

@@ -104,6 +104,33 @@ def encode_head(response: Response, keep_alive: bool) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+class Coalesced:
+    """Runs `action` on a thread of its own when triggered; triggers while it runs make one
+    more run after it, not one each (a burst of SIGHUPs is one or two reloads)."""
+
+    def __init__(self, action: Callable[[], object]):
+        self.action = action
+        self._lock = threading.Lock()
+        self._running = self._again = False
+
+    def trigger(self) -> None:
+        with self._lock:
+            if self._running:
+                self._again = True
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="ac-reload", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.action()
+            with self._lock:
+                if not self._again:
+                    self._running = False
+                    return
+                self._again = False
+
+
 class HttpServer:
     def __init__(self, handler: Callable[[Request], Response], host: str, port: int, *,
                  max_requests: int = 40, max_connections: int = 1024,
@@ -195,9 +222,10 @@ class HttpServer:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
-            loop.add_signal_handler(signal.SIGHUP, lambda: None if on_hangup is None else
-                                    threading.Thread(target=on_hangup, name="ac-reload",
-                                                     daemon=True).start())
+            if on_hangup is not None:
+                loop.add_signal_handler(signal.SIGHUP, Coalesced(on_hangup).trigger)
+            else:
+                loop.add_signal_handler(signal.SIGHUP, lambda: None)
             await self.start()
             if on_ready:
                 on_ready()

@@ -136,6 +136,16 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+
+def neutral_only(value, field: str):
+    """A field this engine takes only at its neutral value (NEUTRAL_ONLY): benchmark
+    clients send it so; anything else would change sampling."""
+    neutral = NEUTRAL_ONLY[field]
+    if value is not None and value != neutral:
+        raise ValueError(f"only {neutral} is supported by this engine")
+    return value
+
+
 class OpenAISampling(SamplingExtensions):
     """The fields both OpenAI routes share."""
     model_config = _STRICT
@@ -160,10 +170,7 @@ class OpenAISampling(SamplingExtensions):
     @field_validator("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p")
     @classmethod
     def _neutral_only(cls, value, info):
-        neutral = NEUTRAL_ONLY[info.field_name]
-        if value is not None and value != neutral:
-            raise ValueError(f"only {neutral} is supported by this engine")
-        return value
+        return neutral_only(value, info.field_name)
 
     @field_validator("max_tokens")
     @classmethod
@@ -234,10 +241,7 @@ class CompletionRequest(OpenAISampling):
     @field_validator("logprobs", "echo", "best_of", "suffix")
     @classmethod
     def _legacy_neutral_only(cls, value, info):
-        neutral = NEUTRAL_ONLY[info.field_name]
-        if value is not None and value != neutral:
-            raise ValueError(f"only {neutral} is supported by this engine")
-        return value
+        return neutral_only(value, info.field_name)
 
     @field_validator("prompt")
     @classmethod

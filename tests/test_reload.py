@@ -4,6 +4,7 @@ load keeps the previous configuration, says why, and the reload gauges say so.""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import httpx
@@ -65,6 +66,10 @@ def test_sighup_reloads_the_alerting_file_and_a_broken_one_keeps_the_old_rules(
     # POST /-/reload, from this host: the fixed file is read, and the answer says what.
     path.write_text(ONE_RULE)
     assert httpx.get(daemon.url + "/-/reload", timeout=5).status_code == 405
+    # A web page's cross-site POST reaches loopback too: one with an Origin is refused.
+    answer = httpx.post(daemon.url + "/-/reload", timeout=10,
+                        headers={"Origin": "https://example.com"})
+    assert answer.status_code == 403 and "web page" in answer.json()["error"]
     answer = httpx.post(daemon.url + "/-/reload", timeout=10)
     assert answer.status_code == 200, answer.text
     assert answer.json() == {"status": "reloaded", "rules": 1, "receivers": 0, "token": False}
@@ -96,3 +101,24 @@ def test_a_reload_takes_a_new_token_from_the_token_file(start_daemon, tmp_path):
     wait_for(lambda: "the token file" in daemon.log_path.read_text() and
              "is empty" in daemon.log_path.read_text(), 10, "the refused reload")
     assert status("second-token-9876543210") == 200
+
+
+def test_a_burst_of_hangups_is_one_reload_and_one_more_not_one_each():
+    from ac_observe.daemon.http_server import Coalesced
+
+    started, release, runs = threading.Event(), threading.Event(), []
+
+    def reload():
+        runs.append(time.monotonic())
+        started.set()
+        release.wait(5)
+
+    hangup = Coalesced(reload)
+    hangup.trigger()
+    assert started.wait(5)
+    for _ in range(20):  # SIGHUPs while the first reload runs
+        hangup.trigger()
+    release.set()
+    wait_for(lambda: len(runs) == 2 and not hangup._running, 5, "the one further reload")
+    time.sleep(0.2)
+    assert len(runs) == 2
