@@ -334,19 +334,40 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
         writer.close()
 
 
+def _vllm_hits(replay: EngineReplay, shifted: bool) -> None:
+    """vLLM V1 counts prefix hits in tokens: 90 % found, 50 % while shifted."""
+    replay.inc("vllm:prefix_cache_queries", 1000)
+    replay.inc("vllm:prefix_cache_hits", 500 if shifted else 900)
+
+
+def _sglang_hits(replay: EngineReplay, shifted: bool) -> None:
+    """SGLang reports its own hit-rate gauge: 0.9, 0.5 while shifted."""
+    replay.set("sglang:cache_hit_rate", 0.5 if shifted else 0.9)
+
+
+DRIFT_REPLAYS = {"vllm": ("vllm_v1_0.10.prom", TTFT, _vllm_hits),
+                 "sglang": ("sglang_0.4.prom", "sglang:time_to_first_token_seconds",
+                            _sglang_hits)}
+
+
 @pytest.mark.slow
-def test_the_shipped_drift_rules_fire_on_a_vllm_replay_whose_ttft_shifts_and_resolve(
-        tmp_path, replays):
-    """The shipped rules (`rules: defaults`) on a vLLM replay, the clock driven by the test
-    (a cycle and an evaluation every 10 s of its time, no waiting): 40 min steady, so the
-    trailing hour is a baseline; 12 min with the slow tail moved from vLLM's (0.1, 0.25]
-    to its (0.5, 0.75] and prefix hits halved; then steady again until resolved."""
-    vllm = replays("vllm_v1_0.10.prom")
+@pytest.mark.parametrize("kind", sorted(DRIFT_REPLAYS))
+def test_the_shipped_drift_rules_fire_on_a_replay_whose_ttft_shifts_and_resolve(
+        tmp_path, replays, kind):
+    """The shipped rules (`rules: defaults`) on a vLLM and on an SGLang replay, the clock
+    driven by the test (a cycle and an evaluation every 10 s of its time, no waiting): 40
+    min steady, so the trailing hour is a baseline; 12 min with the slow tail moved from
+    the (0.1, 0.25] bucket both engines have to their (0.5, 0.75] and prefix hits (vLLM's
+    token counters, SGLang's gauge) dropped from 90 % to 50 %; then steady again until
+    resolved."""
+    capture, ttft, hits = DRIFT_REPLAYS[kind]
+    replay = replays(capture)
     alerting = tmp_path / "alerts.yaml"
     alerting.write_text("rules: defaults\n")
+    engine = f"{kind}-a"
     daemon = Daemon(DaemonConfig(
         telemetry_root=tmp_path / "telemetry", collectors=(), history=False,
-        engine_endpoints=(("vllm-a", vllm.url),), interval_seconds=10.0,
+        engine_endpoints=((engine, replay.url),), interval_seconds=10.0,
         window_seconds=4200.0, alerting_file=alerting, state_dir=tmp_path / "state",
         alert_interval_seconds=10.0))
     t0 = time.time() // 60 * 60 - 7200  # in the past: a day back holds nothing
@@ -357,23 +378,22 @@ def test_the_shipped_drift_rules_fire_on_a_vllm_replay_whose_ttft_shifts_and_res
         for step in range(62 * 6):
             minute = step / 6
             shifted = 40 <= minute < 52
-            vllm.observe(TTFT, 0.07, 18)                  # (0.06, 0.08]
-            vllm.observe(TTFT, 0.6 if shifted else 0.2, 2)
-            vllm.inc("vllm:prefix_cache_queries", 1000)
-            vllm.inc("vllm:prefix_cache_hits", 500 if shifted else 900)
+            replay.observe(ttft, 0.07, 18)                 # (0.06, 0.08]
+            replay.observe(ttft, 0.6 if shifted else 0.2, 2)
+            hits(replay, shifted)
             daemon.run_cycle(now=t0 + 10 * step)
             active = {(a["rule"], a["state"]): a for a in daemon.alerts.active()
-                      if a["labels"].get("engine") == "vllm-a"}
+                      if a["labels"].get("engine") == engine}
             for rule in drifts:
                 if (rule, FIRING) in active:
-                    assert active[(rule, FIRING)]["labels"]["kind"] == "vllm"
+                    assert active[(rule, FIRING)]["labels"]["kind"] == kind
                     firing.setdefault(rule, minute)
                 elif rule in firing:
                     resolved.setdefault(rule, minute)
             if minute == 39:
                 # The steady hour: p95 0.1 + 0.15 * (19 - 18) / 2 = 0.175 s, nothing drifts.
                 p95 = _one(daemon.query("inference_latency_ns", 300, {}, now=t0 + 10 * step),
-                           engine="vllm-a")["p95"]
+                           engine=engine)["p95"]
                 assert math.isclose(p95, 0.175e9, rel_tol=0.01), p95
                 assert not firing, firing
         # Firing once the slow tail is over 5 % of the window (~2.5 min) and `for: 5m`
