@@ -230,6 +230,9 @@ ENGINE_METRICS = (
 # a query may filter on it and a quantile never mixes two engines' bucket layouts. It is
 # the daemon's label, added on export: the bundled engine's files never hold it.
 KIND_LABEL = "kind"
+# A scraped engine's server process, where the daemon knows it (one it discovered): its
+# series carry `pid`, so NVML's and eBPF's per-process series (`pid` too) join them.
+PID_LABEL = "pid"
 KIND_AC_OBSERVE = "ac-observe"
 KIND_VLLM, KIND_SGLANG = SCRAPED_KINDS = ("vllm", "sglang")
 ENGINE_KINDS = (KIND_AC_OBSERVE,) + SCRAPED_KINDS
@@ -516,8 +519,12 @@ def exposed_labels(spec: MetricSpec) -> tuple[str, ...]:
 
 
 def query_labels(friendly: Friendly) -> tuple[str, ...]:
-    """The labels a query of this name may filter on: its series' exposed ones."""
-    return exposed_labels(friendly.source)
+    """The labels a query of this name may filter on: its series' exposed ones, and the
+    pid a discovered vLLM's or SGLang's series carry."""
+    labels = exposed_labels(friendly.source)
+    if KIND_LABEL in labels and PID_LABEL not in labels:
+        labels += (PID_LABEL,)
+    return labels
 
 
 def watched_families() -> set[str]:

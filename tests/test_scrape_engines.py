@@ -479,6 +479,18 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
         running = daemon.query("requests_running", 3600, {})
         assert {s["labels"]["engine"]: s["last"] for s in running["series"]}.items() >= {
             f"vllm-{pids[0]}": 3.0, f"vllm-{pids[1]}": 3.0, f"sglang-{pids[2]}": 3.0}.items()
+        # Each discovered server's series carry its pid (NVML's and eBPF's per-process
+        # series join on it), a query may pick one by it, and so does ac_engine_up.
+        assert {s["labels"]["engine"]: s["labels"].get("pid") for s in running["series"]
+                if s["labels"]["engine"].endswith(tuple(map(str, pids)))} == {
+            f"vllm-{pids[0]}": str(pids[0]), f"vllm-{pids[1]}": str(pids[1]),
+            f"sglang-{pids[2]}": str(pids[2])}
+        (picked,) = daemon.query("requests_running", 3600, {"pid": str(pids[2])})["series"]
+        assert picked["labels"]["engine"] == f"sglang-{pids[2]}"
+        text = daemon.render_metrics().decode()
+        assert f'ac_engine_up{{engine="sglang-{pids[2]}",model=' in text
+        assert f'kind="sglang",pid="{pids[2]}"}} 1.0' in text
+        assert f'pid="{pids[0]}"' in text.split("ac_inference_latency_seconds_bucket", 1)[1]
         stop_process(procs[1])
         gone = f"vllm-{pids[1]}"
         wait_for(lambda: gone not in {e["engine"] for e in engines().values()}

@@ -16,14 +16,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
 from ac_observe import metrics as m
@@ -35,7 +30,7 @@ from ac_observe.outage import Outage
 
 log = logging.getLogger(__name__)
 
-OUT_LABELS = ("engine", "model", m.KIND_LABEL)
+OUT_LABELS = ("engine", "model", m.KIND_LABEL, m.PID_LABEL)
 MAX_SERIES_PER_ENDPOINT = 5000
 
 
@@ -56,9 +51,10 @@ class EndpointState:
                              "its series are left out until it answers", log)
 
 
-# (contract family, (engine, model, kind)) -> a gauge's or counter's value, or a
-# histogram's ({le: count}, sum)
-Values = dict[tuple[str, tuple[str, str, str]], object]
+# (contract family, (engine, model, kind, pid)) -> a gauge's or counter's value, or a
+# histogram's ({le: count}, sum). pid is "" where the daemon does not know it (a listed
+# endpoint): that series has no pid label.
+Values = dict[tuple[str, tuple[str, str, str, str]], object]
 
 
 def _finite(value: float, what: str) -> float:
@@ -67,15 +63,16 @@ def _finite(value: float, what: str) -> float:
     return value
 
 
-def _series_labels(name: str, kind: str, labels: dict) -> tuple[str, str, str]:
+def _series_labels(name: str, kind: str, labels: dict, pid: str) -> tuple[str, str, str, str]:
     rank = labels.get(RANK_LABEL, "")
     engine = name if rank in ("", "0") else f"{name}/{rank}"
-    return engine, labels.get(MODEL_LABEL, ""), kind
+    return engine, labels.get(MODEL_LABEL, ""), kind, pid
 
 
-def map_families(name: str, families: dict[str, Metric]) -> tuple[str, Values]:
-    """(kind, the endpoint's values in the contract's families); ScrapeFailed when the
-    families are not a vLLM's or an SGLang's, or any mapped one is malformed."""
+def map_families(name: str, families: dict[str, Metric], pid: str = "") -> tuple[str, Values]:
+    """(kind, the endpoint's values in the contract's families, with `pid` where the
+    daemon knows the server's process); ScrapeFailed when the families are not a vLLM's
+    or an SGLang's, or any mapped one is malformed."""
     kind = kind_of(families)
     if kind is None:
         raise ScrapeFailed("no vllm: or sglang: families (not a vLLM or SGLang /metrics)")
@@ -90,9 +87,9 @@ def map_families(name: str, families: dict[str, Metric]) -> tuple[str, Values]:
             raise ScrapeFailed(f"{row.source} is a {family.type}, not a {row.type}")
         fed.add(row.target.name)
         if row.type == m.HISTOGRAM:
-            _add_histogram(name, kind, row, family, values)
+            _add_histogram(name, kind, row, family, values, pid)
         else:
-            _add_scalar(name, kind, row, family, values, counts)
+            _add_scalar(name, kind, row, family, values, counts, pid)
     if len(values) > MAX_SERIES_PER_ENDPOINT:
         raise ScrapeFailed(f"over {MAX_SERIES_PER_ENDPOINT} series")
     for key, n in counts.items():
@@ -101,7 +98,7 @@ def map_families(name: str, families: dict[str, Metric]) -> tuple[str, Values]:
 
 
 def _add_scalar(name: str, kind: str, row: Row, family: Metric, values: Values,
-                counts: dict) -> None:
+                counts: dict, pid: str) -> None:
     suffix = "_total" if row.type == m.COUNTER else ""
     for sample in family.samples:
         if sample.name != row.source + suffix:
@@ -111,20 +108,21 @@ def _add_scalar(name: str, kind: str, row: Row, family: Metric, values: Values,
             continue
         if row.type == m.COUNTER and value < 0:
             raise ScrapeFailed(f"{sample.name} is negative")
-        key = (row.target.name, _series_labels(name, kind, sample.labels))
+        key = (row.target.name, _series_labels(name, kind, sample.labels, pid))
         values[key] = values.get(key, 0.0) + value  # type: ignore[operator]
         if row.target.unit == "ratio":  # a share: the ranks' mean, not their sum
             counts[key] = counts.get(key, 0) + 1
 
 
-def _add_histogram(name: str, kind: str, row: Row, family: Metric, values: Values) -> None:
+def _add_histogram(name: str, kind: str, row: Row, family: Metric, values: Values,
+                   pid: str) -> None:
     per_series: dict[tuple, tuple[dict[float, float], list[float]]] = {}
     for sample in family.samples:
         if sample.name not in (row.source + "_bucket", row.source + "_sum"):
             continue
         labels = dict(sample.labels)
         le = labels.pop("le", None)
-        key = (row.target.name, _series_labels(name, kind, labels))
+        key = (row.target.name, _series_labels(name, kind, labels, pid))
         buckets, total = per_series.setdefault(key, ({}, [0.0]))
         value = _finite(sample.value, sample.name)
         if sample.name.endswith("_sum"):
@@ -147,21 +145,30 @@ def _add_histogram(name: str, kind: str, row: Row, family: Metric, values: Value
         values[key] = (dict(zip(edges, counts, strict=True)), total[0])
 
 
+def _labels(labels: tuple[str, ...]) -> dict[str, str]:
+    """A series' labels; no pid label where it is not known."""
+    return {k: v for k, v in zip(OUT_LABELS, labels, strict=True)
+            if v or k != m.PID_LABEL}
+
+
 def _families(values: Values) -> list[Metric]:
-    out: dict[str, Any] = {}
+    out: dict[str, Metric] = {}
     for (target, labels), value in sorted(values.items()):
         spec = m.BY_NAME[target]
         family = out.get(target)
         if family is None:
-            cls = {m.COUNTER: CounterMetricFamily, m.GAUGE: GaugeMetricFamily,
-                   m.HISTOGRAM: HistogramMetricFamily}[spec.type]
-            family = out[target] = cls(spec.family, spec.help, labels=OUT_LABELS)
+            family = out[target] = Metric(spec.family, spec.help, spec.type)
+        series = _labels(labels)
         if spec.type == m.HISTOGRAM:
             buckets, total = cast(tuple[dict[float, float], float], value)
-            family.add_metric(list(labels), [(floatToGoString(le), count)
-                                             for le, count in buckets.items()], total)
+            for le, count in buckets.items():
+                family.add_sample(spec.family + "_bucket",
+                                  {**series, "le": floatToGoString(le)}, count)
+            family.add_sample(spec.family + "_count", series, buckets[math.inf])
+            family.add_sample(spec.family + "_sum", series, total)
         else:
-            family.add_metric(list(labels), value)
+            suffix = "_total" if spec.type == m.COUNTER else ""
+            family.add_sample(spec.family + suffix, series, cast(float, value))
     return list(out.values())
 
 
@@ -210,14 +217,15 @@ class ScrapeCollector(Collector):
             raise CollectorUnavailable("no engine endpoints (--engine-endpoint URL)")
         futures = {name: self._pool.submit(self._scrape, url) for name, url in self.endpoints}
         values: Values = {}
-        up = GaugeMetricFamily(m.ENGINE_UP.family, m.ENGINE_UP.help, labels=OUT_LABELS)
+        up = Metric(m.ENGINE_UP.family, m.ENGINE_UP.help, m.GAUGE)
         self._back = []
         now = time.time()
         for name, future in futures.items():
             state = self.states[name]
             was_up = state.up
+            pid = str(self.pids.get(name, ""))
             try:
-                kind, mine = map_families(name, future.result())
+                kind, mine = map_families(name, future.result(), pid)
             except ScrapeFailed as exc:
                 state.up, state.reason = False, str(exc)
             except Exception as exc:  # a parser surprise is this endpoint's alone
@@ -232,7 +240,8 @@ class ScrapeCollector(Collector):
                     self._back.append({"engine": name})
             if not state.up:
                 state.outage.failed(state.reason)
-            up.add_metric([name, state.model, state.kind], 1.0 if state.up else 0.0)
+            up.add_sample(m.ENGINE_UP.family,
+                          _labels((name, state.model, state.kind, pid)), 1.0 if state.up else 0.0)
         return [*_families(values), up]
 
     def status(self) -> list[dict]:
