@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -199,6 +201,19 @@ HOSTILE = [
 ]
 
 
+def _documented_reasons() -> list[re.Pattern]:
+    """The reasons docs/daemon.md's table says `status` shows, as patterns: `…` for any
+    text, a number for any number."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "daemon.md").read_text()
+    table = text.split("| `status` says | what the endpoint did |", 1)[1].split("\n\n", 1)[0]
+    patterns = []
+    for row in table.splitlines()[2:]:
+        for span in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            pattern = re.escape(span).replace("…", ".*")
+            patterns.append(re.compile(re.sub(r"\d+(?:\\\.\d+)?", r"[\\d.]+", pattern)))
+    return patterns
+
+
 @pytest.mark.parametrize(("mode", "reason"), HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_a_hostile_endpoint_is_down_with_its_reason_and_harms_no_other(
         tmp_path, replays, mode, reason):
@@ -214,6 +229,9 @@ def test_a_hostile_endpoint_is_down_with_its_reason_and_harms_no_other(
         daemon.run_cycle()
         status = {e["engine"]: e for e in daemon.status()["engines"]}
         assert status["bad"]["alive"] is False and reason in status["bad"]["error"], status
+        # The words status shows are the ones the docs list.
+        assert any(p.fullmatch(status["bad"]["error"]) for p in _documented_reasons()), \
+            status["bad"]["error"]
         assert status["good"]["alive"] is True and status["good"]["kind"] == "sglang"
         running = daemon.query("requests_running", 3600, {})
         assert _one(running, engine="good")["last"] == 5.0
@@ -245,8 +263,11 @@ def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down
     out = run_cli("--daemon", daemon.url, "--metric", "skeleton_complexity")
     assert "vllm-a (vllm): not exported by vLLM" in out.stdout, out.stdout
     status = run_cli("--daemon", daemon.url, "status")
-    assert "vllm-a (vllm)" in status.stdout and "cannot connect" in status.stdout, \
+    assert "vllm-a (vllm)" in status.stdout and "down: cannot connect" in status.stdout, \
         status.stdout
+    # The URL once, under the name; no pid where none is known.
+    assert status.stdout.count("127.0.0.1:9/metrics") == 1, status.stdout
+    assert "None" not in status.stdout, status.stdout
 
 
 def test_an_endpoint_outage_is_one_log_line_gone_and_one_back(tmp_path, replays, caplog):
