@@ -324,6 +324,9 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
         writer.observe_many(m.INFERENCE_LATENCY, [0.05] * 50 + [0.3] * 50, stream="throughput")
         vllm.observe(TTFT, 0.07, 60)   # vLLM's (0.06, 0.08]
         vllm.observe(TTFT, 0.6, 40)    # vLLM's (0.5, 0.75]
+        vllm.inc("vllm:prefix_cache_queries", 1000)  # tokens: 40 % found
+        vllm.inc("vllm:prefix_cache_hits", 400)
+        vllm.set("vllm:num_requests_running", 7)
         daemon.wait_cycles(2)
         prometheus.wait_scrape_and_rules("ac-observe", time.time())
         friendly = m.FRIENDLY["inference_latency_ns"]
@@ -349,6 +352,26 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
             "histogram_quantile(0.95, sum by (le) (rate(ac_inference_latency_seconds_bucket[5m])))"
             " * 1e9")
         assert not math.isclose(float(merged[0]["value"][1]), theirs["vllm-a"], rel_tol=0.05)
+        # The hit rate (the KV dashboard's query, on each engine's basis) and the running
+        # requests (the statistic the rules use) as the CLI answers them.
+        from ac_observe.dashboards import grafana
+
+        def cli(name: str, *extra: str) -> dict:
+            out = run_cli("--daemon", daemon.url, "--metric", name, "--window", "5m",
+                          "--json", *extra, env={**os.environ, **env})
+            return _one(json.loads(out.stdout), engine="vllm-a")
+        hit = cli("kv_cache_hit_rate", "--labels", "kind=vllm")
+        assert hit["basis"] == "tokens" and math.isclose(hit["mean"], 40.0, rel_tol=0.01), hit
+        rows = prometheus.query(grafana.hit_rate_by_basis(("engine", "kind"))
+                                  .replace("$__rate_interval", "5m").replace("$engine", ".*"))
+        (row,) = [r for r in rows if r["metric"]["engine"] == "vllm-a"]
+        assert row["metric"]["basis"] == "tokens", row
+        assert math.isclose(float(row["value"][1]), hit["mean"], rel_tol=0.01), (row, hit)
+        running = cli("requests_running")
+        expr = promql.statistic_expr(m.FRIENDLY["requests_running"], "last", "5m",
+                                     by=("engine",))
+        (row,) = [r for r in prometheus.query(expr) if r["metric"]["engine"] == "vllm-a"]
+        assert float(row["value"][1]) == running["last"] == 7.0, (row, running)
     finally:
         if prometheus is not None:
             prometheus.stop()
