@@ -335,6 +335,13 @@ ENGINE_UP = _daemon("ac_engine_up", GAUGE,
                     "engine stays at 0 for an hour after its last heartbeat; a scraped "
                     "one (vLLM, SGLang) is 1 while its /metrics answers.",
                     ("engine", "model", "kind"))
+# The join table for per-process series: a discovered server's own pid and its
+# descendants' (vLLM V1 runs the model in EngineCore and worker processes, SGLang in its
+# scheduler), so NVML's and eBPF's series, which carry the GPU process's pid, find it.
+ENGINE_PROCESS = _daemon("ac_engine_process", GAUGE,
+                         "1 for each process of a discovered vLLM or SGLang server: the "
+                         "server's (role server) and its descendants' (role child), by pid.",
+                         ("engine", "kind", "pid", "role"))
 # As Prometheus and Alertmanager name theirs: 1 at start and after each reload of the
 # alerting file that took (SIGHUP, POST /-/reload), 0 after one that did not.
 CONFIG_RELOAD_SUCCESSFUL = _daemon("ac_config_last_reload_successful", GAUGE,
@@ -348,7 +355,7 @@ CONFIG_RELOAD_SUCCESS_TIME = _daemon("ac_config_last_reload_success_timestamp_se
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
                   ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
                   WEBHOOK_OLDEST_PENDING, BUILD_INFO,
-                  ENGINE_RESTARTS, ENGINE_UP,
+                  ENGINE_RESTARTS, ENGINE_UP, ENGINE_PROCESS,
                   CONFIG_RELOAD_SUCCESSFUL, CONFIG_RELOAD_SUCCESS_TIME)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS

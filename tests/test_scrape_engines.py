@@ -450,6 +450,12 @@ def test_the_shipped_drift_rules_fire_on_a_replay_whose_ttft_shifts_and_resolve(
         daemon.close()
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux: /proc/PID/task/*/children)."""
+    return sorted(int(c) for task in os.listdir(f"/proc/{pid}/task")
+                  for c in open(f"/proc/{pid}/task/{task}/children").read().split())
+
+
 def _netns(name: str, subnet: str):
     """A network namespace with a veth to the host: (the host's, the namespace's) address."""
     import subprocess
@@ -535,6 +541,15 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
         assert f'ac_engine_up{{engine="sglang-{pids[2]}",model=' in text
         assert f'kind="sglang",pid="{pids[2]}"}} 1.0' in text
         assert f'pid="{pids[0]}"' in text.split("ac_inference_latency_seconds_bucket", 1)[1]
+        # The join table: each server's pid and its child's (where vLLM V1 and SGLang run
+        # the model), so NVML's and eBPF's per-process series find the engine.
+        processes = {(s.labels["engine"], s.labels["role"]): (s.labels["pid"], s.value)
+                     for f in text_string_to_metric_families(text)
+                     if f.name == m.ENGINE_PROCESS.name for s in f.samples}
+        for pid, kind in zip(pids, ("vllm", "vllm", "sglang"), strict=True):
+            (child,) = _children(pid)
+            assert processes[(f"{kind}-{pid}", "server")] == (str(pid), 1.0), processes
+            assert processes[(f"{kind}-{pid}", "child")] == (str(child), 1.0), processes
         stop_process(procs[1])
         gone = f"vllm-{pids[1]}"
         wait_for(lambda: gone not in {e["engine"] for e in engines().values()}
@@ -548,3 +563,20 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
         for proc in procs:
             stop_process(proc)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_a_servers_descendants_are_every_process_below_it_and_nothing_else(tmp_path):
+    """The join table's children: grandchildren too, a sibling's tree not, and a parent
+    map that loops (pids reused while /proc was read) ends; /proc/PID/stat read after the
+    last ')', whatever the name holds."""
+    from ac_observe.collectors.scrape.discovery import _parent, descendants
+    parents = {11: 10, 12: 11, 13: 10, 20: 1, 21: 20, 10: 12}
+    assert descendants(10, parents) == (11, 12, 13)
+    assert descendants(20, parents) == (21,)
+    assert descendants(21, parents) == ()
+    entry = tmp_path / "77"
+    entry.mkdir()
+    (entry / "stat").write_text("77 (python3 ) 5 S (x) S 4242 77 77 0 -1 4194560 1234\n")
+    assert _parent(entry) == 4242
+    (entry / "stat").write_text("garbage")
+    assert _parent(entry) is None

@@ -23,7 +23,7 @@ from prometheus_client.utils import floatToGoString
 
 from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, CollectorUnavailable, register
-from ac_observe.collectors.scrape.discovery import discover
+from ac_observe.collectors.scrape.discovery import FoundEngine, discover
 from ac_observe.collectors.scrape.fetch import ScrapeFailed, fetch_text, parse_text
 from ac_observe.collectors.scrape.table import MODEL_LABEL, RANK_LABEL, TABLES, Row, kind_of
 from ac_observe.outage import Outage
@@ -184,6 +184,7 @@ class ScrapeCollector(Collector):
         self.timeout_seconds = config.collector_timeout_seconds
         self.states = {name: EndpointState(name, url) for name, url in self.endpoints}
         self.pids: dict[str, int] = {}  # a discovered engine's process
+        self.found: dict[str, FoundEngine] = {}  # a discovered engine's processes
         workers = 16 if self.discovery else max(1, min(16, len(self.endpoints)))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ac-scrape")
         self._back: list[dict[str, str]] = []
@@ -193,6 +194,7 @@ class ScrapeCollector(Collector):
         exited is dropped, its series with it."""
         found = {f.name: f for f in discover(self.proc)}
         self.pids = {name: f.pid for name, f in found.items()}
+        self.found = dict(found)
         listed = {name for name, _ in self.listed}
         self.endpoints = self.listed + tuple((name, f.url) for name, f in found.items()
                                              if name not in listed)
@@ -242,7 +244,18 @@ class ScrapeCollector(Collector):
                 state.outage.failed(state.reason)
             up.add_sample(m.ENGINE_UP.family,
                           _labels((name, state.model, state.kind, pid)), 1.0 if state.up else 0.0)
-        return [*_families(values), up]
+        processes = [self._processes()] if self.discovery else []
+        return [*_families(values), up, *processes]
+
+    def _processes(self) -> Metric:
+        """ac_engine_process: each discovered server's pid and its descendants'."""
+        family = Metric(m.ENGINE_PROCESS.family, m.ENGINE_PROCESS.help, m.GAUGE)
+        for name, found in sorted(self.found.items()):
+            for role, pids in (("server", (found.pid,)), ("child", found.children)):
+                for pid in pids:
+                    family.add_sample(family.name, {"engine": name, "kind": found.kind,
+                                                    "pid": str(pid), "role": role}, 1.0)
+        return family
 
     def status(self) -> list[dict]:
         return [{"engine": s.name, "model": s.model, "kind": s.kind or None,
