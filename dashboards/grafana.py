@@ -103,6 +103,9 @@ def hit_rate_by_basis(by: tuple[str, ...]) -> str:
 
 LANE = ("engine", "stream")
 ENGINE_KIND = ("engine", "kind")
+# A per-process (eBPF) series' engine: the discovered server its pid belongs to.
+BY_ENGINE_PROCESS = (f'on (pid) group_left (engine, kind) '
+                     f'{m.ENGINE_PROCESS.name}{{engine=~"$engine"}}')
 GPU = ("gpu",)
 
 
@@ -286,6 +289,19 @@ def gpu_and_cuda() -> Board:
             Panel("Copies / s by direction", [
                 (rate_by(m.CUDA_MEMCPY_BYTES, ("pid", "comm", "direction")),
                  "{{comm}} {{pid}} {{direction}}")], "Bps"),
+            # What stands in for a vLLM's or SGLang's missing stream utilisation: the
+            # probes' view of its processes (server and children), by engine.
+            Panel("vLLM / SGLang processes: kernel launches / s per stream", [
+                (f"sum by (engine, kind, stream) (rate({m.CUDA_KERNEL_LAUNCHES.name}"
+                 f"[{RANGE}]) * {BY_ENGINE_PROCESS})", "{{engine}} {{stream}}")], "short",
+                  description="eBPF's launches of every process of a discovered vLLM or "
+                              "SGLang server (ac_engine_process), summed per engine."),
+            Panel("vLLM / SGLang processes: sync wait p95", [
+                (f"histogram_quantile(0.95, sum by (le, engine, kind, api) "
+                 f"(rate({m.CUDA_SYNC_WAIT.name}_bucket[{RANGE}]) * {BY_ENGINE_PROCESS}))"
+                 f" * 1e9", "{{engine}} {{api}}")], "ns",
+                  description="Host time blocked in CUDA synchronisation by the processes "
+                              "of a discovered vLLM or SGLang server (ac_engine_process)."),
         ]),
     ])
 
@@ -512,9 +528,16 @@ def families_named(expr: str) -> set[str]:
     return names
 
 
+ON_SCRAPED = "eBPF on a discovered vLLM or SGLang"
+
+
 def needs_hardware(expr: str) -> str | None:
-    """'gpu' or 'ebpf' when a query reads only what a GPU (NVML) or the eBPF probes make."""
-    sources = {m.BY_NAME[name].source for name in families_named(expr) if name in m.BY_NAME}
+    """'gpu' or 'ebpf' when a query reads only what a GPU (NVML) or the eBPF probes make;
+    ON_SCRAPED when it joins the probes' series to a discovered server's processes."""
+    named = families_named(expr)
+    sources = {m.BY_NAME[name].source for name in named if name in m.BY_NAME}
+    if "ebpf" in sources and m.ENGINE_PROCESS.name in named:
+        return ON_SCRAPED
     if sources and sources <= {"nvml"}:
         return "gpu (NVML)"
     if sources and sources <= {"ebpf"}:

@@ -517,7 +517,8 @@ def test_every_panel_query_returns_data(stack):
     assert answers["sglang-0"] == ("gauge", pytest.approx(100 * SGLANG_HIT_GAUGE)), answers
     # What is left to the GPU check is exactly the NVML and eBPF panels.
     assert {uid for uid, _, _ in hardware} == {"ac-gpu-cuda"}
-    assert {need for _, _, need in hardware} == {"gpu (NVML)", "eBPF (CUDA driver probes)"}
+    assert {need for _, _, need in hardware} == {"gpu (NVML)", "eBPF (CUDA driver probes)",
+                                                 grafana.ON_SCRAPED}
 
 
 # ----- dashboards push ---------------------------------------------------------------------
@@ -587,3 +588,42 @@ def test_the_le_pattern_matches_every_spelling_at_or_below_its_bound_and_no_othe
         assert not pattern.fullmatch("+Inf") and not pattern.fullmatch("NaN")
     with pytest.raises(ValueError):
         le_at_or_below(1e-5)
+
+
+def test_ebpf_series_join_a_discovered_engine_through_its_processes(tmp_path):
+    """The GPU & CUDA board's vLLM / SGLang panels, evaluated by promtool's PromQL engine
+    on series as the daemon exports them: the launches and sync waits of a server's child
+    (vLLM V1's EngineCore, where the model runs) count for its engine; a process of no
+    engine counts for none."""
+    exprs = {title: expr.replace("$__rate_interval", "1m").replace("$engine", ".*")
+             for title, expr in grafana.queries(_models()["ac-gpu-cuda"])
+             if title.startswith("vLLM / SGLang")}
+    core = 'pid="101",comm="VLLM::EngineCor"'
+    series = [
+        # 60 launches every 15 s: 4 / s on stream 7; another process 40 / s.
+        (f'ac_cuda_kernel_launches_total{{{core},stream="7"}}', "0+60x12"),
+        ('ac_cuda_kernel_launches_total{pid="555",comm="other",stream="7"}', "0+600x12"),
+        # Every wait in (0.5, 1] s: the p95 is 0.5 + 0.5 * 0.95.
+        (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="0.5"}}', "0x12"),
+        (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="1.0"}}', "0+20x12"),
+        (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="+Inf"}}', "0+20x12"),
+        ('ac_engine_process{engine="vllm-100",kind="vllm",pid="100",role="server"}', "1x12"),
+        ('ac_engine_process{engine="vllm-100",kind="vllm",pid="101",role="child"}', "1x12"),
+    ]
+    tests = {"rule_files": [], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [{"series": s, "values": v} for s, v in series],
+        "promql_expr_test": [
+            {"expr": exprs["vLLM / SGLang processes: kernel launches / s per stream"],
+             "eval_time": "2m",
+             "exp_samples": [{"labels": '{engine="vllm-100",kind="vllm",stream="7"}',
+                              "value": 4}]},
+            {"expr": exprs["vLLM / SGLang processes: sync wait p95"] + " == bool 975000000",
+             "eval_time": "2m",
+             "exp_samples": [{"labels": '{api="stream",engine="vllm-100",kind="vllm"}',
+                              "value": 1}]},
+        ]}]}
+    (tmp_path / "join.test.yml").write_text(yaml.safe_dump(tests))
+    out = subprocess.run(["promtool", "test", "rules", str(tmp_path / "join.test.yml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
