@@ -230,6 +230,9 @@ ENGINE_METRICS = (
 # a query may filter on it and a quantile never mixes two engines' bucket layouts. It is
 # the daemon's label, added on export: the bundled engine's files never hold it.
 KIND_LABEL = "kind"
+# A scraped engine's server process, where the daemon knows it (one it discovered): its
+# series carry `pid`, so NVML's and eBPF's per-process series (`pid` too) join them.
+PID_LABEL = "pid"
 KIND_AC_OBSERVE = "ac-observe"
 KIND_VLLM, KIND_SGLANG = SCRAPED_KINDS = ("vllm", "sglang")
 ENGINE_KINDS = (KIND_AC_OBSERVE,) + SCRAPED_KINDS
@@ -332,6 +335,13 @@ ENGINE_UP = _daemon("ac_engine_up", GAUGE,
                     "engine stays at 0 for an hour after its last heartbeat; a scraped "
                     "one (vLLM, SGLang) is 1 while its /metrics answers.",
                     ("engine", "model", "kind"))
+# The join table for per-process series: a discovered server's own pid and its
+# descendants' (vLLM V1 runs the model in EngineCore and worker processes, SGLang in its
+# scheduler), so NVML's and eBPF's series, which carry the GPU process's pid, find it.
+ENGINE_PROCESS = _daemon("ac_engine_process", GAUGE,
+                         "1 for each process of a discovered vLLM or SGLang server: the "
+                         "server's (role server) and its descendants' (role child), by pid.",
+                         ("engine", "kind", "pid", "role"))
 # As Prometheus and Alertmanager name theirs: 1 at start and after each reload of the
 # alerting file that took (SIGHUP, POST /-/reload), 0 after one that did not.
 CONFIG_RELOAD_SUCCESSFUL = _daemon("ac_config_last_reload_successful", GAUGE,
@@ -352,7 +362,7 @@ SERIES_REFUSED = _daemon("ac_daemon_series_refused_total", COUNTER,
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
                   ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
                   WEBHOOK_OLDEST_PENDING, BUILD_INFO,
-                  ENGINE_RESTARTS, ENGINE_UP,
+                  ENGINE_RESTARTS, ENGINE_UP, ENGINE_PROCESS,
                   CONFIG_RELOAD_SUCCESSFUL, CONFIG_RELOAD_SUCCESS_TIME, SERIES,
                   SERIES_REFUSED)
 
@@ -524,8 +534,12 @@ def exposed_labels(spec: MetricSpec) -> tuple[str, ...]:
 
 
 def query_labels(friendly: Friendly) -> tuple[str, ...]:
-    """The labels a query of this name may filter on: its series' exposed ones."""
-    return exposed_labels(friendly.source)
+    """The labels a query of this name may filter on: its series' exposed ones, and the
+    pid a discovered vLLM's or SGLang's series carry."""
+    labels = exposed_labels(friendly.source)
+    if KIND_LABEL in labels and PID_LABEL not in labels:
+        labels += (PID_LABEL,)
+    return labels
 
 
 def watched_families() -> set[str]:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from ac_observe import metrics as m
+from ac_observe.collectors.scrape.table import KIND_TITLES, TARGETS
 from ac_observe.dashboards import promql
 from ac_observe.metrics import FRIENDLY
 
@@ -33,6 +34,8 @@ class Panel:
     description: str = ""
     width: int = 12
     height: int = 8
+    repeat: str = ""                    # a copy of the panel per value of this variable
+    no_value: str = ""                  # said in place of "No data"
 
 
 @dataclass
@@ -73,10 +76,36 @@ def rate_by(spec: m.MetricSpec, by: tuple[str, ...], suffix: str = "") -> str:
 
 
 def heatmap(spec: m.MetricSpec) -> str:
-    return f"sum by (le) (increase({sel(spec, '_bucket')}[{RANGE}]))"
+    """Buckets summed within one engine and kind (one layout; the panel is repeated per
+    engine), or, for a process's eBPF family, over the contract's one layout."""
+    by = "engine, kind, le" if "engine" in spec.labels else "le"
+    return f"sum by ({by}) (increase({sel(spec, '_bucket')}[{RANGE}]))"
+
+
+def heatmap_panel(title: str, spec: m.MetricSpec, unit: str) -> Panel:
+    per_engine = "engine" in spec.labels
+    return Panel(f"{title} ($engine)" if per_engine else title,
+                 [(heatmap(spec), "{{le}}")], unit, "heatmap", description=spec.help,
+                 repeat="engine" if per_engine else "")
+
+
+def hit_rate_by_basis(by: tuple[str, ...]) -> str:
+    """kv_cache_hit_rate as the daemon answers it: from blocks where the engine counts
+    them, else tokens (vLLM V1), else its own gauge (vLLM V0, SGLang), with `basis`
+    saying which (the contract's names for them)."""
+    friendly = FRIENDLY["kv_cache_hit_rate"]
+    bases = ((friendly.source.unit, friendly.name), *friendly.fallbacks)
+    on = ", ".join(b for b in by if b != "skeleton")
+    return f" or on ({on}) ".join(
+        f'label_replace({stat(name, "mean", by)}, "basis", "{basis}", "", "")'
+        for basis, name in bases)
 
 
 LANE = ("engine", "stream")
+ENGINE_KIND = ("engine", "kind")
+# A per-process (eBPF) series' engine: the discovered server its pid belongs to.
+BY_ENGINE_PROCESS = (f'on (pid) group_left (engine, kind) '
+                     f'{m.ENGINE_PROCESS.name}{{engine=~"$engine"}}')
 GPU = ("gpu",)
 
 
@@ -91,8 +120,14 @@ def overview() -> Board:
                   "reqps", "stat", width=6, height=4),
             Panel("TTFT p95", [(stat("inference_latency_ns", "p95", ()), "p95")], "ns",
                   "stat", width=6, height=4),
-            Panel("KV block hit rate", [(stat("kv_cache_hit_rate", "mean", ()), "hit rate")],
-                  "percent", "stat", width=6, height=4),
+            # Each engine on its basis (blocks, tokens, its gauge), the lowest shown, as
+            # the TTFT stat shows the worst engine's.
+            Panel("KV hit rate (lowest engine)",
+                  [(f"min({hit_rate_by_basis(ENGINE_KIND)})", "hit rate")], "percent", "stat",
+                  description="The lowest of the engines' prefix-cache hit rates, each on "
+                              "its own basis: blocks where it counts them, else tokens, "
+                              "else its own gauge (the KV board's legend says which).",
+                  width=6, height=4),
         ]),
         ("Latency", [
             Panel("Time to first token (p50 / p95 / p99)",
@@ -154,10 +189,16 @@ def kv_and_prompts() -> Board:
                  "Prefix-cache hits and why blocks missed, KV usage, evictions and "
                  "preemptions; prompt skeleton complexity and the busiest skeletons.", [
         ("Prefix cache", [
-            Panel("Block and token hit rate", [
-                (stat("kv_cache_hit_rate", "mean", ("engine",)), "blocks {{engine}}"),
-                (stat("kv_cache_token_hit_rate", "mean", ("engine",)), "tokens {{engine}}"),
-            ], "percent", description=FRIENDLY["kv_cache_hit_rate"].help),
+            Panel("Prefix-cache hit rate (basis: blocks, tokens or the engine's gauge)", [
+                (hit_rate_by_basis(ENGINE_KIND), "{{engine}} ({{basis}})"),
+                # An engine that counts blocks counts tokens too: both, told apart.
+                (f"{stat('kv_cache_token_hit_rate', 'mean', ENGINE_KIND)} and on "
+                 f"(engine, kind) {stat('kv_cache_hit_rate', 'mean', ENGINE_KIND)}",
+                 "{{engine}} (tokens)"),
+            ], "percent", description=FRIENDLY["kv_cache_hit_rate"].help + " The legend "
+                  "names each line's basis: blocks where the engine counts them (the "
+                  "bundled engine), else tokens (vLLM V1), else the engine's own hit-rate "
+                  "gauge (vLLM V0, SGLang)."),
             Panel("Why looked-up blocks missed (share of lookups)",
                   [(stat("kv_cache_miss_reasons", "mean", ("engine", "reason")),
                     "{{engine}} {{reason}}")], "percent",
@@ -180,8 +221,7 @@ def kv_and_prompts() -> Board:
                  "{{engine}} {{skeleton}}")], "percent"),
         ]),
         ("Prompts", [
-            Panel("Skeleton complexity", [(heatmap(m.SKELETON_COMPLEXITY), "{{le}}")],
-                  "short", "heatmap", description=m.SKELETON_COMPLEXITY.help, width=12),
+            heatmap_panel("Skeleton complexity", m.SKELETON_COMPLEXITY, "short"),
             Panel("Mean skeleton complexity", [
                 (stat("skeleton_complexity", "mean", ("engine",)), "{{engine}}")], "short"),
             Panel("Top skeletons (requests / s)", [
@@ -244,8 +284,7 @@ def gpu_and_cuda() -> Board:
             Panel("Graph launches / s", [
                 (rate_by(m.CUDA_GRAPH_LAUNCHES, ("pid", "comm")), "{{comm}} {{pid}}")],
                   "short"),
-            Panel("Synchronisation waits", [(heatmap(m.CUDA_SYNC_WAIT), "{{le}}")], "s",
-                  "heatmap", description=m.CUDA_SYNC_WAIT.help),
+            heatmap_panel("Synchronisation waits", m.CUDA_SYNC_WAIT, "s"),
             Panel("Sync wait p95 by API, launch call p95", [
                 (stat("sync_wait_ns", "p95", ("pid", "comm", "api")),
                  "wait {{comm}} {{pid}} {{api}}"),
@@ -256,6 +295,19 @@ def gpu_and_cuda() -> Board:
             Panel("Copies / s by direction", [
                 (rate_by(m.CUDA_MEMCPY_BYTES, ("pid", "comm", "direction")),
                  "{{comm}} {{pid}} {{direction}}")], "Bps"),
+            # What stands in for a vLLM's or SGLang's missing stream utilisation: the
+            # probes' view of its processes (server and children), by engine.
+            Panel("vLLM / SGLang processes: kernel launches / s per stream", [
+                (f"sum by (engine, kind, stream) (rate({m.CUDA_KERNEL_LAUNCHES.name}"
+                 f"[{RANGE}]) * {BY_ENGINE_PROCESS})", "{{engine}} {{stream}}")], "short",
+                  description="eBPF's launches of every process of a discovered vLLM or "
+                              "SGLang server (ac_engine_process), summed per engine."),
+            Panel("vLLM / SGLang processes: sync wait p95", [
+                (f"histogram_quantile(0.95, sum by (le, engine, kind, api) "
+                 f"(rate({m.CUDA_SYNC_WAIT.name}_bucket[{RANGE}]) * {BY_ENGINE_PROCESS}))"
+                 f" * 1e9", "{{engine}} {{api}}")], "ns",
+                  description="Host time blocked in CUDA synchronisation by the processes "
+                              "of a discovered vLLM or SGLang server (ac_engine_process)."),
         ]),
     ])
 
@@ -310,7 +362,66 @@ def boards(rules=None) -> list[Board]:
     if rules is None:
         from ac_observe.daemon.alerting.rules import default_rules
         rules = default_rules()
-    return [overview(), kv_and_prompts(), gpu_and_cuda(), drift_and_alerts(rules)]
+    return [with_not_exported(overview()), with_not_exported(kv_and_prompts()),
+            with_not_exported(gpu_and_cuda()), drift_and_alerts(rules)]
+
+
+# ----- figures a scraped engine does not export -------------------------------------------
+
+def _engine_families(expr: str) -> set[str]:
+    """The engine figures a query reads (ac_engine_up, which every kind has, aside)."""
+    return {name for name in families_named(expr) if name in m.BY_NAME and
+            name != m.ENGINE_UP.name and (m.BY_NAME[name].source == "engine" or
+                                          name == m.STREAM_UTILIZATION.name)}
+
+
+def _missing(panel: Panel, kind: str) -> list[str]:
+    """The figures of a panel that servers of this kind never export (no row of its
+    mapping table feeds any family the line reads): the panel's title when it is all
+    of it, else `title: line` for each such line."""
+    title = panel.title.replace(" ($engine)", "")  # a label value, not a variable
+    lines = []
+    for expr, legend in panel.targets:
+        families = _engine_families(expr)
+        if families and not families & TARGETS[kind]:
+            lines.append(re.sub(r"\{\{[^}]*\}\}", "", legend).strip(" ()"))
+    if len(lines) == len(panel.targets):
+        return [title]
+    return [f"{title}: {line}" if line else title for line in lines]
+
+
+def with_not_exported(board: Board) -> Board:
+    """Each panel a scraped kind cannot fill says so in place of "No data", and a table
+    lists, per engine of that kind ($engine), the figures it does not export: the CLI's
+    "not exported by vLLM", never an empty panel read as a zero."""
+    figures: dict[str, list[str]] = {kind: [] for kind in TARGETS}
+    for _, panels in board.rows:
+        for panel in panels:
+            empty_for = []  # the kinds for which every line of the panel is missing
+            for kind in TARGETS:
+                missing = _missing(panel, kind)
+                figures[kind] += [f for f in missing if f not in figures[kind]]
+                if missing == [panel.title.replace(" ($engine)", "")]:
+                    empty_for.append(KIND_TITLES[kind])
+            if empty_for:
+                panel.no_value = f"No data: not exported by {' or '.join(empty_for)}"
+    rows = list(board.rows)
+    targets = []
+    for kind, names in figures.items():
+        if not names:
+            continue
+        up = f'{m.ENGINE_UP.name}{{engine=~"$engine", kind="{kind}"}}'
+        targets.append((f'label_replace(label_replace(group by (engine, kind) ({up}), '
+                        f'"status", "not exported by {KIND_TITLES[kind]}", "", ""), '
+                        f'"figures", "{"; ".join(names)}", "", "")', ""))
+    if targets:
+        rows.append(("Not exported", [Panel(
+            "Figures these engines do not export", targets, "short", "table",
+            description="Per vLLM or SGLang engine: the figures on this board that its "
+                        "kind never exports (its /metrics has no family for them), so their "
+                        "panels are empty for it by design, not at zero.",
+            width=24, height=5)]))
+    return Board(board.uid, board.title, board.description, rows)
 
 
 # ----- the SDK's models ---------------------------------------------------------------------
@@ -360,6 +471,10 @@ def build(board: Board) -> dict:
                 built = built.unit(panel.unit)
             if panel.description:
                 built = built.description(panel.description)
+            if panel.repeat:
+                built = built.repeat(panel.repeat).repeat_direction("h")
+            if panel.no_value:
+                built = built.no_value(panel.no_value)
             for i, (expr, legend) in enumerate(panel.targets):
                 query = (Dataquery().ref_id(chr(ord("A") + i)).expr(expr)
                          .legend_format(legend).datasource(source))
@@ -419,9 +534,16 @@ def families_named(expr: str) -> set[str]:
     return names
 
 
+ON_SCRAPED = "eBPF on a discovered vLLM or SGLang"
+
+
 def needs_hardware(expr: str) -> str | None:
-    """'gpu' or 'ebpf' when a query reads only what a GPU (NVML) or the eBPF probes make."""
-    sources = {m.BY_NAME[name].source for name in families_named(expr) if name in m.BY_NAME}
+    """'gpu' or 'ebpf' when a query reads only what a GPU (NVML) or the eBPF probes make;
+    ON_SCRAPED when it joins the probes' series to a discovered server's processes."""
+    named = families_named(expr)
+    sources = {m.BY_NAME[name].source for name in named if name in m.BY_NAME}
+    if "ebpf" in sources and m.ENGINE_PROCESS.name in named:
+        return ON_SCRAPED
     if sources and sources <= {"nvml"}:
         return "gpu (NVML)"
     if sources and sources <= {"ebpf"}:

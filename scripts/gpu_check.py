@@ -314,7 +314,8 @@ def dashboard_panels(model: str, device: str) -> None:
     from ac_observe.dashboards import grafana
     hardware = [(board.uid, panel.title, expr) for board in grafana.boards()
                 for _, panels in board.rows for panel in panels
-                for expr, _ in panel.targets if grafana.needs_hardware(expr)]
+                for expr, _ in panel.targets
+                if grafana.needs_hardware(expr) not in (None, grafana.ON_SCRAPED)]
     missing = [(title, sorted(grafana.families_named(expr) - SEEN))
                for _, title, expr in hardware if grafana.families_named(expr) - SEEN]
     figure("hardware panel queries", len(hardware))

@@ -22,6 +22,7 @@ import yaml
 from ac_observe import metrics as m
 from ac_observe.daemon.alerting.rules import default_rules
 from ac_observe.dashboards import generate, grafana, promql
+from support.engine_replay import EngineReplay
 from support.grafana import Grafana
 from support.receivers import SECRET, WebhookReceiver
 from support.servers import DaemonProcess, EngineServer, run_cli, wait_for
@@ -109,7 +110,7 @@ def test_the_drift_board_has_a_panel_per_shipped_rule_with_its_baseline():
 
 
 def test_heatmaps_read_prometheus_buckets_with_their_unit_on_the_y_axis():
-    units = {"Skeleton complexity": "short", "Synchronisation waits": "s"}
+    units = {"Skeleton complexity ($engine)": "short", "Synchronisation waits": "s"}
     heatmaps = {p["title"]: p for model in _models().values() for p in model["panels"]
                 if p.get("type") == "heatmap"}
     assert set(heatmaps) == set(units)
@@ -117,6 +118,36 @@ def test_heatmaps_read_prometheus_buckets_with_their_unit_on_the_y_axis():
         assert panel["options"]["calculate"] is False  # buckets as Prometheus gives them
         assert panel["options"]["yAxis"]["unit"] == units[title], title
         assert all(t["format"] == "heatmap" for t in panel["targets"]), title
+    # An engine family's buckets are summed within one engine and kind, a panel per
+    # engine: never one heatmap over two engines' layouts.
+    engine_map = heatmaps["Skeleton complexity ($engine)"]
+    assert engine_map["repeat"] == "engine"
+    assert "sum by (engine, kind, le)" in engine_map["targets"][0]["expr"]
+
+
+def test_panels_a_scraped_kind_cannot_fill_say_not_exported():
+    """The mapping table decides: a panel every line of which reads families no vLLM row
+    feeds says "not exported by vLLM" in place of "No data"; one vLLM fills is left be."""
+    models = _models()
+    panels = {(uid, p["title"]): p for uid, model in models.items()
+              for p in model["panels"]}
+
+    def no_value(uid, title):
+        return panels[(uid, title)].get("fieldConfig", {}).get("defaults", {}).get("noValue")
+
+    assert no_value("ac-overview", "Lane stream utilisation") == \
+        "No data: not exported by vLLM or SGLang"
+    assert no_value("ac-kv-cache", "Why looked-up blocks missed (share of lookups)") == \
+        "No data: not exported by vLLM or SGLang"
+    # SGLang has no preemption counter, vLLM has (evictions are the bundled engine's).
+    assert no_value("ac-kv-cache", "Evictions and preemptions / s") == \
+        "No data: not exported by SGLang"
+    assert no_value("ac-overview", "Time to first token (p50 / p95 / p99)") is None
+    for uid in ("ac-overview", "ac-kv-cache", "ac-gpu-cuda"):
+        table = panels[(uid, "Figures these engines do not export")]
+        assert table["type"] == "table"
+        assert [t["expr"].count('kind="vllm"') + 2 * t["expr"].count('kind="sglang"')
+                for t in table["targets"]] == [1, 2]
 
 
 def test_durations_are_promql_ones_down_to_the_millisecond():
@@ -347,6 +378,20 @@ def _backfill(daemon: DaemonProcess, data: Path, seconds: float = 12.0) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+VLLM_HIT_SHARE, SGLANG_HIT_GAUGE = 0.4, 0.625
+
+
+def _drive_replays(vllm: EngineReplay, sglang: EngineReplay, stop: threading.Event) -> None:
+    """Traffic on the replays: vLLM looks up 1000 prompt tokens a half second and finds
+    40 % of them; SGLang's own hit-rate gauge reads 62.5 %."""
+    sglang.set("sglang:cache_hit_rate", SGLANG_HIT_GAUGE)
+    while not stop.wait(0.5):
+        vllm.inc("vllm:prefix_cache_queries", 1000)
+        vllm.inc("vllm:prefix_cache_hits", 1000 * VLLM_HIT_SHARE)
+        vllm.observe("vllm:time_to_first_token_seconds", 0.2, 3)
+        sglang.observe("sglang:time_to_first_token_seconds", 0.3, 2)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     base = tmp_path_factory.mktemp("stack")
@@ -356,6 +401,10 @@ def stack(tmp_path_factory):
         f"receivers:\n  - {{name: ops, url: '{daemon_hook.url}', secret: '{SECRET}'}}\n"
         "rules: defaults\n")
     stop, errors, senders, parts = threading.Event(), [], [], []
+    # A vLLM V1 and an SGLang beside the bundled engine (replays of their captures): the
+    # panels they cannot fill say so, and the hit rate names its basis for each.
+    vllm, sglang = EngineReplay("vllm_v1_0.10.prom"), EngineReplay("sglang_0.4.prom")
+    threading.Thread(target=_drive_replays, args=(vllm, sglang, stop), daemon=True).start()
     try:
         # A small KV pool, so the load evicts (the eviction-age panel), and a kernel sample
         # every 10th step, with 5 % of wall time for them (a profiled step on CPU outlasts
@@ -369,7 +418,8 @@ def stack(tmp_path_factory):
         parts.append(DaemonProcess(base / "telemetry", "--collectors", "engine,nvml",
                                    "--alerting", str(base / "alerting.yaml"), "--state-dir",
                                    str(base / "state"), "--alert-interval", "1s", "--token",
-                                   token))
+                                   token, "--engine-endpoint", f"vllm-0={vllm.url}",
+                                   "--engine-endpoint", f"sglang-0={sglang.url}"))
         daemon = parts[-1].wait_ready()
         daemon.headers = {"authorization": f"Bearer {token}"}
         senders = [threading.Thread(target=_load, args=(engine.url, stop, errors, i),
@@ -390,6 +440,8 @@ def stack(tmp_path_factory):
                "errors": errors, "daemon": daemon}
     finally:  # whatever started is stopped, newest first, even when a later part failed
         stop.set()
+        vllm.close()
+        sglang.close()
         for sender in senders:
             sender.join(timeout=60)
         for part in reversed(parts):
@@ -442,9 +494,31 @@ def test_every_panel_query_returns_data(stack):
                 empty.append((uid, title, query))
     assert not empty, "panels without data:\n" + "\n".join(map(str, empty))
     assert not stack["errors"], stack["errors"][:3]
+    # The vLLM and SGLang replays: each says what it does not export, and the hit rate
+    # answers each engine on its own basis (blocks, tokens, the engine's gauge).
+    models = _models()
+    tables = {uid: [expr for title, expr in grafana.queries(model)
+                    if title == "Figures these engines do not export"]
+              for uid, model in models.items()}
+    rows = [r["metric"] for expr in tables["ac-overview"]
+            for r in prometheus.query(expr.replace("$engine", ".*"))]
+    assert {(r["engine"], r["kind"], r["status"]) for r in rows} == {
+        ("vllm-0", "vllm", "not exported by vLLM"),
+        ("sglang-0", "sglang", "not exported by SGLang")}
+    assert all("Lane stream utilisation" in r["figures"] for r in rows)
+    (hit_rate, _) = [expr for title, expr in grafana.queries(models["ac-kv-cache"])
+                     if title.startswith("Prefix-cache hit rate")]
+    answers = {r["metric"]["engine"]: (r["metric"]["basis"], float(r["value"][1]))
+               for r in prometheus.query(hit_rate.replace("$__rate_interval", "1m")
+                                         .replace("$engine", ".*"))}
+    assert answers["e1"][0] == "blocks"
+    assert answers["vllm-0"][0] == "tokens"
+    assert abs(answers["vllm-0"][1] - 100 * VLLM_HIT_SHARE) < 0.5, answers
+    assert answers["sglang-0"] == ("gauge", pytest.approx(100 * SGLANG_HIT_GAUGE)), answers
     # What is left to the GPU check is exactly the NVML and eBPF panels.
     assert {uid for uid, _, _ in hardware} == {"ac-gpu-cuda"}
-    assert {need for _, _, need in hardware} == {"gpu (NVML)", "eBPF (CUDA driver probes)"}
+    assert {need for _, _, need in hardware} == {"gpu (NVML)", "eBPF (CUDA driver probes)",
+                                                 grafana.ON_SCRAPED}
 
 
 # ----- dashboards push ---------------------------------------------------------------------
@@ -514,3 +588,42 @@ def test_the_le_pattern_matches_every_spelling_at_or_below_its_bound_and_no_othe
         assert not pattern.fullmatch("+Inf") and not pattern.fullmatch("NaN")
     with pytest.raises(ValueError):
         le_at_or_below(1e-5)
+
+
+def test_ebpf_series_join_a_discovered_engine_through_its_processes(tmp_path):
+    """The GPU & CUDA board's vLLM / SGLang panels, evaluated by promtool's PromQL engine
+    on series as the daemon exports them: the launches and sync waits of a server's child
+    (vLLM V1's EngineCore, where the model runs) count for its engine; a process of no
+    engine counts for none."""
+    exprs = {title: expr.replace("$__rate_interval", "1m").replace("$engine", ".*")
+             for title, expr in grafana.queries(_models()["ac-gpu-cuda"])
+             if title.startswith("vLLM / SGLang")}
+    core = 'pid="101",comm="VLLM::EngineCor"'
+    series = [
+        # 60 launches every 15 s: 4 / s on stream 7; another process 40 / s.
+        (f'ac_cuda_kernel_launches_total{{{core},stream="7"}}', "0+60x12"),
+        ('ac_cuda_kernel_launches_total{pid="555",comm="other",stream="7"}', "0+600x12"),
+        # Every wait in (0.5, 1] s: the p95 is 0.5 + 0.5 * 0.95.
+        (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="0.5"}}', "0x12"),
+        (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="1.0"}}', "0+20x12"),
+        (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="+Inf"}}', "0+20x12"),
+        ('ac_engine_process{engine="vllm-100",kind="vllm",pid="100",role="server"}', "1x12"),
+        ('ac_engine_process{engine="vllm-100",kind="vllm",pid="101",role="child"}', "1x12"),
+    ]
+    tests = {"rule_files": [], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [{"series": s, "values": v} for s, v in series],
+        "promql_expr_test": [
+            {"expr": exprs["vLLM / SGLang processes: kernel launches / s per stream"],
+             "eval_time": "2m",
+             "exp_samples": [{"labels": '{engine="vllm-100",kind="vllm",stream="7"}',
+                              "value": 4}]},
+            {"expr": exprs["vLLM / SGLang processes: sync wait p95"] + " == bool 975000000",
+             "eval_time": "2m",
+             "exp_samples": [{"labels": '{api="stream",engine="vllm-100",kind="vllm"}',
+                              "value": 1}]},
+        ]}]}
+    (tmp_path / "join.test.yml").write_text(yaml.safe_dump(tests))
+    out = subprocess.run(["promtool", "test", "rules", str(tmp_path / "join.test.yml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -200,6 +202,19 @@ HOSTILE = [
 ]
 
 
+def _documented_reasons() -> list[re.Pattern]:
+    """The reasons docs/daemon.md's table says `status` shows, as patterns: `…` for any
+    text, a number for any number."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "daemon.md").read_text()
+    table = text.split("| `status` says | what the endpoint did |", 1)[1].split("\n\n", 1)[0]
+    patterns = []
+    for row in table.splitlines()[2:]:
+        for span in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            pattern = re.escape(span).replace("…", ".*")
+            patterns.append(re.compile(re.sub(r"\d+(?:\\\.\d+)?", r"[\\d.]+", pattern)))
+    return patterns
+
+
 @pytest.mark.parametrize(("mode", "reason"), HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_a_hostile_endpoint_is_down_with_its_reason_and_harms_no_other(
         tmp_path, replays, mode, reason):
@@ -215,6 +230,9 @@ def test_a_hostile_endpoint_is_down_with_its_reason_and_harms_no_other(
         daemon.run_cycle()
         status = {e["engine"]: e for e in daemon.status()["engines"]}
         assert status["bad"]["alive"] is False and reason in status["bad"]["error"], status
+        # The words status shows are the ones the docs list.
+        assert any(p.fullmatch(status["bad"]["error"]) for p in _documented_reasons()), \
+            status["bad"]["error"]
         assert status["good"]["alive"] is True and status["good"]["kind"] == "sglang"
         running = daemon.query("requests_running", 3600, {})
         assert _one(running, engine="good")["last"] == 5.0
@@ -274,8 +292,11 @@ def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down
     out = run_cli("--daemon", daemon.url, "--metric", "skeleton_complexity")
     assert "vllm-a (vllm): not exported by vLLM" in out.stdout, out.stdout
     status = run_cli("--daemon", daemon.url, "status")
-    assert "vllm-a (vllm)" in status.stdout and "cannot connect" in status.stdout, \
+    assert "vllm-a (vllm)" in status.stdout and "down: cannot connect" in status.stdout, \
         status.stdout
+    # The URL once, under the name; no pid where none is known.
+    assert status.stdout.count("127.0.0.1:9/metrics") == 1, status.stdout
+    assert "None" not in status.stdout, status.stdout
 
 
 def test_an_endpoint_outage_is_one_log_line_gone_and_one_back(tmp_path, replays, caplog):
@@ -332,6 +353,9 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
         writer.observe_many(m.INFERENCE_LATENCY, [0.05] * 50 + [0.3] * 50, stream="throughput")
         vllm.observe(TTFT, 0.07, 60)   # vLLM's (0.06, 0.08]
         vllm.observe(TTFT, 0.6, 40)    # vLLM's (0.5, 0.75]
+        vllm.inc("vllm:prefix_cache_queries", 1000)  # tokens: 40 % found
+        vllm.inc("vllm:prefix_cache_hits", 400)
+        vllm.set("vllm:num_requests_running", 7)
         daemon.wait_cycles(2)
         prometheus.wait_scrape_and_rules("ac-observe", time.time())
         friendly = m.FRIENDLY["inference_latency_ns"]
@@ -357,25 +381,66 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
             "histogram_quantile(0.95, sum by (le) (rate(ac_inference_latency_seconds_bucket[5m])))"
             " * 1e9")
         assert not math.isclose(float(merged[0]["value"][1]), theirs["vllm-a"], rel_tol=0.05)
+        # The hit rate (the KV dashboard's query, on each engine's basis) and the running
+        # requests (the statistic the rules use) as the CLI answers them.
+        from ac_observe.dashboards import grafana
+
+        def cli(name: str, *extra: str) -> dict:
+            out = run_cli("--daemon", daemon.url, "--metric", name, "--window", "5m",
+                          "--json", *extra, env={**os.environ, **env})
+            return _one(json.loads(out.stdout), engine="vllm-a")
+        hit = cli("kv_cache_hit_rate", "--labels", "kind=vllm")
+        assert hit["basis"] == "tokens" and math.isclose(hit["mean"], 40.0, rel_tol=0.01), hit
+        rows = prometheus.query(grafana.hit_rate_by_basis(("engine", "kind"))
+                                  .replace("$__rate_interval", "5m").replace("$engine", ".*"))
+        (row,) = [r for r in rows if r["metric"]["engine"] == "vllm-a"]
+        assert row["metric"]["basis"] == "tokens", row
+        assert math.isclose(float(row["value"][1]), hit["mean"], rel_tol=0.01), (row, hit)
+        running = cli("requests_running")
+        expr = promql.statistic_expr(m.FRIENDLY["requests_running"], "last", "5m",
+                                     by=("engine",))
+        (row,) = [r for r in prometheus.query(expr) if r["metric"]["engine"] == "vllm-a"]
+        assert float(row["value"][1]) == running["last"] == 7.0, (row, running)
     finally:
         if prometheus is not None:
             prometheus.stop()
         writer.close()
 
 
+def _vllm_hits(replay: EngineReplay, shifted: bool) -> None:
+    """vLLM V1 counts prefix hits in tokens: 90 % found, 50 % while shifted."""
+    replay.inc("vllm:prefix_cache_queries", 1000)
+    replay.inc("vllm:prefix_cache_hits", 500 if shifted else 900)
+
+
+def _sglang_hits(replay: EngineReplay, shifted: bool) -> None:
+    """SGLang reports its own hit-rate gauge: 0.9, 0.5 while shifted."""
+    replay.set("sglang:cache_hit_rate", 0.5 if shifted else 0.9)
+
+
+DRIFT_REPLAYS = {"vllm": ("vllm_v1_0.10.prom", TTFT, _vllm_hits),
+                 "sglang": ("sglang_0.4.prom", "sglang:time_to_first_token_seconds",
+                            _sglang_hits)}
+
+
 @pytest.mark.slow
-def test_the_shipped_drift_rules_fire_on_a_vllm_replay_whose_ttft_shifts_and_resolve(
-        tmp_path, replays):
-    """The shipped rules (`rules: defaults`) on a vLLM replay, the clock driven by the test
-    (a cycle and an evaluation every 10 s of its time, no waiting): 40 min steady, so the
-    trailing hour is a baseline; 12 min with the slow tail moved from vLLM's (0.1, 0.25]
-    to its (0.5, 0.75] and prefix hits halved; then steady again until resolved."""
-    vllm = replays("vllm_v1_0.10.prom")
+@pytest.mark.parametrize("kind", sorted(DRIFT_REPLAYS))
+def test_the_shipped_drift_rules_fire_on_a_replay_whose_ttft_shifts_and_resolve(
+        tmp_path, replays, kind):
+    """The shipped rules (`rules: defaults`) on a vLLM and on an SGLang replay, the clock
+    driven by the test (a cycle and an evaluation every 10 s of its time, no waiting): 40
+    min steady, so the trailing hour is a baseline; 12 min with the slow tail moved from
+    the (0.1, 0.25] bucket both engines have to their (0.5, 0.75] and prefix hits (vLLM's
+    token counters, SGLang's gauge) dropped from 90 % to 50 %; then steady again until
+    resolved."""
+    capture, ttft, hits = DRIFT_REPLAYS[kind]
+    replay = replays(capture)
     alerting = tmp_path / "alerts.yaml"
     alerting.write_text("rules: defaults\n")
+    engine = f"{kind}-a"
     daemon = Daemon(DaemonConfig(
         telemetry_root=tmp_path / "telemetry", collectors=(), history=False,
-        engine_endpoints=(("vllm-a", vllm.url),), interval_seconds=10.0,
+        engine_endpoints=((engine, replay.url),), interval_seconds=10.0,
         window_seconds=4200.0, alerting_file=alerting, state_dir=tmp_path / "state",
         alert_interval_seconds=10.0))
     t0 = time.time() // 60 * 60 - 7200  # in the past: a day back holds nothing
@@ -386,23 +451,22 @@ def test_the_shipped_drift_rules_fire_on_a_vllm_replay_whose_ttft_shifts_and_res
         for step in range(62 * 6):
             minute = step / 6
             shifted = 40 <= minute < 52
-            vllm.observe(TTFT, 0.07, 18)                  # (0.06, 0.08]
-            vllm.observe(TTFT, 0.6 if shifted else 0.2, 2)
-            vllm.inc("vllm:prefix_cache_queries", 1000)
-            vllm.inc("vllm:prefix_cache_hits", 500 if shifted else 900)
+            replay.observe(ttft, 0.07, 18)                 # (0.06, 0.08]
+            replay.observe(ttft, 0.6 if shifted else 0.2, 2)
+            hits(replay, shifted)
             daemon.run_cycle(now=t0 + 10 * step)
             active = {(a["rule"], a["state"]): a for a in daemon.alerts.active()
-                      if a["labels"].get("engine") == "vllm-a"}
+                      if a["labels"].get("engine") == engine}
             for rule in drifts:
                 if (rule, FIRING) in active:
-                    assert active[(rule, FIRING)]["labels"]["kind"] == "vllm"
+                    assert active[(rule, FIRING)]["labels"]["kind"] == kind
                     firing.setdefault(rule, minute)
                 elif rule in firing:
                     resolved.setdefault(rule, minute)
             if minute == 39:
                 # The steady hour: p95 0.1 + 0.15 * (19 - 18) / 2 = 0.175 s, nothing drifts.
                 p95 = _one(daemon.query("inference_latency_ns", 300, {}, now=t0 + 10 * step),
-                           engine="vllm-a")["p95"]
+                           engine=engine)["p95"]
                 assert math.isclose(p95, 0.175e9, rel_tol=0.01), p95
                 assert not firing, firing
         # Firing once the slow tail is over 5 % of the window (~2.5 min) and `for: 5m`
@@ -413,6 +477,12 @@ def test_the_shipped_drift_rules_fire_on_a_vllm_replay_whose_ttft_shifts_and_res
             assert 52 <= resolved.get(rule, math.inf) < 62, (rule, resolved)
     finally:
         daemon.close()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux: /proc/PID/task/*/children)."""
+    return sorted(int(c) for task in os.listdir(f"/proc/{pid}/task")
+                  for c in open(f"/proc/{pid}/task/{task}/children").read().split())
 
 
 def _netns(name: str, subnet: str):
@@ -488,6 +558,27 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
         running = daemon.query("requests_running", 3600, {})
         assert {s["labels"]["engine"]: s["last"] for s in running["series"]}.items() >= {
             f"vllm-{pids[0]}": 3.0, f"vllm-{pids[1]}": 3.0, f"sglang-{pids[2]}": 3.0}.items()
+        # Each discovered server's series carry its pid (NVML's and eBPF's per-process
+        # series join on it), a query may pick one by it, and so does ac_engine_up.
+        assert {s["labels"]["engine"]: s["labels"].get("pid") for s in running["series"]
+                if s["labels"]["engine"].endswith(tuple(map(str, pids)))} == {
+            f"vllm-{pids[0]}": str(pids[0]), f"vllm-{pids[1]}": str(pids[1]),
+            f"sglang-{pids[2]}": str(pids[2])}
+        (picked,) = daemon.query("requests_running", 3600, {"pid": str(pids[2])})["series"]
+        assert picked["labels"]["engine"] == f"sglang-{pids[2]}"
+        text = daemon.render_metrics().decode()
+        assert f'ac_engine_up{{engine="sglang-{pids[2]}",model=' in text
+        assert f'kind="sglang",pid="{pids[2]}"}} 1.0' in text
+        assert f'pid="{pids[0]}"' in text.split("ac_inference_latency_seconds_bucket", 1)[1]
+        # The join table: each server's pid and its child's (where vLLM V1 and SGLang run
+        # the model), so NVML's and eBPF's per-process series find the engine.
+        processes = {(s.labels["engine"], s.labels["role"]): (s.labels["pid"], s.value)
+                     for f in text_string_to_metric_families(text)
+                     if f.name == m.ENGINE_PROCESS.name for s in f.samples}
+        for pid, kind in zip(pids, ("vllm", "vllm", "sglang"), strict=True):
+            (child,) = _children(pid)
+            assert processes[(f"{kind}-{pid}", "server")] == (str(pid), 1.0), processes
+            assert processes[(f"{kind}-{pid}", "child")] == (str(child), 1.0), processes
         stop_process(procs[1])
         gone = f"vllm-{pids[1]}"
         wait_for(lambda: gone not in {e["engine"] for e in engines().values()}
@@ -501,3 +592,20 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
         for proc in procs:
             stop_process(proc)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_a_servers_descendants_are_every_process_below_it_and_nothing_else(tmp_path):
+    """The join table's children: grandchildren too, a sibling's tree not, and a parent
+    map that loops (pids reused while /proc was read) ends; /proc/PID/stat read after the
+    last ')', whatever the name holds."""
+    from ac_observe.collectors.scrape.discovery import _parent, descendants
+    parents = {11: 10, 12: 11, 13: 10, 20: 1, 21: 20, 10: 12}
+    assert descendants(10, parents) == (11, 12, 13)
+    assert descendants(20, parents) == (21,)
+    assert descendants(21, parents) == ()
+    entry = tmp_path / "77"
+    entry.mkdir()
+    (entry / "stat").write_text("77 (python3 ) 5 S (x) S 4242 77 77 0 -1 4194560 1234\n")
+    assert _parent(entry) == 4242
+    (entry / "stat").write_text("garbage")
+    assert _parent(entry) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ SCHEMA = json.loads((Path(__file__).parent / "schemas" / "compose-spec.json").re
 KUBERNETES_VERSION = "1.31.0"  # dashboards/kubernetes/README.md says so
 
 
-@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml"])
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml",
+                                  "docker-compose.vllm.yml"])
 def test_compose_files_follow_the_compose_specification(name):
     document = yaml.safe_load((REPO / name).read_text())
     jsonschema.Draft7Validator(SCHEMA).validate(document)
@@ -100,6 +102,42 @@ def test_kubernetes_manifests_validate_for_their_version(tmp_path):
     assert monitor["endpoints"][0]["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
     daemonset = kinds["DaemonSet"]["spec"]["template"]["spec"]
     assert daemonset["hostPID"] is True
+    # vLLM and SGLang servers found by process: the host's pids, their /proc/PID/ns/net.
+    (daemon,) = [c for c in daemonset["containers"] if c["name"] == "daemon"]
+    assert "--discover-engines" in daemon["args"]
+    assert "SYS_PTRACE" in daemon["securityContext"]["capabilities"]["add"]
+
+
+def test_the_vllm_override_discovers_the_server_it_adds(tmp_path):
+    """docker-compose.vllm.yml on top of the stack and its GPU file: a vLLM service whose
+    command line discovery recognises, a daemon in the host's pid namespace told to
+    discover it, with what reading another container's /proc/PID/net takes."""
+    from ac_observe.collectors.scrape.discovery import engine_kind, port_of
+
+    override = yaml.safe_load((REPO / "docker-compose.vllm.yml").read_text())["services"]
+    vllm, daemon = override["vllm"], override["daemon"]
+    # The image's entrypoint is `vllm serve`; the process reads `python3 .../vllm serve`.
+    argv = ["/usr/bin/python3", "/usr/local/bin/vllm", "serve", *vllm["command"]]
+    assert engine_kind(argv) == "vllm" and port_of(argv, "vllm") == 8000
+    assert vllm["ports"][0].startswith("${AC_PUBLISH_ADDRESS:-127.0.0.1}:")
+    assert daemon["environment"]["AC_OBSERVE_DISCOVER_ENGINES"] == "1"
+    compose = shutil.which("docker-compose")
+    if compose is None:
+        pytest.skip("docker-compose is not installed")
+    token = tmp_path / "token"
+    token.write_text("t")
+    out = subprocess.run(
+        [compose, "-f", "docker-compose.yml", "-f", "docker-compose.gpu.yml",
+         "-f", "docker-compose.vllm.yml", "config"], cwd=REPO, capture_output=True,
+        text=True, env={"PATH": os.environ["PATH"], "AC_OBSERVE_TOKEN_FILE": str(token)})
+    assert out.returncode == 0, out.stderr
+    merged = yaml.safe_load(out.stdout)["services"]
+    assert merged["daemon"]["pid"] == "host"
+    assert "SYS_PTRACE" in merged["daemon"]["cap_add"]
+    assert merged["daemon"]["environment"]["AC_OBSERVE_DISCOVER_ENGINES"] == "1"
+    assert "vllm" in merged["daemon"]["depends_on"]
+    (device,) = merged["vllm"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia"
 
 
 @pytest.mark.parametrize("url, refused", [

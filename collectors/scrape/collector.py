@@ -17,26 +17,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
 from ac_observe import metrics as m
 from ac_observe.collectors.base import Collector, CollectorUnavailable, register
-from ac_observe.collectors.scrape.discovery import discover
+from ac_observe.collectors.scrape.discovery import FoundEngine, discover
 from ac_observe.collectors.scrape.fetch import ScrapeFailed, fetch_text, parse_text
 from ac_observe.collectors.scrape.table import MODEL_LABEL, RANK_LABEL, TABLES, Row, kind_of
 from ac_observe.outage import Outage
 
 log = logging.getLogger(__name__)
 
-OUT_LABELS = ("engine", "model", m.KIND_LABEL)
+OUT_LABELS = ("engine", "model", m.KIND_LABEL, m.PID_LABEL)
 MAX_SERIES_PER_ENDPOINT = 5000
 
 
@@ -57,9 +52,10 @@ class EndpointState:
                              "its series are left out until it answers", log)
 
 
-# (contract family, (engine, model, kind)) -> a gauge's or counter's value, or a
-# histogram's ({le: count}, sum)
-Values = dict[tuple[str, tuple[str, str, str]], object]
+# (contract family, (engine, model, kind, pid)) -> a gauge's or counter's value, or a
+# histogram's ({le: count}, sum). pid is "" where the daemon does not know it (a listed
+# endpoint): that series has no pid label.
+Values = dict[tuple[str, tuple[str, str, str, str]], object]
 
 
 def _finite(value: float, what: str) -> float:
@@ -68,15 +64,16 @@ def _finite(value: float, what: str) -> float:
     return value
 
 
-def _series_labels(name: str, kind: str, labels: dict) -> tuple[str, str, str]:
+def _series_labels(name: str, kind: str, labels: dict, pid: str) -> tuple[str, str, str, str]:
     rank = labels.get(RANK_LABEL, "")
     engine = name if rank in ("", "0") else f"{name}/{rank}"
-    return engine, labels.get(MODEL_LABEL, ""), kind
+    return engine, labels.get(MODEL_LABEL, ""), kind, pid
 
 
-def map_families(name: str, families: dict[str, Metric]) -> tuple[str, Values]:
-    """(kind, the endpoint's values in the contract's families); ScrapeFailed when the
-    families are not a vLLM's or an SGLang's, or any mapped one is malformed."""
+def map_families(name: str, families: dict[str, Metric], pid: str = "") -> tuple[str, Values]:
+    """(kind, the endpoint's values in the contract's families, with `pid` where the
+    daemon knows the server's process); ScrapeFailed when the families are not a vLLM's
+    or an SGLang's, or any mapped one is malformed."""
     kind = kind_of(families)
     if kind is None:
         raise ScrapeFailed("no vllm: or sglang: families (not a vLLM or SGLang /metrics)")
@@ -91,9 +88,9 @@ def map_families(name: str, families: dict[str, Metric]) -> tuple[str, Values]:
             raise ScrapeFailed(f"{row.source} is a {family.type}, not a {row.type}")
         fed.add(row.target.name)
         if row.type == m.HISTOGRAM:
-            _add_histogram(name, kind, row, family, values)
+            _add_histogram(name, kind, row, family, values, pid)
         else:
-            _add_scalar(name, kind, row, family, values, counts)
+            _add_scalar(name, kind, row, family, values, counts, pid)
     if len(values) > MAX_SERIES_PER_ENDPOINT:
         raise ScrapeFailed(f"over {MAX_SERIES_PER_ENDPOINT} series")
     for key, n in counts.items():
@@ -102,7 +99,7 @@ def map_families(name: str, families: dict[str, Metric]) -> tuple[str, Values]:
 
 
 def _add_scalar(name: str, kind: str, row: Row, family: Metric, values: Values,
-                counts: dict) -> None:
+                counts: dict, pid: str) -> None:
     suffix = "_total" if row.type == m.COUNTER else ""
     for sample in family.samples:
         if sample.name != row.source + suffix:
@@ -112,20 +109,21 @@ def _add_scalar(name: str, kind: str, row: Row, family: Metric, values: Values,
             continue
         if row.type == m.COUNTER and value < 0:
             raise ScrapeFailed(f"{sample.name} is negative")
-        key = (row.target.name, _series_labels(name, kind, sample.labels))
+        key = (row.target.name, _series_labels(name, kind, sample.labels, pid))
         values[key] = values.get(key, 0.0) + value  # type: ignore[operator]
         if row.target.unit == "ratio":  # a share: the ranks' mean, not their sum
             counts[key] = counts.get(key, 0) + 1
 
 
-def _add_histogram(name: str, kind: str, row: Row, family: Metric, values: Values) -> None:
+def _add_histogram(name: str, kind: str, row: Row, family: Metric, values: Values,
+                   pid: str) -> None:
     per_series: dict[tuple, tuple[dict[float, float], list[float]]] = {}
     for sample in family.samples:
         if sample.name not in (row.source + "_bucket", row.source + "_sum"):
             continue
         labels = dict(sample.labels)
         le = labels.pop("le", None)
-        key = (row.target.name, _series_labels(name, kind, labels))
+        key = (row.target.name, _series_labels(name, kind, labels, pid))
         buckets, total = per_series.setdefault(key, ({}, [0.0]))
         value = _finite(sample.value, sample.name)
         if sample.name.endswith("_sum"):
@@ -148,21 +146,30 @@ def _add_histogram(name: str, kind: str, row: Row, family: Metric, values: Value
         values[key] = (dict(zip(edges, counts, strict=True)), total[0])
 
 
+def _labels(labels: tuple[str, ...]) -> dict[str, str]:
+    """A series' labels; no pid label where it is not known."""
+    return {k: v for k, v in zip(OUT_LABELS, labels, strict=True)
+            if v or k != m.PID_LABEL}
+
+
 def _families(values: Values) -> list[Metric]:
-    out: dict[str, Any] = {}
+    out: dict[str, Metric] = {}
     for (target, labels), value in sorted(values.items()):
         spec = m.BY_NAME[target]
         family = out.get(target)
         if family is None:
-            cls = {m.COUNTER: CounterMetricFamily, m.GAUGE: GaugeMetricFamily,
-                   m.HISTOGRAM: HistogramMetricFamily}[spec.type]
-            family = out[target] = cls(spec.family, spec.help, labels=OUT_LABELS)
+            family = out[target] = Metric(spec.family, spec.help, spec.type)
+        series = _labels(labels)
         if spec.type == m.HISTOGRAM:
             buckets, total = cast(tuple[dict[float, float], float], value)
-            family.add_metric(list(labels), [(floatToGoString(le), count)
-                                             for le, count in buckets.items()], total)
+            for le, count in buckets.items():
+                family.add_sample(spec.family + "_bucket",
+                                  {**series, "le": floatToGoString(le)}, count)
+            family.add_sample(spec.family + "_count", series, buckets[math.inf])
+            family.add_sample(spec.family + "_sum", series, total)
         else:
-            family.add_metric(list(labels), value)
+            suffix = "_total" if spec.type == m.COUNTER else ""
+            family.add_sample(spec.family + suffix, series, cast(float, value))
     return list(out.values())
 
 
@@ -178,6 +185,7 @@ class ScrapeCollector(Collector):
         self.timeout_seconds = config.collector_timeout_seconds
         self.states = {name: EndpointState(name, url) for name, url in self.endpoints}
         self.pids: dict[str, int] = {}  # a discovered engine's process
+        self.found: dict[str, FoundEngine] = {}  # a discovered engine's processes
         workers = 16 if self.discovery else max(1, min(16, len(self.endpoints)))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ac-scrape")
         self._back: list[dict[str, str]] = []
@@ -188,6 +196,7 @@ class ScrapeCollector(Collector):
         exited is dropped, its series with it."""
         found = {f.name: f for f in discover(self.proc)}
         self.pids = {name: f.pid for name, f in found.items()}
+        self.found = dict(found)
         listed = {name for name, _ in self.listed}
         self.endpoints = self.listed + tuple((name, f.url) for name, f in found.items()
                                              if name not in listed)
@@ -220,15 +229,16 @@ class ScrapeCollector(Collector):
         current = {name for name, _ in self.endpoints}
         self._in_flight = {n: f for n, f in self._in_flight.items() if n in current}
         values: Values = {}
-        up = GaugeMetricFamily(m.ENGINE_UP.family, m.ENGINE_UP.help, labels=OUT_LABELS)
+        up = Metric(m.ENGINE_UP.family, m.ENGINE_UP.help, m.GAUGE)
         self._back = []
         now = time.time()
         for name, future in self._in_flight.items():
             state = self.states[name]
             was_up = state.up
+            pid = str(self.pids.get(name, ""))
             try:
                 families = future.result(timeout=max(0.0, deadline - time.monotonic()))
-                kind, mine = map_families(name, families)
+                kind, mine = map_families(name, families, pid)
             except FutureTimeout:
                 state.up = False
                 state.reason = f"timed out after {self.scrape_timeout:g}s"
@@ -246,8 +256,20 @@ class ScrapeCollector(Collector):
                     self._back.append({"engine": name})
             if not state.up:
                 state.outage.failed(state.reason)
-            up.add_metric([name, state.model, state.kind], 1.0 if state.up else 0.0)
-        return [*_families(values), up]
+            up.add_sample(m.ENGINE_UP.family,
+                          _labels((name, state.model, state.kind, pid)), 1.0 if state.up else 0.0)
+        processes = [self._processes()] if self.discovery else []
+        return [*_families(values), up, *processes]
+
+    def _processes(self) -> Metric:
+        """ac_engine_process: each discovered server's pid and its descendants'."""
+        family = Metric(m.ENGINE_PROCESS.family, m.ENGINE_PROCESS.help, m.GAUGE)
+        for name, found in sorted(self.found.items()):
+            for role, pids in (("server", (found.pid,)), ("child", found.children)):
+                for pid in pids:
+                    family.add_sample(family.name, {"engine": name, "kind": found.kind,
+                                                    "pid": str(pid), "role": role}, 1.0)
+        return family
 
     def status(self) -> list[dict]:
         return [{"engine": s.name, "model": s.model, "kind": s.kind or None,

@@ -31,6 +31,7 @@ class FoundEngine:
     pid: int
     kind: str
     url: str
+    children: tuple[int, ...] = ()  # its descendants, where the model may run
 
     @property
     def name(self) -> str:
@@ -137,12 +138,41 @@ def reach(pid: int, port: int, proc: Path) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _parent(entry: Path) -> int | None:
+    """A process's parent pid from /proc/PID/stat (after the last ')': comm may hold any)."""
+    try:
+        fields = _read(entry / "stat", 4096).rpartition(b")")[2].split()
+        return int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(pid: int, parents: dict[int, int]) -> tuple[int, ...]:
+    """Every process below `pid`, from a pid -> parent pid map, in pid order."""
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    out, todo = [], list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        if child in out or child == pid:
+            continue  # a pid reused while reading: no loop
+        out.append(child)
+        todo += children.get(child, ())
+    return tuple(sorted(out))
+
+
 def discover(proc: Path = Path("/proc")) -> list[FoundEngine]:
-    """Every vLLM or SGLang server process listening on the node, by pid."""
+    """Every vLLM or SGLang server process listening on the node, by pid, with its
+    descendants."""
     found = []
+    parents: dict[int, int] = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
+        parent = _parent(entry)
+        if parent is not None:
+            parents[int(entry.name)] = parent
         try:
             argv = [a.decode("utf-8", "replace")
                     for a in _read(entry / "cmdline", 65536).split(b"\0") if a]
@@ -158,4 +188,5 @@ def discover(proc: Path = Path("/proc")) -> list[FoundEngine]:
     by_url: dict[str, FoundEngine] = {}
     for engine in sorted(found, key=lambda f: f.pid):  # a forked worker: its parent's
         by_url.setdefault(engine.url, engine)
-    return list(by_url.values())
+    return [FoundEngine(f.pid, f.kind, f.url, descendants(f.pid, parents))
+            for f in by_url.values()]

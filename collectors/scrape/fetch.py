@@ -101,5 +101,6 @@ def parse_text(text: str) -> dict[str, Metric]:
         for family in text_string_to_metric_families(text):
             families[family.name] = family
     except (ValueError, TypeError, IndexError, KeyError) as exc:
-        raise ScrapeFailed(f"not Prometheus text: {str(exc)[:120]}") from None
+        # The parser quotes the line it choked on: what the endpoint sent, so cut short.
+        raise ScrapeFailed(f"not Prometheus text: {str(exc)[:60]}") from None
     return families

@@ -44,29 +44,13 @@ def show_status(obj: dict, as_json: bool) -> int:
                       escape(c["reason"]), str(c["errors_total"]),
                       f"{c['duration_seconds'] * 1e3:.1f} ms")
     console.print(table)
-    rows = []
-    for e in status["engines"]:
-        # The engine's name, then its model and API address under it (whole: what a
-        # user types next).
-        name = Text(str(e["engine"]) + (f" ({e['kind']})" if e.get("kind") else ""))
-        name.append(f"\n{e['model']}" + (f"\n{e['api_address']}" if e["api_address"] else ""),
-                    style="dim")
-        if e.get("error"):
-            what = "down" if e.get("endpoint") else "bad"  # a scraped engine, a directory
-            state = Text.from_markup(f"[red]{what}[/red]: {escape(e['error'])} "
-                                     f"({escape(e.get('endpoint') or e['directory'])})")
-        else:
-            state = Text.from_markup("[green]alive[/green]" if e["alive"]
-                                     else "[yellow]gone[/yellow]")
-            if e.get("restarts"):
-                state.append(f", {e['restarts']} restart" + ("s" if e["restarts"] > 1 else ""))
-            if e.get("warning"):
-                state.append(f" ({e['warning']})")
-        age = e.get("heartbeat_age_seconds")
-        rows.append((name, str(e["pid"]), state, "-" if age is None else f"{age}s ago"))
+    rows = [_engine_row(e) for e in status["engines"]]
 
     def engines_table(first_width: int, fits: bool) -> Table:
-        table = Table(title=escape(f"engines under {status['telemetry_root']}"),
+        scraped = any(e.get("endpoint") for e in status["engines"])
+        where = f"engines under {status['telemetry_root']}" + \
+            (" and scraped endpoints" if scraped else "")
+        table = Table(title=escape(where),
                       title_justify="left", box=box.SIMPLE_HEAD)
         table.add_column("engine, model, api", overflow="fold", width=first_width)
         table.add_column("pid", no_wrap=fits, overflow="fold")
@@ -80,3 +64,27 @@ def show_status(obj: dict, as_json: bool) -> int:
     table = fitted(engines_table, [row[0] for row in rows], console.width)
     console.print(table)
     return EXIT_OK
+
+
+def _engine_row(e: dict) -> tuple:
+    """An engine's row: name (model, API address under it), pid, state, heartbeat."""
+    # The engine's name, then its model and API address under it (whole: what a user
+    # types next).
+    name = Text(str(e["engine"]) + (f" ({e['kind']})" if e.get("kind") else ""))
+    name.append(f"\n{e['model']}" + (f"\n{e['api_address']}" if e["api_address"] else ""),
+                style="dim")
+    if e.get("error") and e.get("endpoint"):  # a scraped engine: its URL is above
+        state = Text.from_markup(f"[red]down[/red]: {escape(e['error'])}")
+    elif e.get("error"):  # an engine directory that does not read
+        state = Text.from_markup(f"[red]bad[/red]: {escape(e['error'])} "
+                                 f"({escape(e['directory'])})")
+    else:
+        state = Text.from_markup("[green]alive[/green]" if e["alive"]
+                                 else "[yellow]gone[/yellow]")
+        if e.get("restarts"):
+            state.append(f", {e['restarts']} restart" + ("s" if e["restarts"] > 1 else ""))
+        if e.get("warning"):
+            state.append(f" ({e['warning']})")
+    age = e.get("heartbeat_age_seconds")
+    return (name, "-" if e["pid"] is None else str(e["pid"]), state,
+            "-" if age is None else f"{age}s ago")

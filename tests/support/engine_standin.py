@@ -6,6 +6,7 @@ port until it is stopped, as the real server's process would for discovery to fi
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 
 from support.engine_replay import EngineReplay
@@ -17,5 +18,11 @@ def main(capture: str, argv: list[str] | None = None) -> None:
     replay = EngineReplay(capture, host="0.0.0.0", port=port)
     replay.set("vllm:num_requests_running" if capture.startswith("vllm")
                else "sglang:num_running_reqs", 3)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # A child, as vLLM V1's EngineCore and SGLang's scheduler are: where the model runs.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+
+    def stop(*_):
+        child.kill()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
     signal.pause()
