@@ -148,7 +148,8 @@ class EngineUp:
             if state.info and not state.error:
                 engine = state.info["engine"]
                 current[engine] = _LastHeartbeat(state.info["model"], state.last_heartbeat)
-                up.add_metric([engine, state.info["model"], KIND_AC_OBSERVE],
+                up.add_metric([engine, state.info["model"],
+                               state.info.get("kind", KIND_AC_OBSERVE)],
                               1.0 if state.alive else 0.0)
         for engine, (model, heartbeat) in list(self._last_heartbeats.items()):
             if engine in current:
