@@ -133,24 +133,32 @@ class Gateway:
         answer_headers = [(TRACE_ID_HEADER, trace_id.encode())]
         try:
             figures.body = await self._body(headers, receive)
-            relay = asyncio.ensure_future(self._relay(scope, headers, figures, answer_headers,
-                                                      send))
-            gone = asyncio.ensure_future(_disconnected(receive))
-            try:
-                await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not relay.done():  # the client hung up first: drop the upstream at once
-                    relay.cancel()
-                    figures.outcome = CLIENT_GONE
-                gone.cancel()
-            if not relay.cancelled():
-                relay.result()
+            await self._relay_until_gone(scope, headers, figures, answer_headers, receive, send)
         except _Refused as refused:
             figures.outcome, figures.status = refused.outcome, refused.status
             await self._error(send, path, refused.status, refused.message, answer_headers)
         except _ClientGone:
             figures.outcome = CLIENT_GONE
-        await self.stats.finish(figures, now_ns())
+        finally:
+            await self.stats.finish(figures, now_ns())
+
+    async def _relay_until_gone(self, scope, headers, figures: RequestFigures, answer_headers,
+                                receive, send) -> None:
+        """The relay, cancelled the moment the client hangs up (closing the upstream
+        connection is what tells the upstream to abort)."""
+        relay = asyncio.ensure_future(self._relay(scope, headers, figures, answer_headers,
+                                                  send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not relay.done():
+                relay.cancel()
+                figures.outcome = CLIENT_GONE
+                await asyncio.gather(relay, return_exceptions=True)
+        if not relay.cancelled():
+            relay.result()
 
     async def _body(self, headers, receive) -> bytes:
         limit = self.config.max_body_bytes

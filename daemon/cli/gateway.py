@@ -4,6 +4,7 @@ the command; it never imports torch)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import typer
 
@@ -38,8 +39,8 @@ def gateway(
 
     configure_logging(log_level)
     label = name or f"gateway-{port}"
-    root = default_telemetry_root()
-    telemetry = telemetry_dir or str(root / label)
+    telemetry = telemetry_dir or str(default_telemetry_root() / label)
+    root = Path(telemetry).parent  # the daemon's root: the engines beside the gateway
     try:
         if min(max_body_mb, max_connections) < 1 or min(connect_timeout, read_timeout,
                                                          pool_timeout) <= 0:
