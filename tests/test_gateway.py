@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 import time
 from functools import partial
 
@@ -167,6 +168,7 @@ def _requests_by_status(directory) -> dict:
     return found
 
 
+@pytest.mark.slow
 def test_upstream_faults_answer_in_the_apis_shape_and_are_counted(bad):
     upstream, gateway = bad
     before = _requests_by_status(gateway.telemetry_dir)
@@ -280,3 +282,25 @@ def test_gateway_ttft_agrees_with_a_bare_socket_clients(stack):
     # the hop back and its own reading (loose: a shared 2-core machine).
     assert -0.001 < client_mean - gateway_mean < 0.02, (client_mean, gateway_mean)
     assert itl_after[1] - itl_before[1] >= 10  # gaps between each stream's content events
+
+
+@pytest.mark.slow
+def test_a_full_upstream_pool_is_a_clear_503(bad, tmp_path):
+    upstream, _ = bad
+    (tmp_path / "t").mkdir(mode=0o700)
+    gateway = GatewayServer(upstream.url, tmp_path / "t" / "g", "--max-connections", "1",
+                            "--pool-timeout", "0.2")
+    try:
+        wait_for(lambda: _answers(gateway.url), 60, "the gateway")
+        with httpx.Client(timeout=10) as first, httpx.Client(timeout=10) as second:
+            held = threading.Thread(target=lambda: first.post(
+                gateway.url + "/v1/messages", json=CHAT, headers={"x-bad": "slow"}))
+            held.start()  # holds the one upstream connection for 3 s
+            time.sleep(0.5)
+            refused = second.post(gateway.url + "/v1/messages", json=CHAT,
+                                  headers={"x-bad": "5xx"})
+            held.join()
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"] == "all 1 upstream connections are busy"
+    finally:
+        gateway.stop()
