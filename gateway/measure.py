@@ -3,9 +3,8 @@
 A request's clock starts at its arrival (the ASGI call, after the gateway's HTTP parser
 read its head) and every stamp is `time.perf_counter_ns()` taken right after the bytes
 concerned were handed to the client's socket. Nothing here runs between the upstream's
-bytes and the client's: figures are kept in the request's own lists and written when it
-finishes, and the prompt's skeleton is computed then too (the body is not re-read before
-it is forwarded).
+bytes and the client's: figures are kept in the request's own lists and, when it finishes,
+handed to the writer's thread, which computes the prompt's skeleton and writes them.
 
 Outcomes map onto `ac_requests_total{status}` as the engine counts its own: ok → ok,
 client_gone → aborted, upstream_error and timeout → error (the log and the gateway's
@@ -13,9 +12,10 @@ client_gone → aborted, upstream_error and timeout → error (the log and the g
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+import queue
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,8 +32,6 @@ OK, CLIENT_GONE, UPSTREAM_ERROR, TIMEOUT = OUTCOMES = ("ok", "client_gone", "ups
                                                        "timeout")
 _STATUS_OF = {OK: "ok", CLIENT_GONE: "aborted", UPSTREAM_ERROR: "error", TIMEOUT: "error"}
 GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions", "/v1/completions"})
-# Bodies past this are parsed for their skeleton off the event loop.
-_INLINE_PARSE_BYTES = 64 << 10
 
 
 @dataclass(slots=True)
@@ -83,32 +81,39 @@ def skeleton_of_body(path: str, body: bytes) -> Skeleton | None:
 
 
 class GatewayStats:
-    """The gateway's telemetry writer and what it has counted (for the log and tests)."""
+    """The gateway's telemetry writer, fed by a thread of its own: the event loop only
+    queues a finished request's figures, so no request waits on another's skeleton or
+    telemetry writes (a keep-alive client's next request arrives while they run)."""
 
     def __init__(self, writer: TelemetryWriter | None, skeleton_labels: SkeletonLabeler):
         self.writer = writer
         self.skeleton_labels = skeleton_labels
         self.outcomes: Counter[str] = Counter()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._drain, name="ac-gateway-telemetry",
+                                        daemon=True)
+        self._thread.start()
 
-    async def finish(self, figures: RequestFigures, end_ns: int) -> None:
-        """Write one finished request's figures (its skeleton computed now, off the
-        request's path)."""
+    def finish(self, figures: RequestFigures, end_ns: int) -> None:
+        """A finished request (the event loop's thread): counted, and queued for writing."""
         self.outcomes[figures.outcome] += 1
         if figures.outcome != OK:
             log.info("%s %s: %s (status %d)", figures.path, figures.lane, figures.outcome,
                      figures.status)
-        if self.writer is None or figures.path not in GENERATION_PATHS:
-            return
-        skeleton = None
-        if figures.body:
-            if len(figures.body) <= _INLINE_PARSE_BYTES:
-                skeleton = skeleton_of_body(figures.path, figures.body)
-            else:
-                skeleton = await asyncio.to_thread(skeleton_of_body, figures.path, figures.body)
-        try:
-            self._write(figures, end_ns, skeleton)
-        except Exception:  # a full disk costs figures, never a request or the gateway
-            log.exception("gateway telemetry write failed")
+        if self.writer is not None and figures.path in GENERATION_PATHS:
+            self._queue.put((figures, end_ns))
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            figures, end_ns = item
+            try:
+                skeleton = skeleton_of_body(figures.path, figures.body) if figures.body \
+                    else None
+                self._write(figures, end_ns, skeleton)
+                if self._queue.empty():
+                    self.writer.flush()
+            except Exception:  # a full disk costs figures, never a request or the gateway
+                log.exception("gateway telemetry write failed")
 
     def _write(self, figures: RequestFigures, end_ns: int, skeleton: Skeleton | None) -> None:
         writer, lane = self.writer, figures.lane
@@ -132,13 +137,15 @@ class GatewayStats:
                 writer.inc(m.PROMPT_TOKENS, usage.prompt_tokens)
             if usage.output_tokens:
                 writer.inc(m.GENERATION_TOKENS, usage.output_tokens)
-        writer.flush()
 
     def whole_usage(self, figures: RequestFigures, body: bytes) -> None:
         if figures.path in GENERATION_PATHS:
             figures.usage = usage_of_body(body)
 
     def close(self) -> None:
+        """Writes what is queued, then closes the writer."""
+        self._queue.put(None)
+        self._thread.join(10)
         if self.writer is not None:
             self.writer.close()
 

@@ -140,7 +140,7 @@ class Gateway:
         except _ClientGone:
             figures.outcome = CLIENT_GONE
         finally:
-            await self.stats.finish(figures, now_ns())
+            self.stats.finish(figures, now_ns())
 
     async def _relay_until_gone(self, scope, headers, figures: RequestFigures, answer_headers,
                                 receive, send) -> None:
