@@ -61,11 +61,11 @@ def upstream_label(url: str, telemetry_root: Path) -> str:
 
 
 def build(config: GatewayConfig, name: str, model: str, telemetry_dir: str | None,
-          telemetry_root: Path, api_address: str) -> Gateway:
+          telemetry_root: Path, api_address: str, upstream_name: str = "") -> Gateway:
     """The gateway's application with its writer open (None telemetry_dir: no telemetry)."""
     writer = None
     if telemetry_dir is not None:
-        upstream = upstream_label(config.upstream, telemetry_root)
+        upstream = upstream_name or upstream_label(config.upstream, telemetry_root)
         writer = TelemetryWriter(telemetry_dir, {
             "engine_id": uuid.uuid4().hex, "api_address": api_address, "kind": KIND_GATEWAY,
             "upstream": upstream}, engine=name, model=model, specs=GATEWAY_METRICS,

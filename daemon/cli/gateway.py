@@ -18,6 +18,9 @@ def gateway(
     port: int = typer.Option(8080, help="HTTP port."),
     name: str = typer.Option("", help="The `engine` label of its telemetry (default "
                                       "gateway-PORT)."),
+    upstream_name: str = typer.Option("", help="The `upstream` label (default: the engine "
+                                               "serving that address beside this gateway's "
+                                               "telemetry, else host:port)."),
     model_name: str = typer.Option("any", help="The `model` label of its telemetry."),
     max_body_mb: int = typer.Option(8, help="Largest request body relayed (413 beyond)."),
     connect_timeout: float = typer.Option(5.0, help="Seconds to connect to the upstream "
@@ -45,11 +48,14 @@ def gateway(
         if min(max_body_mb, max_connections) < 1 or min(connect_timeout, read_timeout,
                                                          pool_timeout) <= 0:
             raise ValueError("limits and timeouts must be positive")
+        if len(upstream_name) > 256 or not upstream_name.isprintable():
+            raise ValueError("--upstream-name: at most 256 printable characters")
         config = GatewayConfig(check_upstream(upstream), max_body_bytes=max_body_mb << 20,
                                connect_timeout=connect_timeout, read_timeout=read_timeout,
                                max_connections=max_connections, pool_timeout=pool_timeout)
         os.close(open_engine_dir(telemetry, wait_seconds=2))  # refuse unsafe or taken dirs
-        app_ = build(config, label, model_name, telemetry, root, f"http://{host}:{port}")
+        app_ = build(config, label, model_name, telemetry, root, f"http://{host}:{port}",
+                     upstream_name)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
