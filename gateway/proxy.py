@@ -19,8 +19,6 @@ import logging
 import secrets
 from dataclasses import dataclass
 
-import httpx
-
 from ac_observe.engine.api_wire import error_body, traceparent_trace_id
 from ac_observe.gateway.measure import (
     CLIENT_GONE,
@@ -32,16 +30,25 @@ from ac_observe.gateway.measure import (
     now_ns,
 )
 from ac_observe.gateway.sse import EventReader
+from ac_observe.gateway.upstream import (
+    BadResponse,
+    ConnectFailed,
+    PoolFull,
+    ReadTimedOut,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
 
 log = logging.getLogger("ac_observe.gateway")
 
 # RFC 9110 7.6.1, plus the ones proxies have always dropped; `host` and `content-length`
-# are the upstream request's own (httpx sets both).
+# are the upstream request's own (the pool writes both), `expect` is answered here.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
                         b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
                         b"trailers", b"transfer-encoding", b"upgrade"})
-_REQUEST_OWN = frozenset({b"host", b"content-length"})
+_REQUEST_OWN = frozenset({b"host", b"content-length", b"expect"})
 TRACE_ID_HEADER = b"x-ac-trace-id"
 TTFT_HEADER = b"x-ac-gateway-ttft-ns"
 
@@ -84,26 +91,19 @@ def _trace(headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, stats: GatewayStats,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(self, config: GatewayConfig, stats: GatewayStats):
         self.config = config
         self.stats = stats
-        self._transport = transport
-        self._base = config.upstream.rstrip("/")
-        self.client: httpx.AsyncClient | None = None
+        self.pool: UpstreamPool | None = None
 
     def open(self) -> None:
         cfg = self.config
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=cfg.connect_timeout, read=cfg.read_timeout,
-                                  write=cfg.read_timeout, pool=cfg.pool_timeout),
-            limits=httpx.Limits(max_connections=cfg.max_connections,
-                                max_keepalive_connections=cfg.max_connections),
-            transport=self._transport, follow_redirects=False, trust_env=False)
+        self.pool = UpstreamPool(cfg.upstream, cfg.max_connections, cfg.connect_timeout,
+                                 cfg.read_timeout, cfg.pool_timeout)
 
     async def aclose(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()
+        if self.pool is not None:
+            self.pool.close()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -180,61 +180,57 @@ class Gateway:
 
     async def _relay(self, scope, headers, figures: RequestFigures, answer_headers,
                      send) -> None:
-        url = self._base + scope["raw_path"].decode("latin-1")
+        target = scope["raw_path"].decode("latin-1")
         if scope["query_string"]:
-            url += "?" + scope["query_string"].decode("latin-1")
+            target += "?" + scope["query_string"].decode("latin-1")
         upstream_headers = [(n, v) for n, v in headers if n not in _REQUEST_OWN]
-        request = httpx.Request(scope["method"], url, headers=upstream_headers,
-                                content=figures.body)
-        response = await self._send_upstream(request)
+        response = await self._send_upstream(scope["method"], target, upstream_headers,
+                                             figures.body)
         try:
             figures.status = response.status_code
             if response.status_code >= 500:
                 figures.outcome = UPSTREAM_ERROR
-            out_headers = [(n.lower(), v) for n, v in _drop_hop_by_hop(response.headers.raw)
+            out_headers = [(n.lower(), v) for n, v in _drop_hop_by_hop(response.headers)
                            if n.lower() != TRACE_ID_HEADER] + answer_headers
-            content_type = response.headers.get("content-type", "")
-            encoded = response.headers.get("content-encoding", "identity") != "identity"
-            if content_type.startswith("text/event-stream"):
+            content_type = response.header(b"content-type") or b""
+            encoded = (response.header(b"content-encoding") or b"identity") != b"identity"
+            if content_type.startswith(b"text/event-stream"):
                 await self._stream(response, out_headers, figures, send,
                                    None if encoded else EventReader())
             else:
                 await self._whole(response, out_headers, figures, send)
         finally:
-            await response.aclose()
+            self.pool.release(response)
 
-    async def _send_upstream(self, request: httpx.Request) -> httpx.Response:
+    async def _send_upstream(self, method: str, target: str, headers,
+                             body: bytes) -> UpstreamResponse:
         try:
-            return await self.client.send(request, stream=True)
-        except httpx.PoolTimeout:
-            raise _Refused(503, f"all {self.config.max_connections} upstream connections "
-                           f"are busy", UPSTREAM_ERROR) from None
-        except httpx.TimeoutException as exc:
-            if isinstance(exc, httpx.ConnectTimeout):
-                raise _Refused(502, "upstream unreachable: connect timed out",
-                               UPSTREAM_ERROR) from None
+            return await self.pool.request(method, target, headers, body)
+        except PoolFull as exc:
+            raise _Refused(503, str(exc), UPSTREAM_ERROR) from None
+        except ConnectFailed as exc:
+            raise _Refused(502, f"upstream unreachable: {exc}", UPSTREAM_ERROR) from None
+        except ReadTimedOut:
             raise _Refused(504, f"upstream gave no answer within "
                            f"{self.config.read_timeout:g} s", TIMEOUT) from None
-        except httpx.HTTPError as exc:
-            reason = "unreachable" if isinstance(exc, httpx.ConnectError) else \
-                "answered with no valid HTTP response"
-            raise _Refused(502, f"upstream {reason}: {type(exc).__name__}",
+        except BadResponse as exc:
+            raise _Refused(502, f"upstream answered with no valid HTTP response: {exc}",
                            UPSTREAM_ERROR) from None
 
-    async def _stream(self, response: httpx.Response, out_headers, figures: RequestFigures,
-                      send, reader: EventReader | None) -> None:
+    async def _stream(self, response: UpstreamResponse, out_headers,
+                      figures: RequestFigures, send, reader: EventReader | None) -> None:
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": out_headers})
         figures.reader = reader
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.chunks(self.config.read_timeout):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 sent = now_ns()
                 if reader is not None:
                     figures.content_sent(reader.feed(chunk), sent)
-        except httpx.ReadTimeout:
+        except ReadTimedOut:
             figures.outcome = TIMEOUT
-        except httpx.HTTPError:
+        except UpstreamError:
             figures.outcome = UPSTREAM_ERROR
         if reader is not None:
             figures.usage = reader.usage
@@ -242,10 +238,10 @@ class Gateway:
                 figures.outcome = UPSTREAM_ERROR
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _whole(self, response: httpx.Response, out_headers, figures: RequestFigures,
-                     send) -> None:
+    async def _whole(self, response: UpstreamResponse, out_headers,
+                     figures: RequestFigures, send) -> None:
         parts, size = [], 0
-        chunks = response.aiter_raw()
+        chunks = response.chunks(self.config.read_timeout)
         try:
             async for chunk in chunks:
                 parts.append(chunk)
@@ -263,12 +259,11 @@ class Gateway:
                     figures.content_sent(1, ready)
                     self.stats.whole_usage(figures, body)
                 return
-        except httpx.ReadTimeout:
+        except ReadTimedOut:
             raise _Refused(504, f"upstream's answer stalled past {self.config.read_timeout:g} s",
                            TIMEOUT) from None
-        except httpx.HTTPError as exc:
-            raise _Refused(502, f"upstream's answer broke off: {type(exc).__name__}",
-                           UPSTREAM_ERROR) from None
+        except UpstreamError as exc:
+            raise _Refused(502, f"upstream's answer broke off: {exc}", UPSTREAM_ERROR) from None
         await self._stream_rest(response.status_code, out_headers, parts, chunks, send)
 
     async def _stream_rest(self, status, out_headers, parts, chunks, send) -> None:
@@ -279,7 +274,7 @@ class Gateway:
         try:
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError:
+        except UpstreamError:
             pass
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
