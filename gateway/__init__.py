@@ -6,6 +6,7 @@ under its own engine name (kind `gateway`).
 - `sse`: the events of a relayed stream, read without changing a byte.
 - `measure`: one request's figures, and the writer they go to.
 - `proxy`: the ASGI application (relay, limits, errors, trace context).
+- `upstream`: the pooled keep-alive connections to the upstream (httptools' parser).
 - `serve`: the process (uvicorn, the telemetry directory, signals).
 
 NOTE: never imports torch (tests/test_packaging.py checks it): `pip install ac-observe`
