@@ -256,33 +256,40 @@ def test_the_daemon_reads_the_gateway_like_an_engine(stack, start_daemon, tmp_pa
     assert series[0]["labels"]["upstream"] == "e1"
 
 
-def _histogram(directory, family: str) -> tuple[float, float]:
-    families = read_with_multiprocess_collector(directory)
-    samples = families[family]["samples"]
-    count = sum(v for name, lab, v in samples if name.endswith("_bucket")
-                and lab["le"] == "+Inf")
-    return sum(v for name, _, v in samples if name.endswith("_sum")), count
+def _histogram(root, family: str) -> tuple[float, float]:
+    """(sum, count) of the gateway g1's histogram, as the daemon reads it."""
+    samples = read_as_daemon(root)
+    pick = lambda sample: sum(v for (name, labels), v in samples.items()  # noqa: E731
+                              if name == sample and ("engine", "g1") in labels)
+    return pick(f"{family}_sum"), pick(f"{family}_count")
+
+
+def _counted(root, count: float) -> bool:
+    return _histogram(root, "ac_first_token_sent_seconds")[1] == count
 
 
 @pytest.mark.slow
 def test_gateway_ttft_agrees_with_a_bare_socket_clients(stack):
-    _, gateway, _ = stack
+    """Request by request: the client's first content event (from its send to the recv
+    that brought it) against the gateway's TTFT (from the request's arrival to that
+    event handed to the socket). The aim is a median within 1 ms; the bound here is
+    looser (a shared 2-core VM): 18:47 UTC on one, median 0.59 ms, p90 4.2 ms."""
+    _, gateway, root = stack
     run_streams(gateway.url, 1, 2, max_tokens=4)  # warm
-    time.sleep(0.1)
-    ttft_before = _histogram(gateway.telemetry_dir, "ac_first_token_sent_seconds")
-    itl_before = _histogram(gateway.telemetry_dir, "ac_inter_token_latency_seconds")
-    results = run_streams(gateway.url, 1, 10, max_tokens=8)
-    time.sleep(0.2)
-    ttft_after = _histogram(gateway.telemetry_dir, "ac_first_token_sent_seconds")
-    itl_after = _histogram(gateway.telemetry_dir, "ac_inter_token_latency_seconds")
-    assert ttft_after[1] - ttft_before[1] == 10
-    gateway_mean = (ttft_after[0] - ttft_before[0]) / 10
-    client_mean = sum(r["client_first_content_s"] for r in results) / 10
-    # The gateway stamps after its send, the client at its recv: the client's is later, by
-    # the hop back and its own reading (loose: a shared 2-core machine).
-    assert -0.001 < client_mean - gateway_mean < 0.02, (client_mean, gateway_mean)
-    assert itl_after[1] - itl_before[1] >= 10  # gaps between each stream's content events
-
+    gaps, itl = [], 0.0
+    for _ in range(12):
+        time.sleep(0.06)  # the writer's thread has written the last one
+        ttft_before = _histogram(root, "ac_first_token_sent_seconds")
+        itl_before = _histogram(root, "ac_inter_token_latency_seconds")[1]
+        (result,) = run_streams(gateway.url, 1, 1, max_tokens=8)
+        wait_for(partial(_counted, root, ttft_before[1] + 1), 5, "the request's TTFT")
+        ttft = _histogram(root, "ac_first_token_sent_seconds")[0] - ttft_before[0]
+        assert 0 < ttft < result["client_first_content_s"] + 0.001
+        gaps.append(result["client_first_content_s"] - ttft)
+        itl += _histogram(root, "ac_inter_token_latency_seconds")[1] - itl_before
+    gaps.sort()
+    assert gaps[len(gaps) // 2] < 0.005, gaps
+    assert itl >= 12  # gaps between each stream's content events
 
 @pytest.mark.slow
 def test_a_full_upstream_pool_is_a_clear_503(bad, tmp_path):
