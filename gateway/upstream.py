@@ -124,6 +124,8 @@ class UpstreamResponse:
         self._paused = False
         self._wake: asyncio.Future | None = None
         self._head: asyncio.Future = asyncio.get_running_loop().create_future()
+        # A failure after the request gave up waiting is no one's to retrieve: mark it read.
+        self._head.add_done_callback(_retrieve)
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for n, v in self.headers if n.lower() == name), None)
@@ -177,6 +179,11 @@ class UpstreamResponse:
                 await asyncio.wait_for(self._wake, read_timeout)
             except asyncio.TimeoutError:
                 raise ReadTimedOut(f"no data for {read_timeout:g} s") from None
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class UpstreamPool:
