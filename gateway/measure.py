@@ -104,19 +104,22 @@ class GatewayStats:
             self._queue.put((figures, end_ns))
 
     def _drain(self) -> None:
+        if self.writer is None:
+            return  # nothing is queued without a writer
         while (item := self._queue.get()) is not None:
             figures, end_ns = item
             try:
                 skeleton = skeleton_of_body(figures.path, figures.body) if figures.body \
                     else None
-                self._write(figures, end_ns, skeleton)
+                self._write(self.writer, figures, end_ns, skeleton)
                 if self._queue.empty():
                     self.writer.flush()
             except Exception:  # a full disk costs figures, never a request or the gateway
                 log.exception("gateway telemetry write failed")
 
-    def _write(self, figures: RequestFigures, end_ns: int, skeleton: Skeleton | None) -> None:
-        writer, lane = self.writer, figures.lane
+    def _write(self, writer: TelemetryWriter, figures: RequestFigures, end_ns: int,
+               skeleton: Skeleton | None) -> None:
+        lane = figures.lane
         if skeleton is not None:
             label = self.skeleton_labels.label(skeleton.skeleton_id)
             writer.observe(m.SKELETON_COMPLEXITY, float(skeleton.depth))

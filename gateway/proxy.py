@@ -94,16 +94,12 @@ class Gateway:
     def __init__(self, config: GatewayConfig, stats: GatewayStats):
         self.config = config
         self.stats = stats
-        self.pool: UpstreamPool | None = None
-
-    def open(self) -> None:
-        cfg = self.config
-        self.pool = UpstreamPool(cfg.upstream, cfg.max_connections, cfg.connect_timeout,
-                                 cfg.read_timeout, cfg.pool_timeout)
+        self.pool = UpstreamPool(config.upstream, config.max_connections,
+                                 config.connect_timeout, config.read_timeout,
+                                 config.pool_timeout)
 
     async def aclose(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
+        self.pool.close()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -115,7 +111,6 @@ class Gateway:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.open()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.aclose()

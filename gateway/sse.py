@@ -103,11 +103,12 @@ class EventReader:
 
 
 def _get(event: dict, *path):
+    found: object = event
     for key in path:
-        if not isinstance(event, dict):
+        if not isinstance(found, dict):
             return None
-        event = event.get(key)
-    return event
+        found = found.get(key)
+    return found
 
 
 def _has_text(choice: dict) -> bool:

@@ -48,6 +48,11 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.parser = httptools.HttpResponseParser(self)
 
+    def _current(self) -> UpstreamResponse:
+        """The response being parsed (the parser calls back only while there is one)."""
+        assert self.response is not None
+        return self.response
+
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -81,10 +86,10 @@ class _Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.response.headers.append((name, value))
+        self._current().headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        response = self.response
+        response = self._current()
         response.status_code = self.parser.get_status_code()
         response.keep_alive = self.parser.should_keep_alive()
         names = {n.lower() for n, _ in response.headers}
@@ -97,10 +102,10 @@ class _Connection(asyncio.Protocol):
         response._headers_ready()
 
     def on_body(self, body: bytes) -> None:
-        self.response._push(body)
+        self._current()._push(body)
 
     def on_message_complete(self) -> None:
-        self.response._finish()
+        self._current()._finish()
 
     def close(self) -> None:
         self.closed = True
@@ -140,7 +145,8 @@ class UpstreamResponse:
         self._buffered += len(body)
         if self._buffered > MAX_BUFFERED and not self._paused:
             self._paused = True
-            self.connection.transport.pause_reading()
+            if self.connection.transport is not None:
+                self.connection.transport.pause_reading()
         self._wakeup()
 
     def _finish(self) -> None:
@@ -167,7 +173,8 @@ class UpstreamResponse:
                 self._buffered -= len(body)
                 if self._paused and self._buffered <= MAX_BUFFERED // 2:
                     self._paused = False
-                    self.connection.transport.resume_reading()
+                    if self.connection.transport is not None:
+                        self.connection.transport.resume_reading()
                 yield body
                 continue
             if self._error is not None:
@@ -193,7 +200,7 @@ class UpstreamPool:
                  read_timeout: float, pool_timeout: float):
         parts = urlsplit(base_url)
         self.https = parts.scheme == "https"
-        self.host = parts.hostname
+        self.host: str = parts.hostname or ""  # serve.check_upstream: there is one
         self.port = parts.port or (443 if self.https else 80)
         default = 443 if self.https else 80
         self.host_header = (self.host if ":" not in self.host else f"[{self.host}]") + \
@@ -222,6 +229,7 @@ class UpstreamPool:
                 connection = await self._connection()
                 response = UpstreamResponse(connection, method == "HEAD")
                 connection.response = response
+                assert connection.transport is not None  # connected
                 connection.transport.write(head)
                 try:
                     await asyncio.wait_for(asyncio.shield(response._head), self.read_timeout)
