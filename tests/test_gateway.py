@@ -119,6 +119,11 @@ def _aborted(root) -> float:
                and ("engine", "e1") in labels)
 
 
+def _kv_usage(root) -> float:
+    return sum(v for (name, labels), v in read_as_daemon(root).items()
+               if name == "ac_kv_cache_usage_ratio" and ("engine", "e1") in labels)
+
+
 def test_a_hang_up_mid_stream_aborts_the_upstream_request_within_a_second(stack):
     engine, gateway, root = stack
     before = _aborted(root)
@@ -130,10 +135,13 @@ def test_a_hang_up_mid_stream_aborts_the_upstream_request_within_a_second(stack)
     received = b""
     while received.count(b'"content"') < 3:  # the stream is under way
         received += sock.recv(65536)
+    wait_for(lambda: _kv_usage(root) > 0, 2, "the stream's KV blocks held")
     sock.close()
     closed = time.monotonic()
     wait_for(lambda: _aborted(root) > before, 5, "the engine's aborted count")
     assert time.monotonic() - closed < 1.5  # 1 s, and the reads' own time
+    # ... and its KV blocks are free again (nothing else runs on this engine now).
+    wait_for(lambda: _kv_usage(root) == 0.0, 2, "the engine's KV blocks freed")
     # The gateway stays up and counts the request as the client's hang-up (aborted).
     families = read_with_multiprocess_collector(gateway.telemetry_dir)
     assert any(lab.get("status") == "aborted" and v >= 1
