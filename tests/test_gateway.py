@@ -255,6 +255,8 @@ def test_the_daemon_reads_the_gateway_like_an_engine(stack, start_daemon, tmp_pa
     assert samples[("ac_skeleton_requests_total", frozenset({
         "engine": "g1", "model": "any", "kind": "gateway", "upstream": "e1",
         "skeleton": expected["skeleton_id"]}.items()))] == 1.0
+    assert samples[("ac_engine_up", frozenset({"engine": "g1", "model": "any",
+                                               "kind": "gateway"}.items()))] == 1.0
     daemon.wait_cycles(2)
     out = run_cli("--daemon", daemon.url, "--metric", "inference_latency_ns", "--window",
                   "60s", "--labels", "kind=gateway", "--json")
