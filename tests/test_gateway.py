@@ -124,6 +124,7 @@ def _kv_usage(root) -> float:
                if name == "ac_kv_cache_usage_ratio" and ("engine", "e1") in labels)
 
 
+@pytest.mark.slow  # the engine and gateway it needs take ~10 s to start
 def test_a_hang_up_mid_stream_aborts_the_upstream_request_within_a_second(stack):
     engine, gateway, root = stack
     before = _aborted(root)
@@ -220,6 +221,7 @@ def test_an_unreachable_upstream_is_a_502_in_each_apis_shape(tmp_path):
         gateway.stop()
 
 
+@pytest.mark.slow  # the engine and gateway it needs take ~10 s to start
 def test_traceparent_is_passed_or_added(stack):
     engine, gateway, _ = stack
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
