@@ -49,6 +49,7 @@ COPY contract /src/contract
 COPY engine /src/engine
 COPY daemon /src/daemon
 COPY collectors /src/collectors
+COPY gateway /src/gateway
 COPY dashboards /src/dashboards
 RUN export PIP_CERT="${PIP_CERT:+/tmp/build/${PIP_CERT#docker/}}" \
  && pip install "/src[${EXTRAS}]" && rm -rf /tmp/build \

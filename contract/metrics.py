@@ -225,6 +225,13 @@ ENGINE_METRICS = (
     SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY, ENGINE_STEPS, KERNEL_SAMPLED_STEPS,
     KERNEL_SECONDS, KV_REPORTED_HIT, REQUEST_PREFILL, REQUEST_DECODE,
 )
+# What a gateway (ac_observe.gateway) measures of the requests it relays: the client-side
+# figures (its time to first token goes into both INFERENCE_LATENCY and FIRST_TOKEN_SENT,
+# a gateway having no device-side figure), outcomes, usage tokens and skeletons.
+GATEWAY_METRICS = (
+    INFERENCE_LATENCY, FIRST_TOKEN_SENT, INTER_TOKEN_LATENCY, E2E_LATENCY, REQUESTS,
+    PROMPT_TOKENS, GENERATION_TOKENS, SKELETON_COMPLEXITY, SKELETON_REQUESTS,
+)
 # Every engine series carries `kind` beside `engine` and `model`: which engine wrote it
 # (the bundled one, through its files; vLLM and SGLang, scraped by collectors/scrape/), so
 # a query may filter on it and a quantile never mixes two engines' bucket layouts. It is
@@ -235,7 +242,11 @@ KIND_LABEL = "kind"
 PID_LABEL = "pid"
 KIND_AC_OBSERVE = "ac-observe"
 KIND_VLLM, KIND_SGLANG = SCRAPED_KINDS = ("vllm", "sglang")
-ENGINE_KINDS = (KIND_AC_OBSERVE,) + SCRAPED_KINDS
+KIND_GATEWAY = "gateway"
+ENGINE_KINDS = (KIND_AC_OBSERVE,) + SCRAPED_KINDS + (KIND_GATEWAY,)
+# A gateway's series also carry `upstream`: the server it relays to (engine.json's
+# `upstream`: the upstream's engine name when known, else its host:port).
+UPSTREAM_LABEL = "upstream"
 # The closed sets of values an engine may write under these labels (the engine declares
 # them, the daemon refuses any other).
 LABEL_VALUES = {"stream": LANES, "status": REQUEST_STATUSES, "reason": MISS_REASONS,
@@ -534,12 +545,13 @@ def exposed_labels(spec: MetricSpec) -> tuple[str, ...]:
 
 
 def query_labels(friendly: Friendly) -> tuple[str, ...]:
-    """The labels a query of this name may filter on: its series' exposed ones, and the
-    pid a discovered vLLM's or SGLang's series carry."""
+    """The labels a query of this name may filter on: its series' exposed ones, the pid a
+    discovered vLLM's or SGLang's series carry, and an engine family's `upstream` (a
+    gateway's series carry it, others match none)."""
     labels = exposed_labels(friendly.source)
     if KIND_LABEL in labels and PID_LABEL not in labels:
         labels += (PID_LABEL,)
-    return labels
+    return labels + (UPSTREAM_LABEL,) if friendly.source.source == "engine" else labels
 
 
 def watched_families() -> set[str]:

@@ -198,6 +198,7 @@ _INFO_FIELDS: dict[str, type] = {"engine": str, "model": str, "pid": int, "telem
 _OPTIONAL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "engine_id": str, "api_address": str, "started_at": (int, float), "device": str,
     "num_kv_blocks": int, "block_size": int,
+    "kind": str, "upstream": str,  # a gateway's: kind "gateway", the server it relays to
     "cuda_streams": dict}  # lane -> CUDA stream handle, on a GPU
 
 
@@ -220,6 +221,10 @@ def parse_engine_info(raw: bytes) -> dict:
     for name in ("engine", "model"):
         if not 0 < len(info[name]) <= 256:
             raise ValueError(f"engine.json: {name!r} must be 1-256 characters")
+    if info.get("kind", "gateway") != "gateway":  # files are the bundled engine's or a gateway's
+        raise ValueError(f"engine.json: kind {info['kind'][:40]!r} is not written to files")
+    if not 0 < len(info.get("upstream", "-")) <= 256 or not info.get("upstream", "-").isprintable():
+        raise ValueError("engine.json: 'upstream' must be 1-256 printable characters")
     return info
 
 

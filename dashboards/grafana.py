@@ -156,6 +156,15 @@ def overview() -> Board:
             ], "ns", description=m.FIRST_TOKEN_SENT.help + " Beside it the engine's own "
                                  "TTFT and the API server's event loop lag: a gap that "
                                  "grows with the lag is a saturated API server."),
+            Panel("Time to first token: client side (gateway) vs the engines' own (p95)", [
+                (stat("first_token_sent_ns", "p95", ("engine",), match={"kind": "gateway"}),
+                 "client side via {{engine}}"),
+                (stat("inference_latency_ns", "p95", ("engine", "kind")),
+                 "{{engine}} ({{kind}})"),
+            ], "ns", description="An `ac-observe gateway`'s time to first token as its "
+                                 "clients see it (kind gateway), beside each engine's own "
+                                 "figure: the gap to its upstream is the upstream's HTTP, "
+                                 "tokenisation and queue time."),
         ]),
         ("Throughput and queue", [
             Panel("Tokens / s", [

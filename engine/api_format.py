@@ -6,6 +6,11 @@ import json
 import time
 import uuid
 
+from ac_observe.engine.api_wire import (  # noqa: F401 - re-exported
+    ANTHROPIC_ERROR_TYPES,
+    anthropic_error,
+    openai_error,
+)
 from ac_observe.engine.llm_engine import RequestOutput, TraceDetail
 from ac_observe.engine.sequence import FinishReason
 
@@ -14,27 +19,9 @@ ANTHROPIC_STOP = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_token
 OPENAI_STOP = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                FinishReason.STOP_SEQUENCE: "stop"}
 
-# HTTP status -> Anthropic error type
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                         404: "not_found_error", 405: "invalid_request_error",
-                         413: "request_too_large", 429: "rate_limit_error",
-                         500: "api_error", 503: "api_error", 529: "overloaded_error"}
-
 
 def new_request_id() -> str:
     return "req_" + uuid.uuid4().hex[:24]
-
-
-def anthropic_error(status: int, message: str) -> dict:
-    return {"type": "error",
-            "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
-def openai_error(status: int, message: str, param: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error",
-            413: "invalid_request_error", 429: "rate_limit_exceeded",
-            529: "server_overloaded"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def trace_detail_json(trace: TraceDetail | None) -> dict:

@@ -2,31 +2,17 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from collections.abc import Callable
 
 from ac_observe.engine.api_format import new_request_id
+from ac_observe.engine.api_wire import traceparent_trace_id  # noqa: F401 - re-exported
 
 GENERATION_PATHS = frozenset({"/v1/messages", "/v1/chat/completions", "/v1/completions"})
 TRACE_DEFAULTS = ((b"x-ac-model-latency-ns", b"0"), (b"x-ac-queue-time-ns", b"0"),
                   (b"x-ac-trace-detail", b"{}"))
 ARRIVAL_KEY = "arrival_ns"  # in the ASGI scope's state: time.monotonic_ns() at arrival
-# W3C Trace Context: version ff, an all-zero trace id or parent id are invalid (the header
-# is then ignored); version 00 has exactly four fields, a later version may add more.
-_TRACEPARENT = re.compile(r"^(?!ff)([0-9a-f]{2})-(?!0{32})([0-9a-f]{32})-(?!0{16})[0-9a-f]{16}"
-                          r"-[0-9a-f]{2}(-.*)?$")
-
-
-def traceparent_trace_id(header: str) -> str | None:
-    """The trace id of a valid `traceparent` header, else None."""
-    match = _TRACEPARENT.match(header.strip())
-    if match is None or (match.group(1) == "00" and match.group(3) is not None):
-        return None
-    return match.group(2)
-
-
 class BodyLimitAndIdsMiddleware:
     """Tags every response with `request-id` and `x-ac-trace-id` (the W3C traceparent's
     trace id when the client sent one) and refuses bodies over `max_body_bytes` before

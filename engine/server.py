@@ -30,6 +30,7 @@ from ac_observe.engine.api_models import (
     CountTokensRequest,
     MessagesRequest,
 )
+from ac_observe.engine.api_wire import error_body
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.http_middleware import BodyLimitAndIdsMiddleware
 from ac_observe.engine.kernel_sampler import prime_profiler
@@ -508,9 +509,7 @@ def _raise_if_failed(out: RequestOutput) -> None:
 # ----- errors -----------------------------------------------------------------------------
 
 def _error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
-    if path.startswith(("/v1/chat/", "/v1/completions")):
-        return fmt.openai_error(status, message, param)
-    return fmt.anthropic_error(status, message)
+    return error_body(path, status, message, param)
 
 
 def _validation_message(exc: RequestValidationError,

@@ -21,7 +21,11 @@ from support.imports import imports_of, installed_modules
 from support.servers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("ac_observe.engine", "ac_observe.daemon", "ac_observe.collectors")
+PACKAGES = ("ac_observe.engine", "ac_observe.daemon", "ac_observe.collectors",
+            "ac_observe.gateway")
+# The engine's modules the gateway shares: each torch-free.
+GATEWAY_SHARES = ("ac_observe.engine.api_wire", "ac_observe.engine.skeleton",
+                  "ac_observe.engine.telemetry")
 CONTRACT = ("ac_observe", "ac_observe.metrics", "ac_observe.telemetry_format", "ac_observe.auth")
 
 
@@ -83,6 +87,32 @@ def test_the_daemon_side_never_imports_torch():
             "ac_observe.daemon.http_api, ac_observe.collectors.engine, ac_observe.collectors.nvml, "
             "ac_observe.engine, ac_observe.engine.config, ac_observe.engine.skeleton, "
             "ac_observe.engine.telemetry; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_gateway_never_reaches_torch():
+    """`ac-observe gateway` runs on `pip install ac-observe`: no import of the gateway's,
+    at module level or inside a function, reaches torch or an engine module beyond the
+    three it shares."""
+    modules, graph = _graph()
+    starts = [n for n in modules if _part(n) == "ac_observe.gateway"]
+    assert {"ac_observe.gateway.proxy", "ac_observe.gateway.serve"} <= set(starts)
+    seen, stack = set(), list(starts) + ["ac_observe.daemon.cli.gateway"]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for imported in graph.get(current, (set(), set()))[1]:
+            assert imported.split(".")[0] != "torch", f"the gateway reaches torch via {current}"
+            if imported.startswith("ac_observe.engine."):
+                assert any(imported == share or imported.startswith(share + ".")
+                           for share in GATEWAY_SHARES), f"{current} imports {imported}"
+            if imported in graph:
+                stack.append(imported)
+    code = ("import sys, ac_observe.gateway.serve, ac_observe.daemon.cli.gateway; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

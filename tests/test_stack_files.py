@@ -32,7 +32,14 @@ def test_compose_files_follow_the_compose_specification(name):
 def test_compose_wiring():
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"engine", "daemon", "prometheus", "alertmanager", "grafana"}
+    assert set(services) == {"engine", "gateway", "daemon", "prometheus", "alertmanager",
+                             "grafana"}
+    # The gateway: off unless its profile is asked for, in front of the engine, writing
+    # beside it where the daemon reads.
+    gateway = services["gateway"]
+    assert gateway["profiles"] == ["gateway"]
+    assert "--upstream=http://engine:8000" in gateway["command"]
+    assert "telemetry:/telemetry" in gateway["volumes"]
     for name, service in services.items():
         assert service.get("restart") == "unless-stopped", name
         for port in service.get("ports", []):  # published on loopback unless told otherwise

@@ -143,7 +143,9 @@ class EngineCollector(Collector):
             restarts = new_counter(ENGINE_RESTARTS)
             for state in seen.values():
                 if state.info and not state.error:
-                    restarts.add_metric([state.info["engine"], KIND_AC_OBSERVE], state.restarts)
+                    restarts.add_metric([state.info["engine"],
+                                         state.info.get("kind", KIND_AC_OBSERVE)],
+                                        state.restarts)
             return [*families.values(), restarts, self._engine_up.family(seen, now)]
         finally:
             os.close(root_fd)

@@ -131,6 +131,7 @@ def remove_gone_engine(root_fd: int, name: str, info: dict | None) -> None:
 class _LastHeartbeat(NamedTuple):
     model: str
     at: float
+    kind: str = KIND_AC_OBSERVE
 
 
 class EngineUp:
@@ -147,15 +148,17 @@ class EngineUp:
         for state in seen.values():
             if state.info and not state.error:
                 engine = state.info["engine"]
-                current[engine] = _LastHeartbeat(state.info["model"], state.last_heartbeat)
-                up.add_metric([engine, state.info["model"], KIND_AC_OBSERVE],
+                kind = state.info.get("kind", KIND_AC_OBSERVE)
+                current[engine] = _LastHeartbeat(state.info["model"], state.last_heartbeat,
+                                                 kind)
+                up.add_metric([engine, state.info["model"], kind],
                               1.0 if state.alive else 0.0)
-        for engine, (model, heartbeat) in list(self._last_heartbeats.items()):
+        for engine, (model, heartbeat, kind) in list(self._last_heartbeats.items()):
             if engine in current:
                 continue
             if now - heartbeat > GONE_KEEP_SECONDS:
                 del self._last_heartbeats[engine]
             else:
-                up.add_metric([engine, model, KIND_AC_OBSERVE], 0.0)
+                up.add_metric([engine, model, kind], 0.0)
         self._last_heartbeats.update(current)
         return up

@@ -215,7 +215,8 @@ class EngineFiles:
             raise BadEngine(self.refusal.reason)
         if len(self.checked) > 2 * MAX_SERIES_PER_ENGINE:
             self.checked.clear()  # churned by rewritten files: parse afresh
-        expected = {"engine": info["engine"], "model": info["model"]}
+        expected = {"engine": info["engine"], "model": info["model"],
+                    **{label: info[label] for label in ("kind", "upstream") if label in info}}
         plan = self.plan = SeriesPlan(layout, [index.keys for index in indexes],
                                       self.checked, expected)
         return plan

@@ -19,6 +19,7 @@ from ac_observe.metrics import (
     KIND_AC_OBSERVE,
     KIND_LABEL,
     LABEL_VALUES,
+    UPSTREAM_LABEL,
     MetricSpec,
 )
 from ac_observe.telemetry_format import parse_sample_key
@@ -52,7 +53,6 @@ def _bound_texts(spec) -> frozenset[str]:
     return frozenset([repr(float(b)) for b in spec.buckets] + ["+Inf"])
 
 
-_KIND = ((KIND_LABEL, KIND_AC_OBSERVE),)
 _LE_TEXTS = {spec.family: _bound_texts(spec) for spec in ENGINE_METRICS
              if spec.type == HISTOGRAM}
 
@@ -73,9 +73,19 @@ def _labels_problem(family: str, spec: MetricSpec, labels: dict[str, str],
     return None
 
 
+def exported_labels(expected: dict[str, str]) -> tuple:
+    """The labels the daemon adds from engine.json: `kind` (the bundled engine's unless
+    engine.json names another), and a gateway's `upstream`."""
+    kind = ((KIND_LABEL, expected.get(KIND_LABEL, KIND_AC_OBSERVE)),)
+    if UPSTREAM_LABEL in expected:
+        return kind + ((UPSTREAM_LABEL, expected[UPSTREAM_LABEL]),)
+    return kind
+
+
 def check_key(key: str, expected: dict[str, str]) -> CheckedKey | str:
     """The series a key stands for if it is one of the contract, else why not.
-    `expected`: the label values engine.json gives (engine, model)."""
+    `expected`: the label values engine.json gives (engine, model; a gateway's kind and
+    upstream)."""
     try:
         family, sample, labels, _ = parse_sample_key(key)
     except ValueError as exc:
@@ -98,8 +108,8 @@ def check_key(key: str, expected: dict[str, str]) -> CheckedKey | str:
     if problem is not None:
         return problem
     # The daemon's `kind` after the file's own labels (the file never holds it: checked
-    # above), as on every engine series of every kind.
-    ordered = tuple((label, labels[label]) for label in spec.labels) + _KIND
+    # above), as on every engine series of every kind; a gateway's `upstream` after it.
+    ordered = tuple((label, labels[label]) for label in spec.labels) + exported_labels(expected)
     sample_labels = dict(ordered)
     if le is not None:
         sample_labels["le"] = floatToGoString(le)

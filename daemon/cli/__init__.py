@@ -6,6 +6,7 @@
 - alerts.py, rules.py: drift alerts (list, defaults, test), the rules for Prometheus
 - dashboards.py: generate, push, and the path of the installed dashboard and stack files
 - skeleton.py: a prompt's structural skeleton
+- gateway.py: the pass-through gateway (ac_observe.gateway)
 - client.py: the daemon's HTTP API (get_json, DaemonError, DaemonUnreachable)
 - render.py: figures scaled for reading, sparklines, tables that fit, error lines
 
@@ -16,8 +17,9 @@ Exit codes, the same for every command (also in `ac-observe --help`):
   2  usage: a bad option value, an unreadable file
   3  the daemon cannot be reached
 
-NOTE: torch-free at import: engine code loads inside the `engine` and `skeleton` commands
-only, and the alerting code inside the alerts and rules commands.
+NOTE: torch-free at import: engine code loads inside the `engine`, `skeleton` and
+`gateway` commands only (the gateway's own never reaches torch), and the alerting code
+inside the alerts and rules commands.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 # the order they are registered: the order of this import.
 # isort: off
 from ac_observe.daemon.cli import (  # noqa: F401 - imported to register their commands
-    query, status, top, daemon, alerts, up, skeleton, engine, dashboards, rules)
+    query, status, top, daemon, alerts, up, skeleton, engine, gateway, dashboards, rules)
 # isort: on
 from ac_observe.daemon.cli.app import app
 

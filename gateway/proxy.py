@@ -1,0 +1,292 @@
+"""The gateway's ASGI application: every request relayed to one upstream as it is.
+
+- Request: method, path, query, headers (hop-by-hop ones dropped, `Host` the upstream's,
+  `traceparent` kept or added) and body (read whole, at most `max_body_bytes`: 413 beyond).
+- Response: status, headers (hop-by-hop dropped; `x-ac-trace-id` ours) and body as the
+  upstream sent them. An event stream goes on chunk by chunk as each arrives; any other
+  answer of at most `max_whole_bytes` is sent whole with `x-ac-gateway-ttft-ns`.
+- The client's hang-up cancels the relay at once: the upstream connection is closed, which
+  is how an OpenAI or Anthropic server learns to abort the request.
+- Failures answer in the API's own error shape: 502 (upstream unreachable, broken answer),
+  503 (every upstream connection busy past `pool_timeout`), 504 (no answer within
+  `read_timeout`). A stream already under way that fails is ended where it stopped.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+
+from ac_observe.engine.api_wire import error_body, traceparent_trace_id
+from ac_observe.gateway.measure import (
+    CLIENT_GONE,
+    OK,
+    TIMEOUT,
+    UPSTREAM_ERROR,
+    GatewayStats,
+    RequestFigures,
+    now_ns,
+)
+from ac_observe.gateway.sse import EventReader
+from ac_observe.gateway.upstream import (
+    BadResponse,
+    ConnectFailed,
+    PoolFull,
+    ReadTimedOut,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
+from ac_observe.metrics import DEFAULT_LANE, LANE_HEADER, LANES
+
+log = logging.getLogger("ac_observe.gateway")
+
+# RFC 9110 7.6.1, plus the ones proxies have always dropped; `host` and `content-length`
+# are the upstream request's own (the pool writes both), `expect` is answered here.
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
+                        b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
+                        b"trailers", b"transfer-encoding", b"upgrade"})
+_REQUEST_OWN = frozenset({b"host", b"content-length", b"expect"})
+TRACE_ID_HEADER = b"x-ac-trace-id"
+TTFT_HEADER = b"x-ac-gateway-ttft-ns"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    upstream: str                    # base URL, e.g. http://127.0.0.1:8000
+    max_body_bytes: int = 8 << 20
+    max_whole_bytes: int = 64 << 20  # a non-stream answer past this is relayed unmeasured
+    connect_timeout: float = 5.0
+    read_timeout: float = 600.0
+    max_connections: int = 256
+    pool_timeout: float = 1.0
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, outcome: str):
+        super().__init__(message)
+        self.status, self.message, self.outcome = status, message, outcome
+
+
+def _drop_hop_by_hop(headers) -> list[tuple[bytes, bytes]]:
+    named = {token.strip().lower() for name, value in headers if name.lower() == b"connection"
+             for token in value.split(b",")}
+    return [(name, value) for name, value in headers
+            if name.lower() not in HOP_BY_HOP and name.lower() not in named]
+
+
+def _trace(headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], str]:
+    """The headers with a valid `traceparent` (the client's, else a new one) and its
+    trace id."""
+    given = next((v for n, v in headers if n == b"traceparent"), b"").decode("latin-1")
+    trace_id = traceparent_trace_id(given) if given else None
+    if trace_id is not None:
+        return headers, trace_id
+    trace_id = secrets.token_hex(16)
+    parent = f"00-{trace_id}-{secrets.token_hex(8)}-01".encode()
+    return [(n, v) for n, v in headers if n != b"traceparent"] + [(b"traceparent", parent)], \
+        trace_id
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, stats: GatewayStats):
+        self.config = config
+        self.stats = stats
+        self.pool = UpstreamPool(config.upstream, config.max_connections,
+                                 config.connect_timeout, config.read_timeout,
+                                 config.pool_timeout)
+
+    async def aclose(self) -> None:
+        self.pool.close()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope, receive, send) -> None:
+        arrival = now_ns()
+        path = scope["path"]
+        headers = _drop_hop_by_hop(scope["headers"])
+        lane = next((v.decode("latin-1") for n, v in headers if n == LANE_HEADER.encode()),
+                    DEFAULT_LANE)
+        figures = RequestFigures(path, lane if lane in LANES else DEFAULT_LANE, arrival)
+        headers, trace_id = _trace(headers)
+        answer_headers = [(TRACE_ID_HEADER, trace_id.encode())]
+        try:
+            figures.body = await self._body(headers, receive)
+            await self._relay_until_gone(scope, headers, figures, answer_headers, receive, send)
+        except _Refused as refused:
+            figures.outcome, figures.status = refused.outcome, refused.status
+            await self._error(send, path, refused.status, refused.message, answer_headers)
+        except _ClientGone:
+            figures.outcome = CLIENT_GONE
+        finally:
+            self.stats.finish(figures, now_ns())
+
+    async def _relay_until_gone(self, scope, headers, figures: RequestFigures, answer_headers,
+                                receive, send) -> None:
+        """The relay, cancelled the moment the client hangs up (closing the upstream
+        connection is what tells the upstream to abort)."""
+        relay = asyncio.ensure_future(self._relay(scope, headers, figures, answer_headers,
+                                                  send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not relay.done():
+                relay.cancel()
+                figures.outcome = CLIENT_GONE
+                await asyncio.gather(relay, return_exceptions=True)
+        if not relay.cancelled():
+            relay.result()
+
+    async def _body(self, headers, receive) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = next((v for n, v in headers if n == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _Refused(413, f"request body over {limit} bytes", OK)
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _Refused(413, f"request body over {limit} bytes", OK)
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    async def _relay(self, scope, headers, figures: RequestFigures, answer_headers,
+                     send) -> None:
+        target = scope["raw_path"].decode("latin-1")
+        if scope["query_string"]:
+            target += "?" + scope["query_string"].decode("latin-1")
+        upstream_headers = [(n, v) for n, v in headers if n not in _REQUEST_OWN]
+        response = await self._send_upstream(scope["method"], target, upstream_headers,
+                                             figures.body)
+        try:
+            figures.status = response.status_code
+            if response.status_code >= 500:
+                figures.outcome = UPSTREAM_ERROR
+            out_headers = [(n.lower(), v) for n, v in _drop_hop_by_hop(response.headers)
+                           if n.lower() != TRACE_ID_HEADER] + answer_headers
+            content_type = response.header(b"content-type") or b""
+            encoded = (response.header(b"content-encoding") or b"identity") != b"identity"
+            if content_type.startswith(b"text/event-stream"):
+                await self._stream(response, out_headers, figures, send,
+                                   None if encoded else EventReader())
+            else:
+                await self._whole(response, out_headers, figures, send)
+        finally:
+            self.pool.release(response)
+
+    async def _send_upstream(self, method: str, target: str, headers,
+                             body: bytes) -> UpstreamResponse:
+        try:
+            return await self.pool.request(method, target, headers, body)
+        except PoolFull as exc:
+            raise _Refused(503, str(exc), UPSTREAM_ERROR) from None
+        except ConnectFailed as exc:
+            raise _Refused(502, f"upstream unreachable: {exc}", UPSTREAM_ERROR) from None
+        except ReadTimedOut:
+            raise _Refused(504, f"upstream gave no answer within "
+                           f"{self.config.read_timeout:g} s", TIMEOUT) from None
+        except BadResponse as exc:
+            raise _Refused(502, f"upstream answered with no valid HTTP response: {exc}",
+                           UPSTREAM_ERROR) from None
+
+    async def _stream(self, response: UpstreamResponse, out_headers,
+                      figures: RequestFigures, send, reader: EventReader | None) -> None:
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": out_headers})
+        figures.reader = reader
+        try:
+            async for chunk in response.chunks(self.config.read_timeout):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent = now_ns()
+                if reader is not None:
+                    figures.content_sent(reader.feed(chunk), sent)
+        except ReadTimedOut:
+            figures.outcome = TIMEOUT
+        except UpstreamError:
+            figures.outcome = UPSTREAM_ERROR
+        if reader is not None:
+            figures.usage = reader.usage
+            if reader.errors and figures.outcome == OK:
+                figures.outcome = UPSTREAM_ERROR
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _whole(self, response: UpstreamResponse, out_headers,
+                     figures: RequestFigures, send) -> None:
+        parts, size = [], 0
+        chunks = response.chunks(self.config.read_timeout)
+        try:
+            async for chunk in chunks:
+                parts.append(chunk)
+                size += len(chunk)
+                if size > self.config.max_whole_bytes:
+                    break
+            else:
+                body = b"".join(parts)
+                ready = now_ns()
+                ttft = ready - figures.arrival_ns
+                await send({"type": "http.response.start", "status": response.status_code,
+                            "headers": out_headers + [(TTFT_HEADER, str(ttft).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                if response.status_code < 400:
+                    figures.content_sent(1, ready)
+                    self.stats.whole_usage(figures, body)
+                return
+        except ReadTimedOut:
+            raise _Refused(504, f"upstream's answer stalled past {self.config.read_timeout:g} s",
+                           TIMEOUT) from None
+        except UpstreamError as exc:
+            raise _Refused(502, f"upstream's answer broke off: {exc}", UPSTREAM_ERROR) from None
+        await self._stream_rest(response.status_code, out_headers, parts, chunks, send)
+
+    async def _stream_rest(self, status, out_headers, parts, chunks, send) -> None:
+        """An answer too large to hold: what was read, then the rest as it comes."""
+        await send({"type": "http.response.start", "status": status, "headers": out_headers})
+        for part in parts:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        try:
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError:
+            pass
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _error(self, send, path: str, status: int, message: str, answer_headers) -> None:
+        body = json.dumps(error_body(path, status, message)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                *answer_headers]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client hangs up (the request's body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,135 @@
+"""Server-sent events read from the bytes a relay passes on, as they pass.
+
+The reader never alters, holds back or re-frames anything: it keeps its own copy of an
+unfinished event and reports the content and usage the finished ones carry. Hostile or
+broken streams cost it nothing: an event over MAX_EVENT_BYTES is dropped unread (counted as
+malformed), data that is not JSON is counted and skipped.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+MAX_EVENT_BYTES = 1 << 20
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+
+
+@dataclass(slots=True)
+class Usage:
+    """Tokens as the response's `usage` says (None: not said)."""
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+class EventReader:
+    """Feed it every chunk relayed; `feed` answers how many content events (a token's
+    text as the APIs send it) the chunk completed."""
+
+    __slots__ = ("_pending", "usage", "malformed", "errors", "events")
+
+    def __init__(self):
+        self._pending = bytearray()
+        self.usage = Usage()
+        self.malformed = 0   # events that could not be read (not JSON, too long)
+        self.errors = 0      # error events (Anthropic's `error`, OpenAI's {"error": ...})
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> int:
+        pending = self._pending
+        pending += chunk
+        content = 0
+        start = 0
+        for match in _EVENT_END.finditer(pending):
+            content += self._event(bytes(pending[start:match.start()]))
+            start = match.end()
+        if start:
+            del pending[:start]
+        if len(pending) > MAX_EVENT_BYTES:
+            self.malformed += 1
+            pending.clear()
+        return content
+
+    def _event(self, raw: bytes) -> int:
+        data = [line[5:].removeprefix(b" ") for line in _LINE_END.split(raw)
+                if line.startswith(b"data:")]
+        if not data:
+            return 0  # a comment, a keep-alive, an event with no data
+        self.events += 1
+        text = b"\n".join(data)
+        if text == b"[DONE]":
+            return 0
+        try:
+            event = json.loads(text)
+        except (ValueError, RecursionError):
+            self.malformed += 1
+            return 0
+        if not isinstance(event, dict):
+            self.malformed += 1
+            return 0
+        return self._read(event)
+
+    def _read(self, event: dict) -> int:
+        kind = event.get("type")
+        if kind == "content_block_delta":  # Anthropic
+            return 1
+        if kind == "message_start":
+            self._usage(_get(event, "message", "usage"))
+            return 0
+        if kind == "message_delta":
+            self._usage(event.get("usage"))
+            return 0
+        if kind == "error" or "error" in event:
+            self.errors += 1
+            return 0
+        self._usage(event.get("usage"))  # OpenAI: the last chunk when usage was asked for
+        choices = event.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict) and _has_text(choice):
+                    return 1
+        return 0
+
+    def _usage(self, usage) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        output = usage.get("completion_tokens", usage.get("output_tokens"))
+        if _count(prompt):
+            self.usage.prompt_tokens = prompt
+        if _count(output):
+            self.usage.output_tokens = output
+
+
+def _get(event: dict, *path):
+    found: object = event
+    for key in path:
+        if not isinstance(found, dict):
+            return None
+        found = found.get(key)
+    return found
+
+
+def _has_text(choice: dict) -> bool:
+    """A chat chunk's `delta.content` or a completion chunk's `text`, non-empty."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict) and isinstance(delta.get("content"), str) and delta["content"]:
+        return True
+    return isinstance(choice.get("text"), str) and bool(choice["text"])
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40
+
+
+def usage_of_body(body: bytes) -> Usage:
+    """A whole JSON answer's usage (either API's names); nothing when it is not JSON."""
+    reader = EventReader()
+    try:
+        answer = json.loads(body)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return reader.usage
+    if isinstance(answer, dict):
+        reader._usage(answer.get("usage"))
+    return reader.usage

@@ -1,0 +1,93 @@
+"""An upstream that misbehaves on request, for the gateway's tests: a raw asyncio HTTP
+server on a loopback port, in a thread. The request's `x-bad` header picks the fault:
+
+- `malformed`: a 200 event stream with an unterminated 2 MiB event, data that is not
+  JSON, then one valid content event and [DONE] (the bytes are in `MALFORMED_STREAM`)
+- `slow`: no answer for 3 s
+- `stall`: a stream's head and first event, then silence for 3 s
+- `5xx`: a 500 with an OpenAI error body (`ERROR_500`)
+- `garbage`: bytes that are no HTTP response, then the connection closed
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+ERROR_500 = json.dumps({"error": {"message": "boom", "type": "server_error", "param": None,
+                                  "code": None}}).encode()
+CONTENT_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
+MALFORMED_STREAM = [b"data: {not json\n\n", b"data: " + b"x" * (2 << 20), b"\n\n",
+                    b": a comment\n\ndata: [1, 2]\n\n", CONTENT_EVENT, b"data: [DONE]\n\n"]
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+class BadUpstream:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.server = None
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+
+    async def _serve(self, reader, writer) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                headers = {k.lower(): v.strip() for k, _, v in
+                           (line.partition(":") for line in lines[1:] if line)}
+                await reader.readexactly(int(headers.get("content-length", "0")))
+                if not await self._answer(headers.get("x-bad", ""), writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, fault: str, writer) -> bool:
+        stream_head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                       b"transfer-encoding: chunked\r\n\r\n")
+        if fault == "malformed":
+            writer.write(stream_head)
+            for part in MALFORMED_STREAM:
+                writer.write(_chunk(part))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+        elif fault in ("slow", "stall"):
+            if fault == "stall":
+                writer.write(stream_head + _chunk(CONTENT_EVENT))
+                await writer.drain()
+            await asyncio.sleep(3)
+            return False
+        elif fault == "5xx":
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: "
+                         + str(len(ERROR_500)).encode() + b"\r\n\r\n" + ERROR_500)
+        else:  # garbage
+            writer.write(b"SPLAT\x00\x01 not http\r\n\r\n")
+            await writer.drain()
+            return False
+        await writer.drain()
+        return True
+
+    def stop(self) -> None:
+        def close():
+            self.server.close()
+            self.loop.stop()
+        self.loop.call_soon_threadsafe(close)
+        self.thread.join(5)
