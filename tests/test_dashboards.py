@@ -25,7 +25,7 @@ from ac_observe.dashboards import generate, grafana, promql
 from support.engine_replay import EngineReplay
 from support.grafana import Grafana
 from support.receivers import SECRET, WebhookReceiver
-from support.servers import DaemonProcess, EngineServer, run_cli, wait_for
+from support.servers import DaemonProcess, EngineServer, GatewayServer, run_cli, wait_for
 from support.stack import REPO, SHIPPED, Alertmanager, Prometheus, delivery_of, finite
 
 BOARDS = sorted((SHIPPED / "grafana" / "dashboards").glob("*.json"))
@@ -413,6 +413,10 @@ def stack(tmp_path_factory):
                                   "--kv-blocks", "96", "--kernel-sample-steps", "10",
                                   "--kernel-sample-budget", "0.05"))
         engine = parts[-1].wait_ready()
+        # A gateway in front of it (the Overview's client-side TTFT): one sender goes
+        # through it.
+        parts.append(GatewayServer(engine.url, base / "telemetry" / "gw1", "--name", "gw1"))
+        gateway = parts[-1].wait_ready()
         # nvml is down here (no GPU): CollectorDown is the alert both evaluators fire.
         token = secrets.token_hex(16)  # the daemon asks for it, as in the stack
         parts.append(DaemonProcess(base / "telemetry", "--collectors", "engine,nvml",
@@ -422,8 +426,8 @@ def stack(tmp_path_factory):
                                    "--engine-endpoint", f"sglang-0={sglang.url}"))
         daemon = parts[-1].wait_ready()
         daemon.headers = {"authorization": f"Bearer {token}"}
-        senders = [threading.Thread(target=_load, args=(engine.url, stop, errors, i),
-                                    daemon=True) for i in range(2)]
+        senders = [threading.Thread(target=_load, args=(url, stop, errors, i), daemon=True)
+                   for i, url in enumerate((engine.url, gateway.url))]
         for sender in senders:
             sender.start()
         wait_for(lambda: (m.INFERENCE_LATENCY.name + "_bucket") in

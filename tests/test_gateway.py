@@ -17,22 +17,11 @@ import openai
 import pytest
 
 from support.bad_upstream import ERROR_500, MALFORMED_STREAM, BadUpstream
-from support.servers import EngineServer, ServerProcess, free_port, run_cli, wait_for
+from support.servers import EngineServer, GatewayServer, free_port, run_cli, wait_for
 from support.sse_streams import run_streams
 from support.telemetry import read_as_daemon, read_with_multiprocess_collector
 
 VARYING = {"id", "created", "ac_trace"}  # per request: ids, clocks, the engine's timings
-
-
-class GatewayServer(ServerProcess):
-    """`ac-observe gateway --upstream URL`, writing telemetry into `telemetry_dir`."""
-
-    def __init__(self, upstream: str, telemetry_dir, *args: str, ready_path="/health"):
-        self.ready_path = ready_path
-        self.telemetry_dir = telemetry_dir
-        super().__init__(["gateway", "--upstream", upstream, "--telemetry-dir",
-                          str(telemetry_dir), "--log-level", "warning", *args],
-                         telemetry_dir.parent)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -540,6 +541,12 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
                                    env=env))
         procs.append(start_process(["ip", "netns", "exec", name, sys.executable, "-m",
                                     "sglang.launch_server", "--port", str(ports[2])], env=env))
+        # An impostor: a vLLM's command line naming a port another process listens on
+        # (this test's socket). Its command line alone must not aim the daemon there.
+        held = socket.create_server(("127.0.0.1", 0))
+        impostor = start_process([sys.executable, "-c", "import time; time.sleep(120)", "-m",
+                                  "vllm.entrypoints.openai.api_server", "--port",
+                                  str(held.getsockname()[1])], env=env)
         daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "telemetry", collectors=(),
                                      history=False, engine_discovery=True))
         pids = [p.pid for p in procs]
@@ -549,6 +556,9 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
             return {e["pid"]: e for e in daemon.status()["engines"] if e["alive"]}
         found = wait_for(lambda: set(pids) <= set(engines()) and engines(), 30,
                          "the three stand-ins found and read")
+        assert impostor.pid not in {e["pid"] for e in daemon.status()["engines"]}
+        stop_process(impostor)
+        held.close()
         assert {pid: (e["engine"], e["kind"], e["endpoint"]) for pid, e in found.items()
                 if pid in pids} == {
             pids[0]: (f"vllm-{pids[0]}", "vllm", f"http://127.0.0.1:{ports[0]}/metrics"),

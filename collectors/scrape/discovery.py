@@ -7,7 +7,9 @@ pod's server is seen from a daemon in the host's pid namespace (a DaemonSet with
 shares the daemon's namespace (a host-network server), else on its namespace's own
 address (a pod's IP, from `/proc/PID/net/fib_trie`). NOTE: everything read here is
 written by other processes: each file is read bounded, and a process that vanishes or
-hides its files midway is skipped, never an error.
+hides its files midway is skipped, never an error. A command line is anyone's to write:
+a process is taken only for a listening socket it holds itself (its fds), so a stand-in
+named `vllm serve --port 5432` cannot aim the daemon at another service's port.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ _MODULES = {"vllm.entrypoints.openai.api_server": KIND_VLLM,
             "sglang.launch_server": KIND_SGLANG}
 _LISTEN = "0A"
 _MAX_READ = 1 << 20
+_MAX_FDS = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +68,26 @@ def port_of(argv: list[str], kind: str) -> int | None:
     return int(port) if port.isdigit() and 0 < int(port) < 65536 else None
 
 
-def _listening_address(net: Path, port: int) -> str | None:
-    """The local address a socket of this namespace listens on at `port`."""
+def socket_inodes(process: Path) -> set[str]:
+    """The inodes of the sockets a process holds open (its fds `socket:[N]`)."""
+    inodes = set()
+    try:
+        names = os.listdir(process / "fd")[:_MAX_FDS]
+    except OSError:
+        return inodes
+    for name in names:
+        try:
+            target = os.readlink(process / "fd" / name)
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _listening_address(net: Path, port: int, inodes: set[str]) -> str | None:
+    """The local address a socket of this namespace listens on at `port`, if the socket
+    is one of `inodes` (the process's own: a command line alone proves nothing)."""
     for name in ("tcp", "tcp6"):
         try:
             lines = _read(net / name).decode("ascii", "replace").splitlines()[1:]
@@ -74,7 +95,7 @@ def _listening_address(net: Path, port: int) -> str | None:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) < 4 or fields[3] != _LISTEN:
+            if len(fields) < 10 or fields[3] != _LISTEN or fields[9] not in inodes:
                 continue
             address, _, port_hex = fields[1].partition(":")
             if int(port_hex, 16) == port:
@@ -122,9 +143,9 @@ def _same_namespace(pid: int, proc: Path) -> bool:
 def reach(pid: int, port: int, proc: Path) -> str | None:
     """host:port the daemon reaches the process's listening socket on, or None."""
     net = proc / str(pid) / "net"
-    bound = _listening_address(net, port)
+    bound = _listening_address(net, port, socket_inodes(proc / str(pid)))
     if bound is None:
-        return None  # not listening yet (a server loading its model)
+        return None  # not listening yet (a server loading its model), or not its socket
     unspecified = bound in ("0.0.0.0", "::")
     host: str | None
     if _same_namespace(pid, proc):

@@ -166,3 +166,14 @@ def serve_in_thread(service, log_level: str = "critical"):
         thread.join(timeout=30)
 
     return f"http://127.0.0.1:{port}", stop
+
+
+class GatewayServer(ServerProcess):
+    """`ac-observe gateway --upstream URL`, writing telemetry into `telemetry_dir`."""
+
+    def __init__(self, upstream: str, telemetry_dir, *args: str, ready_path="/health"):
+        self.ready_path = ready_path
+        self.telemetry_dir = telemetry_dir
+        super().__init__(["gateway", "--upstream", upstream, "--telemetry-dir",
+                          str(telemetry_dir), "--log-level", "warning", *args],
+                         telemetry_dir.parent)
