@@ -71,7 +71,7 @@ def test_guidellm_runs_clean_and_agrees_with_the_daemon(start_daemon, tmp_path):
         # Every request it sent ends on the engine as ok or, cancelled by guidellm at the
         # time limit while generating, aborted.
         wait_for(lambda: _requests(daemon.metrics(), "ok")
-                 + _requests(daemon.metrics(), "aborted") == totals["total"], 20,
+                 + _requests(daemon.metrics(), "aborted") == totals["total"], 60,
                  "the daemon to see every request guidellm sent")
         metrics = daemon.metrics()
 
