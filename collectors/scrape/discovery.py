@@ -70,7 +70,7 @@ def port_of(argv: list[str], kind: str) -> int | None:
 
 def socket_inodes(process: Path) -> set[str]:
     """The inodes of the sockets a process holds open (its fds `socket:[N]`)."""
-    inodes = set()
+    inodes: set[str] = set()
     try:
         names = os.listdir(process / "fd")[:_MAX_FDS]
     except OSError:
