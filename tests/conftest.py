@@ -3,13 +3,18 @@ downloaded), and real engine and daemon servers (tests/support/servers.py)."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from support.checkpoints import write_hf_checkpoint
 from support.postgres import PostgresServer
 from support.servers import DaemonProcess, EngineServer
+
+# The benchmarks' load generators (bench/daemon_cost.py's `traffic`) serve tests too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

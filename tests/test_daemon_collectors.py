@@ -274,8 +274,7 @@ def test_the_engine_collectors_watch_keys_are_the_samples_own(tmp_path):
     sample's name, labels in their order, and value, for counters, gauges and every
     cumulative histogram bucket, two engines merged into one family."""
     import random
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
     from daemon_cost import traffic, write_engine
     writers = [write_engine(tmp_path / f"engine-{i}", f"engine-{i}", random.Random(i))
                for i in range(2)]
@@ -320,11 +319,9 @@ def test_metrics_text_is_prometheus_clients_own_over_cycles_that_move(tmp_path):
     series move and another's stand still (their lines come from the renderer's cache: a
     stale line would differ here)."""
     import random
-    import sys
 
-    from prometheus_client import CollectorRegistry, generate_latest
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from daemon_cost import traffic, write_engine
+    from prometheus_client import CollectorRegistry, generate_latest
     writers = [write_engine(tmp_path / f"engine-{i}", f"engine-{i}", random.Random(i))
                for i in range(2)]
     daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
@@ -404,13 +401,12 @@ def test_an_engine_over_the_series_limit_is_refused_alone_before_its_keys_are_pa
     refusal stands without counting again while its files stay as they are; the other
     engine is exported whole. Entries across files are bounded the same way."""
     import random
-    import sys
+
+    from daemon_cost import write_engine
 
     from ac_observe import metrics as m
     from ac_observe.collectors.engine import collector, files, plan
     from ac_observe.engine.telemetry import TelemetryWriter
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from daemon_cost import write_engine
     small = TelemetryWriter(tmp_path / "a", {"started_at": time.time()}, engine="a",
                             model="m", heartbeat_seconds=0.5)
     small.set(m.KV_BLOCKS, 64)

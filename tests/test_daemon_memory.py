@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from daemon_cost import traffic  # bench/: what finished requests leave in the files
 
 from ac_observe.daemon.windows import Windows
 from support.servers import sample_value, wait_for
@@ -25,21 +26,6 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def _traffic(writer, rng: random.Random, requests: int) -> None:
-    from ac_observe import metrics as m
-    from ac_observe.metrics import LANES
-    for _ in range(requests):
-        lane = rng.choice(LANES)
-        for spec in (m.INFERENCE_LATENCY, m.QUEUE_TIME, m.E2E_LATENCY, m.INTER_TOKEN_LATENCY):
-            writer.observe(spec, rng.expovariate(20), stream=lane)
-        writer.observe(m.PREFILL_GPU, rng.expovariate(100), stream=lane)
-        writer.observe(m.DECODE_STEP_GPU, rng.expovariate(500), stream=lane)
-        writer.inc(m.STREAM_BUSY, 0.01, stream=lane)
-        writer.inc(m.REQUESTS, stream=lane, status="ok")
-        writer.inc(m.GENERATION_TOKENS, rng.randint(1, 64))
-        writer.observe(m.SKELETON_COMPLEXITY, float(rng.randint(1, 9)))
-
-
 def _wave(daemon, root: Path, names: list[str], rng: random.Random) -> None:
     """`names` live together for LIFE_SECONDS with traffic (the engine's own telemetry
     writer, as the bundled engine writes), then stop; returns once every one of them has
@@ -53,7 +39,7 @@ def _wave(daemon, root: Path, names: list[str], rng: random.Random) -> None:
         end = time.monotonic() + LIFE_SECONDS
         while time.monotonic() < end:
             for writer in writers:
-                _traffic(writer, rng, 5)
+                traffic(writer, rng, 5)
             time.sleep(0.2)
     finally:
         for writer in writers:
