@@ -11,6 +11,7 @@ import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ac_observe import metrics as m
 from ac_observe.collectors.base import (
@@ -63,6 +64,11 @@ GPM_FIELDS = (
 )
 
 
+# nvmlDeviceGetProcessUtilization's sample fields, in the order of
+# m.GPU_PROCESS_UTILIZATION (SM, memory, encoder, decoder); NVML reports percent.
+PROCESS_UTILIZATION_FIELDS = ("smUtil", "memUtil", "encUtil", "decUtil")
+
+
 @dataclass(slots=True)
 class _Device:
     index: int
@@ -73,6 +79,7 @@ class _Device:
     gpm_time: float = 0.0
     xid_total: int = 0
     handle_address: int = 0
+    process_utilization: bool = True  # until the device says it cannot
     gpm_values: dict = field(default_factory=dict)
 
 
@@ -130,6 +137,7 @@ class NvmlCollector(Collector):
         nv = self.nv
         gauges = {spec.name: new_gauge(spec) for spec, *_ in DEVICE_FIELDS + GPM_FIELDS}
         processes = new_gauge(m.GPU_PROCESS_MEMORY)
+        process_util = [new_gauge(spec) for spec in m.GPU_PROCESS_UTILIZATION]
         self._drain_xid()
         xid = new_counter(m.GPU_XID_ERRORS)
         for device in self.devices:
@@ -145,10 +153,33 @@ class NvmlCollector(Collector):
                         processes.add_metric(labels + [str(proc.pid)], proc.usedGpuMemory)
             except nv.NVMLError_NotSupported:
                 pass
+            self._process_utilization(device, labels, process_util)
             for name, value in self._gpm(device).items():
                 gauges[name].add_metric(labels, value)
             xid.add_metric(labels, device.xid_total)
-        return [g for g in gauges.values() if g.samples] + [processes, xid]
+        return [g for g in gauges.values() if g.samples] + [processes, xid] + \
+            [g for g in process_util if g.samples]
+
+    def _process_utilization(self, device: _Device, labels: list[str], gauges: list) -> None:
+        """Each process's newest sample since NVML's last sampling period began (a process
+        idle since then has none: NVML keeps samples only while it runs work)."""
+        if not device.process_utilization:
+            return
+        nv = self.nv
+        try:
+            samples = nv.nvmlDeviceGetProcessUtilization(device.handle, 0)
+        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound):
+            device.process_utilization = False
+            return
+        except nv.NVMLError_NotFound:  # no process sampled yet
+            return
+        newest: dict[int, Any] = {}
+        for sample in samples:
+            if sample.pid not in newest or sample.timeStamp > newest[sample.pid].timeStamp:
+                newest[sample.pid] = sample
+        for pid, sample in sorted(newest.items()):
+            for gauge, name in zip(gauges, PROCESS_UTILIZATION_FIELDS, strict=True):
+                gauge.add_metric(labels + [str(pid)], getattr(sample, name) * 0.01)
 
     def _gpm(self, device: _Device) -> dict[str, float]:
         """GPM ratios from the previous sample and a fresh one (>= 100 ms apart)."""

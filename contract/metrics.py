@@ -253,6 +253,13 @@ LABEL_VALUES = {"stream": LANES, "status": REQUEST_STATUSES, "reason": MISS_REAS
                 "phase": PHASES, "class": KERNEL_CLASSES}
 
 GPU_LABELS = ("gpu", "uuid")
+# Per-process series (those with `pid`) get these on export, where the process's cgroup
+# and the kubelet tell them (collectors/attribution/): its container's id (64 hex), its
+# pod's UID, and with the kubelet's pod-resources socket the pod's namespace and name and
+# the container's name. A process outside any container has none of them.
+CONTAINER_ID_LABEL, POD_UID_LABEL = "container_id", "pod_uid"
+POD_NAME_LABELS = ("namespace", "pod", "container")
+ATTRIBUTION_LABELS = (CONTAINER_ID_LABEL, POD_UID_LABEL) + POD_NAME_LABELS
 
 
 def _gpu(name, typ, help_text, unit, labels=GPU_LABELS):
@@ -267,6 +274,14 @@ GPU_TEMPERATURE = _gpu("ac_gpu_temperature_celsius", GAUGE, "GPU die temperature
 GPU_SM_CLOCK = _gpu("ac_gpu_sm_clock_hertz", GAUGE, "SM clock.", "hertz")
 GPU_PROCESS_MEMORY = _gpu("ac_gpu_process_memory_bytes", GAUGE,
                           "Device memory used by a process.", "bytes", GPU_LABELS + ("pid",))
+# nvmlDeviceGetProcessUtilization: each process's share of the GPU over NVML's last
+# sampling period, by engine (SM, memory controller, encoder, decoder).
+GPU_PROCESS_UTILIZATION = tuple(
+    _gpu(f"ac_gpu_process_{unit}_utilization_ratio", GAUGE,
+         f"Fraction of the last NVML sample period the process kept the GPU's {what} busy.",
+         "ratio", GPU_LABELS + ("pid",))
+    for unit, what in (("sm", "SMs"), ("memory", "memory controller"),
+                       ("encoder", "video encoder"), ("decoder", "video decoder")))
 GPU_SM_OCCUPANCY = _gpu("ac_gpu_sm_occupancy_ratio", GAUGE, "SM occupancy (GPM).", "ratio")
 GPU_SM_ACTIVE = _gpu("ac_gpu_sm_active_ratio", GAUGE, "SM active (GPM).", "ratio")
 GPU_TENSOR_ACTIVE = _gpu("ac_gpu_tensor_active_ratio", GAUGE, "Tensor core active (GPM).",
@@ -277,8 +292,9 @@ GPU_XID_ERRORS = _gpu("ac_gpu_xid_errors_total", COUNTER, "XID errors seen.", "e
 NVML_METRICS = (
     GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_POWER, GPU_TEMPERATURE,
     GPU_SM_CLOCK, GPU_PROCESS_MEMORY, GPU_SM_OCCUPANCY, GPU_SM_ACTIVE, GPU_TENSOR_ACTIVE,
-    GPU_DRAM_ACTIVE, GPU_XID_ERRORS,
+    GPU_DRAM_ACTIVE, GPU_XID_ERRORS, *GPU_PROCESS_UTILIZATION,
 )
+GPU_PROCESS_FAMILIES = {spec.family for spec in (GPU_PROCESS_MEMORY, *GPU_PROCESS_UTILIZATION)}
 
 PROC_LABELS = ("pid", "comm")
 
@@ -539,9 +555,11 @@ FRIENDLY = {f.name: f for f in (
 
 
 def exposed_labels(spec: MetricSpec) -> tuple[str, ...]:
-    """The labels a family's series carry on export: its own, and an engine family's
-    `kind` (the daemon adds it; every engine series of every kind has it)."""
-    return spec.labels + (KIND_LABEL,) if spec.source == "engine" else spec.labels
+    """The labels a family's series carry on export: its own, an engine family's `kind`
+    (the daemon adds it; every engine series of every kind has it), and a per-process
+    family's container and pod (ATTRIBUTION_LABELS, where the process has them)."""
+    labels = spec.labels + (KIND_LABEL,) if spec.source == "engine" else spec.labels
+    return labels + ATTRIBUTION_LABELS if PID_LABEL in labels else labels
 
 
 def query_labels(friendly: Friendly) -> tuple[str, ...]:
@@ -550,7 +568,7 @@ def query_labels(friendly: Friendly) -> tuple[str, ...]:
     gateway's series carry it, others match none)."""
     labels = exposed_labels(friendly.source)
     if KIND_LABEL in labels and PID_LABEL not in labels:
-        labels += (PID_LABEL,)
+        labels += (PID_LABEL,) + ATTRIBUTION_LABELS
     return labels + (UPSTREAM_LABEL,) if friendly.source.source == "engine" else labels
 
 

@@ -5,6 +5,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ac_observe.collectors.attribution.pod_resources import DEFAULT_SOCKET, default_socket
 from ac_observe.collectors.scrape.fetch import check_endpoint_url
 from ac_observe.metrics import DEFAULT_DAEMON_PORT
 from ac_observe.telemetry_format import default_telemetry_root
@@ -13,6 +14,7 @@ DEFAULT_COLLECTORS = ("engine", "nvml", "ebpf")
 # Series the daemon exports and windows at most (daemon/series_budget.py): a busy node,
 # ~50 engines of ~900 watched series each, their GPUs and CUDA processes.
 DEFAULT_MAX_SERIES = 50_000
+DEFAULT_POD_RESOURCES_SOCKET = DEFAULT_SOCKET
 
 
 def is_loopback(host: str) -> bool:
@@ -69,6 +71,8 @@ class DaemonConfig:
     # Find vLLM / SGLang server processes on the node and scrape them too
     # (collectors/scrape/discovery.py)
     engine_discovery: bool = False
+    # The kubelet's pod-resources socket (collectors/attribution/); None: not asked
+    pod_resources_socket: Path | None = field(default_factory=default_socket)
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)

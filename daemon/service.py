@@ -20,6 +20,7 @@ from prometheus_client.core import Metric
 
 from ac_observe import __version__
 from ac_observe import metrics as m
+from ac_observe.collectors.attribution import Attribution
 from ac_observe.collectors.base import Collector, build, new_counter, new_gauge
 from ac_observe.collectors.scrape.table import KIND_TITLES, exports
 from ac_observe.daemon.config import DaemonConfig
@@ -106,6 +107,7 @@ class Daemon:
                         for c in self.collectors]
         self._reporting: dict[str, bool] = {}  # collector -> up in the last cycle
         self.budget = SeriesBudget(config.max_series)
+        self.attribution = Attribution(socket_path=config.pod_resources_socket)
         self.windows = Windows(max(2, round(config.window_seconds / config.interval_seconds)))
         self.queries = QueryEngine(self.windows, config.interval_seconds)
         self._watched = m.watched_families()
@@ -187,6 +189,7 @@ class Daemon:
                 counted_before_seen.append((got, subsets))
             self._reporting[runner.name] = runner.up
             families.extend(got)
+        self.attribution.label(families)  # per-process series: container and pod
         self.budget.admit(families)  # in place: `returning` and the rest see it too
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
@@ -500,6 +503,7 @@ class Daemon:
                                 "errors_total": r.errors_total,
                                 "duration_seconds": round(r.duration_seconds, 6)}
                                for r in self.runners],
+                "attribution": self.attribution.status(),
                 "engines": engines}
 
     # ----- lifecycle ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ac_observe.daemon.cli.app import EXIT_USAGE, app, configure_logging, read_token
-from ac_observe.daemon.config import DEFAULT_MAX_SERIES
+from ac_observe.daemon.config import DEFAULT_MAX_SERIES, DEFAULT_POD_RESOURCES_SOCKET
 from ac_observe.metrics import DEFAULT_DAEMON_PORT
 
 
@@ -75,6 +75,11 @@ def daemon(
         False, "--discover-engines", envvar="AC_OBSERVE_DISCOVER_ENGINES", show_envvar=True,
         help="Find vLLM and SGLang server processes on the node (by command line and "
              "listening socket, a pod's in its own network namespace) and read them."),
+    pod_resources_socket: str = typer.Option(
+        str(DEFAULT_POD_RESOURCES_SOCKET), envvar="AC_OBSERVE_POD_RESOURCES_SOCKET",
+        show_envvar=True, help="The kubelet's pod-resources socket, for per-process series' "
+        "namespace, pod and container ('' to switch it off; without it: container id and "
+        "pod UID from the cgroup)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
@@ -109,6 +114,7 @@ def daemon(
             history_retention_seconds=parse_duration(history_retention),
             grafana_url=grafana_url or None, engine_endpoints=endpoints,
             engine_discovery=discover_engines,
+            pod_resources_socket=Path(pod_resources_socket) if pod_resources_socket else None,
             grafana_token=read_token(os.environ.get("GRAFANA_TOKEN") or None,
                                       grafana_token_file) if grafana_url else None)
         service = Daemon(config)

@@ -44,6 +44,8 @@ def show_status(obj: dict, as_json: bool) -> int:
                       escape(c["reason"]), str(c["errors_total"]),
                       f"{c['duration_seconds'] * 1e3:.1f} ms")
     console.print(table)
+    if "attribution" in status:
+        console.print(_attribution_line(status["attribution"]))
     rows = [_engine_row(e) for e in status["engines"]]
 
     def engines_table(first_width: int, fits: bool) -> Table:
@@ -64,6 +66,16 @@ def show_status(obj: dict, as_json: bool) -> int:
     table = fitted(engines_table, [row[0] for row in rows], console.width)
     console.print(table)
     return EXIT_OK
+
+
+def _attribution_line(a: dict) -> Text:
+    """Which source names per-process series' containers and pods, and why not a better one."""
+    line = Text.from_markup(f"processes named by: [bold]{escape(a['source'])}[/bold] "
+                            f"({a['containers']} container(s) among {a['processes']} "
+                            f"process(es), {a['named_containers']} named by the kubelet)")
+    if a.get("reason"):
+        line.append(f"\n  {a['reason']}", style="dim")
+    return line
 
 
 def _engine_row(e: dict) -> tuple:

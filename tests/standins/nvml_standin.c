@@ -1,8 +1,11 @@
 /* A stand-in libnvidia-ml.so.1 for machines without a GPU: only the NVML calls the
  * ac-observe NVML collector makes, returning fixed, known values through the real
  * struct layouts, so the real pynvml binding and the collector's error paths run.
- * GPU 0: GPM supported, one compute process. GPU 1: no power reading (NOT_SUPPORTED),
- * no GPM, two XID events pending. */
+ * GPU 0: GPM supported, one compute process (pid 4242, or the pids listed in
+ * $AC_NVML_STANDIN_PIDS, comma-separated, at most 8), each with process utilisation samples
+ * (SM 30+i %, memory 20+i %, encoder i %, decoder 2i % for the i-th).
+ * GPU 1: no power reading (NOT_SUPPORTED), no GPM, no process utilisation, two XID
+ * events pending. */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -81,14 +84,56 @@ nvmlReturn_t nvmlDeviceGetClockInfo(device_t *d, unsigned int type, unsigned int
     return OK;
 }
 
+/* The compute processes on GPU 0: 4242, or those $AC_NVML_STANDIN_PIDS lists. */
+static unsigned int standin_pids(unsigned int *pids) {
+    const char *listed = getenv("AC_NVML_STANDIN_PIDS");
+    unsigned int n = 0;
+    if (listed == NULL || *listed == 0) { pids[0] = 4242; return 1; }
+    while (*listed && n < 8) {
+        char *end;
+        unsigned long pid = strtoul(listed, &end, 10);
+        if (end == listed) break;
+        pids[n++] = (unsigned int)pid;
+        listed = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}
+
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(device_t *d, unsigned int *count,
                                                      process_info_t *infos) {
-    unsigned int have = d->index == 0 ? 1 : 0;
+    unsigned int pids[8];
+    unsigned int have = d->index == 0 ? standin_pids(pids) : 0;
     if (have == 0) { *count = 0; return OK; }
     if (infos == NULL || *count < have) { *count = have; return INSUFFICIENT_SIZE; }
     memset(infos, 0, sizeof(process_info_t) * have);
-    infos[0].pid = 4242;
-    infos[0].usedGpuMemory = 512ULL << 20;
+    for (unsigned int i = 0; i < have; i++) {
+        infos[i].pid = pids[i];
+        infos[i].usedGpuMemory = 512ULL << 20;
+        infos[i].gpuInstanceId = infos[i].computeInstanceId = 0xFFFFFFFF; /* not MIG */
+    }
+    *count = have;
+    return OK;
+}
+
+typedef struct { unsigned int pid; unsigned long long timeStamp;
+                 unsigned int smUtil, memUtil, encUtil, decUtil; } process_sample_t;
+
+nvmlReturn_t nvmlDeviceGetProcessUtilization(device_t *d, process_sample_t *samples,
+                                             unsigned int *count, unsigned long long since) {
+    unsigned int pids[8];
+    unsigned int have;
+    (void)since;
+    if (d->index != 0) return NOT_SUPPORTED;
+    have = standin_pids(pids);
+    if (samples == NULL || *count < have) { *count = have; return INSUFFICIENT_SIZE; }
+    for (unsigned int i = 0; i < have; i++) {
+        samples[i].pid = pids[i];
+        samples[i].timeStamp = 1000000ULL + i;
+        samples[i].smUtil = 30 + i;
+        samples[i].memUtil = 20 + i;
+        samples[i].encUtil = i;
+        samples[i].decUtil = 2 * i;
+    }
     *count = have;
     return OK;
 }

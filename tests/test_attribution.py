@@ -1,0 +1,232 @@
+"""Per-process series named by container and pod: cgroup paths of every runtime's form,
+real cgroups made by the test, and the daemon's series through the real pynvml."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prometheus_client.core import GaugeMetricFamily
+
+from ac_observe import metrics as m
+from ac_observe.collectors.attribution import Attribution
+from ac_observe.collectors.attribution.cgroup import NOBODY, parse_cgroup, start_time
+from support.servers import sample_value
+from support.standins import build_nvml
+
+ID = "0123456789abcdef" * 4
+UID = "8c5f1a2e-3b4d-4e6f-9a0b-1c2d3e4f5a6b"
+UID_ = UID.replace("-", "_")
+
+FORMS = [  # (/proc/PID/cgroup line, container id, runtime, pod uid)
+    (f"0::/system.slice/docker-{ID}.scope", ID, "docker", ""),
+    (f"12:memory:/docker/{ID}", ID, "docker", ""),
+    (f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice/"
+     f"cri-containerd-{ID}.scope", ID, "containerd", UID),
+    (f"4:cpu,cpuacct:/kubepods/besteffort/pod{UID}/{ID}", ID, "kubernetes", UID),
+    (f"0::/kubepods/pod{UID}/{ID}", ID, "kubernetes", UID),
+    (f"0::/kubepods.slice/kubepods-pod{UID_}.slice/crio-{ID}.scope", ID, "cri-o", UID),
+    (f"3:pids:/machine.slice/libpod-{ID}.scope", ID, "podman", ""),
+]
+
+
+@pytest.mark.parametrize("line, container_id, runtime, pod_uid", FORMS)
+def test_each_runtimes_cgroup_path_names_its_container(line, container_id, runtime, pod_uid):
+    identity = parse_cgroup(f"9:name=systemd:/\n{line}\n1:cpuset:/\n")
+    assert (identity.container_id, identity.runtime, identity.pod_uid) == \
+        (container_id, runtime, pod_uid)
+
+
+@pytest.mark.parametrize("text", [
+    f"0::/kubepods.slice/crio-conmon-{ID}.scope",  # CRI-O's monitor, not in the container
+    f"0::/docker/{ID[:-1]}",  # 63 digits
+    f"0::/docker/{ID.upper()}",
+    f"0::/system.slice/docker-{ID}.scope.evil",
+    f"0::/elsewhere/{ID}",  # a bare id under no runtime's folder
+    "0::/", "", "not a cgroup line", "x" * 100_000, "\x00\x01\x02",
+    f"0:/docker/{ID}",  # two fields
+    f"abc:memory:/docker/{ID}",
+])
+def test_odd_cgroup_text_names_nobody(text):
+    assert parse_cgroup(text) == NOBODY
+
+
+def test_the_unified_line_wins_over_v1_lines():
+    other = "f" * 64
+    text = f"4:memory:/docker/{other}\n0::/system.slice/docker-{ID}.scope\n"
+    assert parse_cgroup(text).container_id == ID
+    assert parse_cgroup(f"4:memory:/docker/{other}\n0::/\n").container_id == other
+
+
+# ----- real cgroups, made by the test (root, on this machine's hierarchies) ---------------
+
+V1_ROOT, V2_ROOT = Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified")
+if not (V2_ROOT / "cgroup.procs").exists():  # a pure cgroup v2 host
+    V2_ROOT = Path("/sys/fs/cgroup")
+
+
+def _writable(root: Path) -> bool:
+    return os.geteuid() == 0 and (root / "cgroup.procs").exists() and os.access(root, os.W_OK)
+
+
+class Placed:
+    """A `sleep` process moved into a cgroup named as a runtime names its containers'."""
+
+    def __init__(self, root: Path, relative: str):
+        self.dir = root / relative
+        self.dir.mkdir(parents=True)
+        self.proc = subprocess.Popen(["sleep", "300"])
+        self.pid = self.proc.pid
+        (self.dir / "cgroup.procs").write_text(str(self.pid))
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        for folder in [self.dir, *self.dir.parents]:
+            if folder in (V1_ROOT, V2_ROOT) or not folder.is_relative_to(self.dir.parents[-3]):
+                break
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _real_forms():
+    tag = uuid.uuid4().hex[:8]
+    uid = str(uuid.uuid4())
+    for root, relative, runtime, pod_uid in (
+            (V1_ROOT, f"docker/{tag}{ID[8:]}", "docker", ""),
+            (V2_ROOT, f"ac-test-{tag}.slice/docker-{tag}{ID[8:]}.scope", "docker", ""),
+            (V2_ROOT, f"ac-test-{tag}.slice/kubepods-burstable-pod{uid.replace('-', '_')}"
+                      f".slice/cri-containerd-{tag}{ID[8:]}.scope", "containerd", uid),
+            (V1_ROOT, f"kubepods/burstable/pod{uid}/{tag}{ID[8:]}", "kubernetes", uid),
+            (V2_ROOT, f"ac-test-{tag}.slice/crio-{tag}{ID[8:]}.scope", "cri-o", "")):
+        yield pytest.param(root, relative, f"{tag}{ID[8:]}", runtime, pod_uid,
+                           id=f"{root.name}-{runtime}")
+
+
+@pytest.mark.parametrize("root, relative, container_id, runtime, pod_uid", list(_real_forms()))
+def test_a_process_placed_in_a_runtimes_cgroup_gets_its_container(
+        root, relative, container_id, runtime, pod_uid):
+    if not _writable(root):
+        pytest.skip(f"{root}: cannot make cgroups here (needs root and the hierarchy)")
+    placed = Placed(root, relative)
+    try:
+        attribution = Attribution()
+        identity = attribution.identity(placed.pid)
+        assert (identity.container_id, identity.runtime, identity.pod_uid) == \
+            (container_id, runtime, pod_uid)
+        labels = attribution.labels_of(placed.pid)
+        assert labels.get("container_id") == container_id
+        assert labels.get("pod_uid", "") == pod_uid
+        assert attribution.labels_of(os.getpid()) == {}  # the test itself: no container
+    finally:
+        placed.stop()
+
+
+def test_the_cache_follows_the_process_and_forgets_it_when_it_exits():
+    if not _writable(V1_ROOT):
+        pytest.skip("cannot make cgroups here")
+    tag = uuid.uuid4().hex[:8]
+    placed = Placed(V1_ROOT, f"docker/{tag}{ID[8:]}")
+    attribution = Attribution()
+    family = GaugeMetricFamily("ac_ebpf_map_entries", "x", labels=["pid", "comm"])
+    family.add_metric([str(placed.pid), "sleep"], 3)
+    try:
+        attribution.label([family])
+        assert family.samples[0].labels["container_id"] == f"{tag}{ID[8:]}"
+        assert placed.pid in attribution._cache
+        assert start_time(Path("/proc"), placed.pid) == \
+            attribution._cache[placed.pid].started
+    finally:
+        placed.stop()
+    gone = GaugeMetricFamily("ac_ebpf_map_entries", "x", labels=["pid", "comm"])
+    gone.add_metric([str(placed.pid), "sleep"], 3)
+    attribution.label([gone])  # the pid is gone: no labels, no entry
+    assert "container_id" not in gone.samples[0].labels
+    assert placed.pid not in attribution._cache
+    attribution.label([])
+    assert attribution._cache == {}
+
+
+# ----- the daemon: NVML's series through the real pynvml, and status ----------------------
+
+def test_nvml_series_of_a_containers_process_carry_its_container(start_daemon,
+                                                                 tmp_path_factory):
+    if not _writable(V2_ROOT):
+        pytest.skip("cannot make cgroups here")
+    nvml = build_nvml(tmp_path_factory.mktemp("nvml"))
+    tag = uuid.uuid4().hex[:8]
+    inside = Placed(V2_ROOT, f"ac-test-{tag}.slice/cri-containerd-{tag}{ID[8:]}.scope")
+    outside = subprocess.Popen(["sleep", "300"])
+    try:
+        daemon = start_daemon(None, "--collectors", "nvml", "--pod-resources-socket", "",
+                              env={"LD_LIBRARY_PATH": str(nvml),
+                                   "AC_NVML_STANDIN_PIDS": f"{inside.pid},{outside.pid}"})
+        deadline = time.monotonic() + 30
+        while True:
+            metrics = daemon.metrics()
+            if sample_value(metrics, "ac_gpu_process_memory_bytes", pid=str(inside.pid)):
+                break
+            assert time.monotonic() < deadline, daemon.log_path.read_text()
+            time.sleep(0.2)
+        gpu0 = {"gpu": "0", "uuid": "GPU-11111111-2222-3333-4444-000000000000"}
+        mine = {"pid": str(inside.pid), "container_id": f"{tag}{ID[8:]}", **gpu0}
+        assert sample_value(metrics, "ac_gpu_process_memory_bytes", **mine) == 512 << 20
+        for family, value in (("sm", 0.30), ("memory", 0.20), ("encoder", 0.0),
+                              ("decoder", 0.0)):
+            assert sample_value(metrics, f"ac_gpu_process_{family}_utilization_ratio",
+                                **mine) == pytest.approx(value)
+        theirs = {"pid": str(outside.pid), **gpu0}
+        assert sample_value(metrics, "ac_gpu_process_sm_utilization_ratio",
+                            **theirs) == pytest.approx(0.31)
+        assert sample_value(metrics, "ac_gpu_process_decoder_utilization_ratio",
+                            **theirs) == pytest.approx(0.02)
+        assert not any(("container_id", f"{tag}{ID[8:]}") in labels
+                       for (name, labels) in metrics
+                       if ("pid", str(outside.pid)) in labels)
+        status = daemon.status() if hasattr(daemon, "status") else None
+        if status is None:
+            import httpx
+            status = httpx.get(daemon.url + "/api/v1/status", timeout=10).json()
+        assert status["attribution"]["source"] == "cgroup"
+        assert "switched off" in status["attribution"]["reason"]
+        assert status["attribution"]["containers"] == 1
+    finally:
+        inside.stop()
+        outside.kill()
+        outside.wait(timeout=10)
+
+
+def test_every_per_process_family_declares_the_attribution_labels():
+    per_process = [s for s in m.ALL_METRICS if m.PID_LABEL in s.labels]
+    assert {s.name for s in per_process} >= {"ac_ebpf_map_entries",
+                                             "ac_gpu_process_memory_bytes",
+                                             "ac_gpu_process_sm_utilization_ratio",
+                                             "ac_engine_process"}
+    for spec in per_process:
+        assert set(m.ATTRIBUTION_LABELS) <= set(m.exposed_labels(spec)), spec.name
+
+
+def _fake_process(proc: Path, pid: int, started: int, cgroup: str) -> None:
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    fields = ["S"] + ["0"] * 18 + [str(started)] + ["0"] * 30
+    (proc / str(pid) / "stat").write_text(f"{pid} (a (b) c) " + " ".join(fields) + "\n")
+    (proc / str(pid) / "cgroup").write_text(cgroup)
+
+
+def test_a_reused_pid_is_read_afresh_and_the_same_process_is_not(tmp_path):
+    """Cached by (pid, start time): a new process under an old pid gets its own labels."""
+    other = "f" * 64
+    _fake_process(tmp_path, 77, 1000, f"0::/system.slice/docker-{ID}.scope\n")
+    attribution = Attribution(proc=tmp_path)
+    assert attribution.labels_of(77) == {"container_id": ID}
+    # The same process (same start time): the cache answers, the file is not read again.
+    _fake_process(tmp_path, 77, 1000, f"0::/system.slice/docker-{other}.scope\n")
+    assert attribution.labels_of(77) == {"container_id": ID}
+    # Another process under the same pid (a later start): read afresh.
+    _fake_process(tmp_path, 77, 2000, f"0::/system.slice/docker-{other}.scope\n")
+    assert attribution.labels_of(77) == {"container_id": other}
