@@ -230,3 +230,120 @@ def test_a_reused_pid_is_read_afresh_and_the_same_process_is_not(tmp_path):
     # Another process under the same pid (a later start): read afresh.
     _fake_process(tmp_path, 77, 2000, f"0::/system.slice/docker-{other}.scope\n")
     assert attribution.labels_of(77) == {"container_id": other}
+
+
+# ----- the kubelet's pod-resources socket: a stand-in from the real proto ----------------
+
+GPU0 = "GPU-11111111-2222-3333-4444-000000000000"
+
+
+def _wait_for(daemon, name, **labels):
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = daemon.metrics()
+        if sample_value(metrics, name, **labels) is not None:
+            return metrics
+        assert time.monotonic() < deadline, daemon.log_path.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _status(daemon) -> dict:
+    import httpx
+    return httpx.get(daemon.url + "/api/v1/status", timeout=10).json()
+
+
+def test_the_kubelets_socket_names_namespace_pod_and_container(start_daemon, tmp_path,
+                                                               tmp_path_factory):
+    if not _writable(V2_ROOT):
+        pytest.skip("cannot make cgroups here")
+    from support.kubelet import PodResourcesServer
+    nvml = build_nvml(tmp_path_factory.mktemp("nvml"))
+    tag, uid = uuid.uuid4().hex[:8], str(uuid.uuid4())
+    pod_dir = f"ac-test-{tag}.slice/kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    inside = Placed(V2_ROOT, f"{pod_dir}/cri-containerd-{tag}{ID[8:]}.scope")
+    socket_path = tmp_path / "kubelet.sock"
+    kubelet = PodResourcesServer(socket_path, [
+        ("serving", "llama-7b-6d9f", [("vllm", [GPU0 + "::0"]), ("sidecar", [])]),
+        ("other", "batch-1", [("trainer", ["GPU-11111111-2222-3333-4444-000000000009"])]),
+    ])
+    try:
+        daemon = start_daemon(None, "--collectors", "nvml",
+                              "--pod-resources-socket", str(socket_path),
+                              env={"LD_LIBRARY_PATH": str(nvml),
+                                   "AC_NVML_STANDIN_PIDS": str(inside.pid)})
+        metrics = _wait_for(daemon, "ac_gpu_process_sm_utilization_ratio", pod="llama-7b-6d9f")
+        named = {"pid": str(inside.pid), "container_id": f"{tag}{ID[8:]}", "pod_uid": uid,
+                 "namespace": "serving", "pod": "llama-7b-6d9f", "container": "vllm"}
+        assert sample_value(metrics, "ac_gpu_process_memory_bytes", **named) == 512 << 20
+        assert sample_value(metrics, "ac_gpu_process_sm_utilization_ratio",
+                            **named) == pytest.approx(0.30)
+        status = _status(daemon)["attribution"]
+        assert (status["source"], status["reason"], status["named_containers"]) == \
+            ("pod-resources", "", 1)
+        # The kubelet goes away: the names go with it, the cgroup's labels stay, and
+        # status says why.
+        kubelet.stop()
+        socket_path.unlink(missing_ok=True)  # grpc removes it on stop
+        deadline = time.monotonic() + 30
+        while _status(daemon)["attribution"]["source"] != "cgroup":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert "no kubelet pod-resources socket at" in _status(daemon)["attribution"]["reason"]
+        metrics = daemon.metrics()
+        assert sample_value(metrics, "ac_gpu_process_memory_bytes", pid=str(inside.pid),
+                            pod_uid=uid, container_id=f"{tag}{ID[8:]}") == 512 << 20
+        assert sample_value(metrics, "ac_gpu_process_memory_bytes", pod="llama-7b-6d9f") \
+            is None
+    finally:
+        kubelet.stop()
+        inside.stop()
+
+
+def test_a_gpu_two_pods_share_names_neither(tmp_path):
+    """Time-slicing: two containers hold replicas of one GPU; a process on it cannot be
+    told apart by device, so it gets no pod name (its cgroup's labels still)."""
+    from support.kubelet import PodResourcesServer
+    cid = "a" * 64
+    _fake_process(tmp_path, 50, 1, f"0::/kubepods/pod{UID}/{cid}\n")
+    socket_path = tmp_path / "kubelet.sock"
+    kubelet = PodResourcesServer(socket_path, [
+        ("a", "one", [("c", [GPU0 + "::0"])]), ("b", "two", [("c", [GPU0 + "::1"])])])
+    try:
+        attribution = Attribution(proc=tmp_path, socket_path=socket_path)
+        family = GaugeMetricFamily("ac_gpu_process_memory_bytes", "x",
+                                   labels=["gpu", "uuid", "pid"])
+        family.add_metric(["0", GPU0, "50"], 1.0)
+        attribution.label([family])
+        assert family.samples[0].labels == {"gpu": "0", "uuid": GPU0, "pid": "50",
+                                            "container_id": cid, "pod_uid": UID}
+        assert attribution.status()["source"] == "pod-resources"
+        kubelet.pods = [("a", "one", [("c", [GPU0 + "::0"])])]  # the other pod is gone
+        attribution.kubelet._listed_at = -float("inf")
+        family.samples[0] = family.samples[0]._replace(
+            labels={"gpu": "0", "uuid": GPU0, "pid": "50"})
+        attribution.label([family])
+        assert family.samples[0].labels["pod"] == "one"
+    finally:
+        kubelet.stop()
+
+
+def test_a_socket_that_is_not_the_kubelets_is_a_reason_not_an_error(tmp_path):
+    import socket
+    _fake_process(tmp_path, 50, 1, f"0::/kubepods/pod{UID}/{'a' * 64}\n")
+    (tmp_path / "self").symlink_to("50")
+    path = tmp_path / "kubelet.sock"
+    silent = socket.socket(socket.AF_UNIX)
+    silent.bind(str(path))  # bound, never listening: connections are refused
+    try:
+        attribution = Attribution(proc=tmp_path, socket_path=path)
+        attribution.kubelet.timeout_seconds = 0.5
+        family = GaugeMetricFamily("ac_gpu_process_memory_bytes", "x",
+                                   labels=["gpu", "uuid", "pid"])
+        family.add_metric(["0", GPU0, "50"], 1.0)
+        attribution.label([family])
+        assert family.samples[0].labels["container_id"] == "a" * 64
+        status = attribution.status()
+        assert status["source"] == "cgroup"
+        assert status["reason"].startswith(f"pod-resources List() on {path} failed")
+    finally:
+        silent.close()

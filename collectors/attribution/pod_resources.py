@@ -65,15 +65,15 @@ class PodResources:
     def containers(self, fresh_within: float | None = None) -> list[PodContainer]:
         """The node's pod containers, listed again when the last list is older than
         `fresh_within` seconds (default max_age_seconds); [] without the socket."""
+        if not self.present():  # a stat each cycle: a kubelet gone takes its names along
+            self.ok = False
+            self.reason = f"no kubelet pod-resources socket at {self.socket_path}"
+            self._containers, self._listed_at = [], -float("inf")
+            return self._containers
         limit = self.max_age_seconds if fresh_within is None else fresh_within
         if time.monotonic() - self._listed_at < limit:
             return self._containers
         self._listed_at = time.monotonic()
-        if not self.present():
-            self.ok = False
-            self.reason = f"no kubelet pod-resources socket at {self.socket_path}"
-            self._containers = []
-            return self._containers
         try:
             self._containers = self._list()
         except Exception as exc:  # grpc's errors, a refused connection, a bad answer

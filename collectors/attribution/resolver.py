@@ -50,7 +50,6 @@ class Attribution:
         self._cache: dict[int, _Entry] = {}
         self._containers: dict[str, tuple[str, str, str]] = {}  # container id -> ns, pod, name
         self._pods: dict[str, tuple[str, str]] = {}  # pod uid -> ns, pod
-        self.cgroups_readable = True
 
     # ----- who a process is --------------------------------------------------------------
 
