@@ -14,8 +14,8 @@ from prometheus_client.core import GaugeMetricFamily
 from ac_observe import metrics as m
 from ac_observe.collectors.attribution import Attribution
 from ac_observe.collectors.attribution.cgroup import NOBODY, parse_cgroup, start_time
-from support.servers import sample_value
-from support.standins import build_nvml
+from support.servers import sample_value, wait_for
+from support.standins import Pattern, build_cuda, build_nvml
 
 ID = "0123456789abcdef" * 4
 UID = "8c5f1a2e-3b4d-4e6f-9a0b-1c2d3e4f5a6b"
@@ -75,16 +75,17 @@ def _writable(root: Path) -> bool:
 class Placed:
     """A `sleep` process moved into a cgroup named as a runtime names its containers'."""
 
-    def __init__(self, root: Path, relative: str):
+    def __init__(self, root: Path, relative: str, proc: subprocess.Popen | None = None):
         self.dir = root / relative
         self.dir.mkdir(parents=True)
-        self.proc = subprocess.Popen(["sleep", "300"])
+        self.proc = proc or subprocess.Popen(["sleep", "300"])
         self.pid = self.proc.pid
         (self.dir / "cgroup.procs").write_text(str(self.pid))
 
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
         for folder in [self.dir, *self.dir.parents]:
             if folder in (V1_ROOT, V2_ROOT) or not folder.is_relative_to(self.dir.parents[-3]):
                 break
@@ -347,3 +348,44 @@ def test_a_socket_that_is_not_the_kubelets_is_a_reason_not_an_error(tmp_path):
         assert status["reason"].startswith(f"pod-resources List() on {path} failed")
     finally:
         silent.close()
+
+
+# ----- eBPF and NVML together: processes in docker's and CRI-O's cgroups ------------------
+
+@pytest.mark.slow  # bcc compiles its probes
+def test_ebpf_and_nvml_series_carry_each_processs_container(start_daemon, tmp_path_factory):
+    if os.geteuid() != 0 or not (_writable(V1_ROOT) and _writable(V2_ROOT)):
+        pytest.skip("needs root and cgroups to make")
+    cuda = build_cuda(tmp_path_factory.mktemp("cuda"))
+    nvml = build_nvml(tmp_path_factory.mktemp("nvml"))
+    tag = uuid.uuid4().hex[:8]
+    docker_id, crio_id = f"{tag}{ID[8:]}", f"{tag}{'e' * 56}"
+    first, second = Pattern(cuda), Pattern(cuda)
+    placed = [Placed(V1_ROOT, f"docker/{docker_id}", first.proc),
+              Placed(V2_ROOT, f"ac-test-{tag}.slice/crio-{crio_id}.scope", second.proc)]
+    try:
+        daemon = start_daemon(None, "--collectors", "ebpf,nvml", "--interval", "0.5s",
+                              "--pod-resources-socket", "",
+                              env={"LD_LIBRARY_PATH": str(nvml),
+                                   "AC_NVML_STANDIN_PIDS": f"{first.pid},{second.pid}"})
+        wait_for(lambda: next(c for c in _status(daemon)["collectors"]
+                              if c["name"] == "ebpf")["up"], 60, "probes on the libraries")
+        assert first.run("round 1") == "done" and second.run("round 1") == "done"
+        metrics = wait_for(lambda: (got := daemon.metrics()) and all(sample_value(
+            got, "ac_cuda_graph_launches_total", pid=p.pid) == 1 for p in (first, second))
+            and got, 20, "the counts")
+        for pattern, container_id in ((first, docker_id), (second, crio_id)):
+            mine = {"pid": pattern.pid, "container_id": container_id}
+            assert sample_value(metrics, "ac_cuda_kernel_launches_total", stream="0x1000",
+                                **mine) == 3
+            assert sample_value(metrics, "ac_cuda_graph_launches_total", **mine) == 1
+            assert sample_value(metrics, "ac_ebpf_map_entries", **mine) > 0
+            assert sample_value(metrics, "ac_cuda_sync_wait_seconds_count",
+                                api="cudaDeviceSynchronize", **mine) == 1
+            assert sample_value(metrics, "ac_gpu_process_memory_bytes", **mine) == 512 << 20
+            assert sample_value(metrics, "ac_gpu_process_sm_utilization_ratio", **mine) > 0
+    finally:
+        for pattern in (first, second):
+            pattern.exit()
+        for cgroup in placed:
+            cgroup.stop()
