@@ -107,6 +107,7 @@ ENGINE_KIND = ("engine", "kind")
 BY_ENGINE_PROCESS = (f'on (pid) group_left (engine, kind) '
                      f'{m.ENGINE_PROCESS.name}{{engine=~"$engine"}}')
 GPU = ("gpu",)
+POD = ("namespace", "pod", "pod_uid")  # a pod by name where the kubelet told it, else by UID
 
 
 def overview() -> Board:
@@ -262,6 +263,18 @@ def gpu_and_cuda() -> Board:
             Panel("Memory per process", [
                 (gauge_by(m.GPU_PROCESS_MEMORY, ("gpu", "pid"), "max"),
                  "gpu {{gpu}} pid {{pid}}")], "bytes"),
+            Panel("SM and memory-controller use per pod", [
+                (gauge_by(m.GPU_PROCESS_UTILIZATION[0], POD, "sum") + " * 100",
+                 "SM {{namespace}}/{{pod}} {{pod_uid}}"),
+                (gauge_by(m.GPU_PROCESS_UTILIZATION[1], POD, "sum") + " * 100",
+                 "memory {{namespace}}/{{pod}} {{pod_uid}}"),
+            ], "percent", description="Each pod's processes' share of the GPU's SMs and memory "
+                  "controller over NVML's last sample period (nvmlDeviceGetProcessUtilization), "
+                  "summed per pod; a pod named by the kubelet's socket shows its namespace and "
+                  "name, else its UID; processes outside any pod show as one blank entry."),
+            Panel("Device memory per pod", [
+                (gauge_by(m.GPU_PROCESS_MEMORY, POD, "sum"),
+                 "{{namespace}}/{{pod}} {{pod_uid}}")], "bytes"),
             Panel("GPM: SM occupancy, SM / tensor / DRAM active", [
                 (gauge_by(m.GPU_SM_OCCUPANCY, GPU, "max") + " * 100", "occupancy {{gpu}}"),
                 (gauge_by(m.GPU_SM_ACTIVE, GPU, "max") + " * 100", "SM active {{gpu}}"),
