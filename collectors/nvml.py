@@ -64,6 +64,12 @@ GPM_FIELDS = (
 )
 
 
+# XID codes are a driver's small numbers (13, 31, 48, 79, ...); any other value, and codes
+# past this many distinct ones on a GPU, count as "other": the label stays bounded.
+MAX_XID_CODES = 32
+MAX_XID_CODE = 999
+NOT_MIG = 0xFFFFFFFF  # a process's gpuInstanceId outside MIG
+
 # nvmlDeviceGetProcessUtilization's sample fields, in the order of
 # m.GPU_PROCESS_UTILIZATION (SM, memory, encoder, decoder); NVML reports percent.
 PROCESS_UTILIZATION_FIELDS = ("smUtil", "memUtil", "encUtil", "decUtil")
@@ -77,8 +83,9 @@ class _Device:
     gpm: bool
     gpm_sample: object = None
     gpm_time: float = 0.0
-    xid_total: int = 0
+    xid_counts: dict = field(default_factory=dict)  # XID code (label text) -> events
     handle_address: int = 0
+    mig: list = field(default_factory=list)  # (MIG UUID, GPU instance, compute instance)
     process_utilization: bool = True  # until the device says it cannot
     gpm_values: dict = field(default_factory=dict)
 
@@ -107,6 +114,8 @@ class NvmlCollector(Collector):
             devices.append(_Device(index, handle, uuid if isinstance(uuid, str) else uuid.decode(),
                                    self._gpm_supported(handle),
                                    handle_address=ctypes.cast(handle, ctypes.c_void_p).value or 0))
+        for device in devices:
+            device.mig = self._mig_devices(device.handle)
         self.devices = devices
         self.event_set = self._xid_events(devices)
         log.info("NVML: %d GPU(s)", len(devices))
@@ -116,6 +125,29 @@ class NvmlCollector(Collector):
             return bool(self.nv.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
         except self.nv.NVMLError:
             return False
+
+    def _mig_devices(self, handle) -> list[tuple[str, int, int]]:
+        """(UUID, GPU instance, compute instance) of each MIG device; [] outside MIG mode
+        (read once: a MIG layout changes only with the GPU idle and the daemon restarted,
+        as dcgm-exporter reads it)."""
+        nv = self.nv
+        try:
+            if nv.nvmlDeviceGetMigMode(handle)[0] != nv.NVML_DEVICE_MIG_ENABLE:
+                return []
+            slots = nv.nvmlDeviceGetMaxMigDeviceCount(handle)
+        except nv.NVMLError:  # not MIG-capable, or a driver without MIG
+            return []
+        found = []
+        for index in range(slots):
+            try:
+                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+                uuid = nv.nvmlDeviceGetUUID(mig)
+                found.append((uuid if isinstance(uuid, str) else uuid.decode(),
+                              nv.nvmlDeviceGetGpuInstanceId(mig),
+                              nv.nvmlDeviceGetComputeInstanceId(mig)))
+            except nv.NVMLError:  # an empty slot
+                continue
+        return found
 
     def _xid_events(self, devices):
         nv = self.nv
@@ -140,6 +172,7 @@ class NvmlCollector(Collector):
         process_util = [new_gauge(spec) for spec in m.GPU_PROCESS_UTILIZATION]
         self._drain_xid()
         xid = new_counter(m.GPU_XID_ERRORS)
+        mig = new_gauge(m.GPU_MIG_DEVICE)
         for device in self.devices:
             labels = [str(device.index), device.uuid]
             for spec, read, scale in DEVICE_FIELDS:
@@ -147,18 +180,35 @@ class NvmlCollector(Collector):
                     gauges[spec.name].add_metric(labels, read(nv, device.handle) * scale)
                 except nv.NVMLError_NotSupported:
                     continue
-            try:
-                for proc in nv.nvmlDeviceGetComputeRunningProcesses(device.handle):
-                    if proc.usedGpuMemory is not None:
-                        processes.add_metric(labels + [str(proc.pid)], proc.usedGpuMemory)
-            except nv.NVMLError_NotSupported:
-                pass
+            self._process_memory(device, labels, processes)
+            for mig_uuid, gpu_instance, compute_instance in device.mig:
+                mig.add_metric(labels + [mig_uuid, str(gpu_instance), str(compute_instance)], 1)
             self._process_utilization(device, labels, process_util)
             for name, value in self._gpm(device).items():
                 gauges[name].add_metric(labels, value)
-            xid.add_metric(labels, device.xid_total)
+            for code, count in sorted(device.xid_counts.items()):
+                xid.add_metric(labels + [code], count)
         return [g for g in gauges.values() if g.samples] + [processes, xid] + \
-            [g for g in process_util if g.samples]
+            [g for g in process_util if g.samples] + ([mig] if mig.samples else [])
+
+    def _process_memory(self, device: _Device, labels: list[str], family) -> None:
+        """Each compute process's device memory; on a MIG device with its instances (the
+        labels there only: a series outside MIG has none)."""
+        nv = self.nv
+        try:
+            running = nv.nvmlDeviceGetComputeRunningProcesses(device.handle)
+        except nv.NVMLError_NotSupported:
+            return
+        for proc in running:
+            if proc.usedGpuMemory is None:
+                continue
+            series = dict(zip(m.GPU_PROCESS_MEMORY.labels, labels + [str(proc.pid)],
+                              strict=False))
+            instance = getattr(proc, "gpuInstanceId", NOT_MIG)
+            if device.mig and instance != NOT_MIG:
+                series.update(zip(m.MIG_LABELS, (str(instance), str(proc.computeInstanceId)),
+                                  strict=True))
+            family.add_sample(family.name, series, proc.usedGpuMemory)
 
     def _process_utilization(self, device: _Device, labels: list[str], gauges: list) -> None:
         """Each process's newest sample since NVML's last sampling period began (a process
@@ -227,8 +277,13 @@ class NvmlCollector(Collector):
                 address = ctypes.cast(event.device, ctypes.c_void_p).value or 0
                 device = by_address.get(address)
                 if device is not None:
-                    device.xid_total += 1
-                    log.warning("GPU %d: XID %d", device.index, event.eventData)
+                    code = event.eventData
+                    label = str(code) if 0 <= code <= MAX_XID_CODE else "other"
+                    if label not in device.xid_counts and \
+                            len(device.xid_counts) >= MAX_XID_CODES:
+                        label = "other"
+                    device.xid_counts[label] = device.xid_counts.get(label, 0) + 1
+                    log.warning("GPU %d: XID %d", device.index, code)
 
     def close(self) -> None:
         if not self.devices:

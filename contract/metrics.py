@@ -272,8 +272,15 @@ GPU_MEMORY_TOTAL = _gpu("ac_gpu_memory_total_bytes", GAUGE, "Device memory insta
 GPU_POWER = _gpu("ac_gpu_power_watts", GAUGE, "Board power draw.", "watts")
 GPU_TEMPERATURE = _gpu("ac_gpu_temperature_celsius", GAUGE, "GPU die temperature.", "celsius")
 GPU_SM_CLOCK = _gpu("ac_gpu_sm_clock_hertz", GAUGE, "SM clock.", "hertz")
+# A MIG device: its GPU instance and compute instance, on a process's series there too
+# (`uuid` stays the physical GPU's; ac_gpu_mig_device_info names the MIG device's UUID).
+MIG_LABELS = ("gpu_instance", "compute_instance")
+GPU_MIG_DEVICE = _gpu("ac_gpu_mig_device_info", GAUGE, "1 for each MIG device of a GPU in "
+                      "MIG mode, by GPU instance and compute instance.", "",
+                      GPU_LABELS + ("mig_uuid",) + MIG_LABELS)
 GPU_PROCESS_MEMORY = _gpu("ac_gpu_process_memory_bytes", GAUGE,
-                          "Device memory used by a process.", "bytes", GPU_LABELS + ("pid",))
+                          "Device memory used by a process (on a MIG device: with its GPU "
+                          "and compute instance).", "bytes", GPU_LABELS + ("pid",) + MIG_LABELS)
 # nvmlDeviceGetProcessUtilization: each process's share of the GPU over NVML's last
 # sampling period, by engine (SM, memory controller, encoder, decoder).
 GPU_PROCESS_UTILIZATION = tuple(
@@ -287,12 +294,14 @@ GPU_SM_ACTIVE = _gpu("ac_gpu_sm_active_ratio", GAUGE, "SM active (GPM).", "ratio
 GPU_TENSOR_ACTIVE = _gpu("ac_gpu_tensor_active_ratio", GAUGE, "Tensor core active (GPM).",
                          "ratio")
 GPU_DRAM_ACTIVE = _gpu("ac_gpu_dram_active_ratio", GAUGE, "DRAM active (GPM).", "ratio")
-GPU_XID_ERRORS = _gpu("ac_gpu_xid_errors_total", COUNTER, "XID errors seen.", "errors")
+GPU_XID_ERRORS = _gpu("ac_gpu_xid_errors_total", COUNTER,
+                      "XID errors seen since the daemon started, by XID code (a GPU with none "
+                      "has no series).", "errors", GPU_LABELS + ("xid",))
 
 NVML_METRICS = (
     GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_POWER, GPU_TEMPERATURE,
     GPU_SM_CLOCK, GPU_PROCESS_MEMORY, GPU_SM_OCCUPANCY, GPU_SM_ACTIVE, GPU_TENSOR_ACTIVE,
-    GPU_DRAM_ACTIVE, GPU_XID_ERRORS, *GPU_PROCESS_UTILIZATION,
+    GPU_DRAM_ACTIVE, GPU_XID_ERRORS, *GPU_PROCESS_UTILIZATION, GPU_MIG_DEVICE,
 )
 GPU_PROCESS_FAMILIES = {spec.family for spec in (GPU_PROCESS_MEMORY, *GPU_PROCESS_UTILIZATION)}
 

@@ -389,3 +389,34 @@ def test_ebpf_and_nvml_series_carry_each_processs_container(start_daemon, tmp_pa
             pattern.exit()
         for cgroup in placed:
             cgroup.stop()
+
+
+def test_a_process_on_a_mig_device_is_named_by_the_container_holding_that_device(
+        start_daemon, tmp_path, tmp_path_factory):
+    """Device plugins hand out MIG devices by their own UUID: the process's GPU and
+    compute instance lead to it (ac_gpu_mig_device_info), and so to the pod."""
+    if not _writable(V2_ROOT):
+        pytest.skip("cannot make cgroups here")
+    from support.kubelet import PodResourcesServer
+    nvml = build_nvml(tmp_path_factory.mktemp("nvml"))
+    tag, uid = uuid.uuid4().hex[:8], str(uuid.uuid4())
+    inside = Placed(V2_ROOT, f"ac-test-{tag}.slice/kubepods-pod{uid.replace('-', '_')}.slice/"
+                             f"crio-{tag}{ID[8:]}.scope")
+    socket_path = tmp_path / "kubelet.sock"
+    kubelet = PodResourcesServer(socket_path, [
+        ("ml", "small-1", [("worker", ["MIG-aaaaaaaa-bbbb-cccc-dddd-000000000001"])]),
+        ("ml", "small-2", [("worker", ["MIG-aaaaaaaa-bbbb-cccc-dddd-000000000002"])]),
+    ])
+    try:
+        daemon = start_daemon(None, "--collectors", "nvml",
+                              "--pod-resources-socket", str(socket_path),
+                              env={"LD_LIBRARY_PATH": str(nvml),
+                                   "AC_NVML_STANDIN_MIG_PID": str(inside.pid)})
+        metrics = _wait_for(daemon, "ac_gpu_process_memory_bytes", pod="small-2")
+        assert sample_value(metrics, "ac_gpu_process_memory_bytes", pid=str(inside.pid),
+                            gpu_instance="2", compute_instance="0", namespace="ml",
+                            pod="small-2", container="worker", pod_uid=uid,
+                            container_id=f"{tag}{ID[8:]}") == 256 << 20
+    finally:
+        kubelet.stop()
+        inside.stop()

@@ -136,8 +136,22 @@ def test_nvml_collector_exports_the_libraries_values_exactly(start_daemon, nvml_
     assert sample_value(metrics, "ac_gpu_power_watts", **g1) is None
     assert sample_value(metrics, "ac_gpu_sm_occupancy_ratio", **g1) is None
     assert sample_value(metrics, "ac_gpu_process_memory_bytes", pid="4242", **g0) == 512 << 20
-    assert sample_value(metrics, "ac_gpu_xid_errors_total", **g1) == 2
-    assert sample_value(metrics, "ac_gpu_xid_errors_total", **g0) == 0
+    # XID errors by code: GPU 1's two events (79, 48); GPU 0 has none, so no series.
+    assert sample_value(metrics, "ac_gpu_xid_errors_total", xid="79", **g1) == 1
+    assert sample_value(metrics, "ac_gpu_xid_errors_total", xid="48", **g1) == 1
+    assert sample_value(metrics, "ac_gpu_xid_errors_total", **g0) is None
+    # MIG: GPU 1's two MIG devices, and its process with its GPU and compute instance.
+    for instance in ("1", "2"):
+        assert sample_value(metrics, "ac_gpu_mig_device_info", gpu_instance=instance,
+                            compute_instance="0",
+                            mig_uuid=f"MIG-aaaaaaaa-bbbb-cccc-dddd-00000000000{instance}",
+                            **g1) == 1
+    assert sample_value(metrics, "ac_gpu_mig_device_info", **g0) is None
+    assert sample_value(metrics, "ac_gpu_process_memory_bytes", pid="4343", gpu_instance="2",
+                        compute_instance="0", **g1) == 256 << 20
+    (outside_mig,) = [labels for (name, labels) in metrics
+                      if name == "ac_gpu_process_memory_bytes" and ("pid", "4242") in labels]
+    assert not {k for k, _ in outside_mig} & {"gpu_instance", "compute_instance"}
     assert sample_value(metrics, "ac_collector_up", collector="nvml") == 1
 
 

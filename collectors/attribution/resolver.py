@@ -172,7 +172,10 @@ def _pids(families: list[Metric]) -> set[int]:
 
 
 def _gpus_of(families: list[Metric]) -> dict[int, set[str]]:
-    """{pid: GPU (or MIG) UUIDs} from NVML's per-process series."""
+    """{pid: GPU UUIDs, and MIG devices' where the process runs in one} from NVML's
+    per-process series (device plugins hand out MIG devices by their own UUID)."""
+    mig = {tuple(s.labels.get(k) for k in ("uuid", *m.MIG_LABELS)): s.labels.get("mig_uuid")
+           for f in families if f.name == m.GPU_MIG_DEVICE.family for s in f.samples}
     gpus: dict[int, set[str]] = {}
     for family in families:
         if family.name not in m.GPU_PROCESS_FAMILIES:
@@ -180,5 +183,9 @@ def _gpus_of(families: list[Metric]) -> dict[int, set[str]]:
         for sample in family.samples:
             text, uuid = sample.labels.get(m.PID_LABEL), sample.labels.get("uuid")
             if text and text.isdigit() and uuid:
-                gpus.setdefault(int(text), set()).add(uuid)
+                held = gpus.setdefault(int(text), set())
+                held.add(uuid)
+                instance = mig.get((uuid, *(sample.labels.get(k) for k in m.MIG_LABELS)))
+                if instance:
+                    held.add(instance)
     return gpus

@@ -5,7 +5,9 @@
  * $AC_NVML_STANDIN_PIDS, comma-separated, at most 8), each with process utilisation samples
  * (SM 30+i %, memory 20+i %, encoder i %, decoder 2i % for the i-th).
  * GPU 1: no power reading (NOT_SUPPORTED), no GPM, no process utilisation, two XID
- * events pending. */
+ * events pending (codes 79 and 48), MIG mode on with two MIG devices (GPU instance 1 and
+ * 2, compute instance 0 each) and one process, pid 4343 (or $AC_NVML_STANDIN_MIG_PID),
+ * in GPU instance 2, 256 MiB. */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -14,7 +16,8 @@ typedef int nvmlReturn_t;
 enum { OK = 0, INVALID_ARGUMENT = 2, NOT_SUPPORTED = 3, INSUFFICIENT_SIZE = 7, TIMEOUT = 10 };
 
 typedef struct { int index; } device_t;
-static device_t devices[2] = {{0}, {1}};
+/* 0, 1: the GPUs; 2, 3: GPU 1's MIG devices (GPU instances 1 and 2). */
+static device_t devices[4] = {{0}, {1}, {2}, {3}};
 static int event_set_token;
 static int xid_pending = 2;
 
@@ -46,8 +49,10 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, device_t **device
 }
 
 nvmlReturn_t nvmlDeviceGetUUID(device_t *d, char *uuid, unsigned int length) {
-    const char *ids[2] = {"GPU-11111111-2222-3333-4444-000000000000",
-                          "GPU-11111111-2222-3333-4444-000000000001"};
+    const char *ids[4] = {"GPU-11111111-2222-3333-4444-000000000000",
+                          "GPU-11111111-2222-3333-4444-000000000001",
+                          "MIG-aaaaaaaa-bbbb-cccc-dddd-000000000001",
+                          "MIG-aaaaaaaa-bbbb-cccc-dddd-000000000002"};
     if (length < 41) return INSUFFICIENT_SIZE;
     strcpy(uuid, ids[d->index]);
     return OK;
@@ -102,8 +107,19 @@ static unsigned int standin_pids(unsigned int *pids) {
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(device_t *d, unsigned int *count,
                                                      process_info_t *infos) {
     unsigned int pids[8];
-    unsigned int have = d->index == 0 ? standin_pids(pids) : 0;
+    unsigned int have = d->index == 0 ? standin_pids(pids) : d->index == 1 ? 1 : 0;
     if (have == 0) { *count = 0; return OK; }
+    if (d->index == 1) { /* MIG: one process in GPU instance 2 */
+        const char *mig_pid = getenv("AC_NVML_STANDIN_MIG_PID");
+        if (infos == NULL || *count < 1) { *count = 1; return INSUFFICIENT_SIZE; }
+        memset(infos, 0, sizeof(process_info_t));
+        infos[0].pid = mig_pid && *mig_pid ? (unsigned int)strtoul(mig_pid, NULL, 10) : 4343;
+        infos[0].usedGpuMemory = 256ULL << 20;
+        infos[0].gpuInstanceId = 2;
+        infos[0].computeInstanceId = 0;
+        *count = 1;
+        return OK;
+    }
     if (infos == NULL || *count < have) { *count = have; return INSUFFICIENT_SIZE; }
     memset(infos, 0, sizeof(process_info_t) * have);
     for (unsigned int i = 0; i < have; i++) {
@@ -193,5 +209,36 @@ nvmlReturn_t nvmlGpmMetricsGet(gpm_metrics_get_t *get) {
         }
         if (gap < 0.1) m->nvmlReturn = INVALID_ARGUMENT; /* NVML wants samples >= 100 ms apart */
     }
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(device_t *d, unsigned int *current, unsigned int *pending) {
+    if (d->index > 1) return INVALID_ARGUMENT;
+    *current = *pending = d->index == 1;
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(device_t *d, unsigned int *count) {
+    *count = d->index == 1 ? 7 : 0; /* as an A100 or H100: up to 7, here 2 made */
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(device_t *d, unsigned int index,
+                                                 device_t **mig) {
+    if (d->index != 1) return INVALID_ARGUMENT;
+    if (index > 1) return 6; /* NVML_ERROR_NOT_FOUND: a slot with no MIG device */
+    *mig = &devices[2 + index];
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(device_t *d, unsigned int *id) {
+    if (d->index < 2) return INVALID_ARGUMENT;
+    *id = d->index - 1; /* 1, 2 */
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeInstanceId(device_t *d, unsigned int *id) {
+    if (d->index < 2) return INVALID_ARGUMENT;
+    *id = 0;
     return OK;
 }
