@@ -248,6 +248,14 @@ def _wait_for(daemon, name, **labels):
         time.sleep(0.2)
 
 
+def _cli_status(daemon) -> str:
+    from support.servers import AC_OBSERVE
+    done = subprocess.run([AC_OBSERVE, "--daemon", daemon.url, "status"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def _status(daemon) -> dict:
     import httpx
     return httpx.get(daemon.url + "/api/v1/status", timeout=10).json()
@@ -281,6 +289,8 @@ def test_the_kubelets_socket_names_namespace_pod_and_container(start_daemon, tmp
         status = _status(daemon)["attribution"]
         assert (status["source"], status["reason"], status["named_containers"]) == \
             ("pod-resources", "", 1)
+        assert "processes named by: pod-resources (1 container(s) among 1 process(es), " \
+            "1 named by the kubelet)" in _cli_status(daemon)
         # The kubelet goes away: the names go with it, the cgroup's labels stay, and
         # status says why.
         kubelet.stop()
@@ -290,6 +300,9 @@ def test_the_kubelets_socket_names_namespace_pod_and_container(start_daemon, tmp
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert "no kubelet pod-resources socket at" in _status(daemon)["attribution"]["reason"]
+        printed = _cli_status(daemon)
+        assert "processes named by: cgroup" in printed
+        assert f"no kubelet pod-resources socket at {socket_path}" in printed.replace("\n  ", "")
         metrics = daemon.metrics()
         assert sample_value(metrics, "ac_gpu_process_memory_bytes", pid=str(inside.pid),
                             pod_uid=uid, container_id=f"{tag}{ID[8:]}") == 512 << 20
