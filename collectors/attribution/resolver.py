@@ -83,18 +83,17 @@ class Attribution:
     def label(self, families: list[Metric]) -> None:
         """Add each per-process sample's labels (in place); forget processes no sample
         names any more."""
-        pids = _pids(families)
+        found = _per_process(families)  # one pass over the samples: ~1 ms per 10k
+        pids = {pid for _, _, pid in found}
         if self.kubelet is not None:
             self._join_pods(families, pids)
         wanted = {pid: self.labels_of(pid) for pid in sorted(pids)[:MAX_PROCESSES]}
         for pid in set(self._cache) - set(wanted):
             del self._cache[pid]
-        for family in families:
-            for i, sample in enumerate(family.samples):
-                text = sample.labels.get(m.PID_LABEL)
-                extra = wanted.get(int(text)) if text and text.isdigit() else None
-                if extra:
-                    family.samples[i] = sample._replace(labels={**sample.labels, **extra})
+        for samples, i, pid in found:
+            extra = wanted.get(pid)
+            if extra:
+                samples[i] = samples[i]._replace(labels={**samples[i].labels, **extra})
 
     def _join_pods(self, families: list[Metric], pids: set[int]) -> None:
         assert self.kubelet is not None
@@ -161,14 +160,16 @@ class Attribution:
                 "named_containers": len(self._containers)}
 
 
-def _pids(families: list[Metric]) -> set[int]:
-    pids = set()
+def _per_process(families: list[Metric]) -> list[tuple[list, int, int]]:
+    """(a family's samples, the index of one with a pid, the pid) of every such sample."""
+    found = []
     for family in families:
-        for sample in family.samples:
+        samples = family.samples
+        for i, sample in enumerate(samples):
             text = sample.labels.get(m.PID_LABEL)
             if text and text.isdigit() and len(text) <= 10:
-                pids.add(int(text))
-    return pids
+                found.append((samples, i, int(text)))
+    return found
 
 
 def _gpus_of(families: list[Metric]) -> dict[int, set[str]]:
