@@ -352,6 +352,12 @@ def nvml_under_load(model: str, device: str) -> None:
             figure(f"{sample.name}{{gpu={sample.labels.get('gpu')}}}", sample.value)
     check("NVML utilisation and memory read", {"ac_gpu_utilization_ratio",
                                                "ac_gpu_memory_used_bytes"} <= set(families))
+    # This process ran the load: a process sample shows SMs busy (by pid as NVML sees it,
+    # the host's, which in a container is not os.getpid()).
+    per_process = {s.labels.get("pid"): s.value for s in getattr(
+        families.get("ac_gpu_process_sm_utilization_ratio"), "samples", [])}
+    check("NVML per-process SM use under load", any(v > 0 for v in per_process.values()),
+          str(per_process))
     if torch.cuda.get_device_capability()[0] >= 9:
         occupancy = [s.value for s in families.get("ac_gpu_sm_occupancy_ratio",
                                                    type("F", (), {"samples": []})).samples]
