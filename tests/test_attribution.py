@@ -433,3 +433,58 @@ def test_a_process_on_a_mig_device_is_named_by_the_container_holding_that_device
     finally:
         kubelet.stop()
         inside.stop()
+
+
+# ----- engine series: a discovered vLLM (stand-in) in a containerd cgroup ----------------
+
+def test_a_discovered_engines_series_and_processes_carry_its_container(tmp_path):
+    """The server (and the child it starts, as vLLM's EngineCore) run in the container's
+    cgroup from their first instruction: its engine series, ac_engine_up and both rows of
+    ac_engine_process carry the container's id; a process outside it none."""
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ac_observe.daemon.config import DaemonConfig
+    from ac_observe.daemon.service import Daemon
+    from support.processes import start_process, stop_process
+    from support.servers import free_port
+    if not _writable(V2_ROOT):
+        pytest.skip("cannot make cgroups here")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(tests, "support", "standin_engines"), tests])}
+    tag, uid = uuid.uuid4().hex[:8], str(uuid.uuid4())
+    cgroup = V2_ROOT / (f"ac-test-{tag}.slice/kubepods-besteffort-pod{uid.replace('-', '_')}"
+                        f".slice/cri-containerd-{tag}{ID[8:]}.scope")
+    cgroup.mkdir(parents=True)
+    port = free_port()
+    server = start_process(["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$0" "$@"',
+                            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                            "--port", str(port)], env=env)
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "telemetry", collectors=(),
+                                 history=False, engine_discovery=True,
+                                 pod_resources_socket=None))
+    try:
+        def rendered():
+            daemon.run_cycle()
+            text = daemon.render_metrics().decode()
+            return f'pid="{server.pid}"' in text.split("ac_requests_running", 1)[-1] and text
+        text = wait_for(rendered, 30, "the stand-in vLLM found and read")
+        series = [(f.name, s.labels) for f in text_string_to_metric_families(text)
+                  for s in f.samples if s.labels.get("engine") == f"vllm-{server.pid}"]
+        mine = {"container_id": f"{tag}{ID[8:]}", "pod_uid": uid}
+        names = {name for name, _ in series}
+        assert {"ac_requests_running", "ac_engine_up", "ac_engine_process"} <= names
+        for name, labels in series:
+            assert {k: labels.get(k) for k in mine} == mine, (name, labels)
+        roles = {labels["role"] for name, labels in series if name == "ac_engine_process"}
+        assert roles == {"server", "child"}
+    finally:
+        daemon.close()
+        stop_process(server)
+        for folder in (cgroup, cgroup.parent, cgroup.parent.parent):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
