@@ -256,7 +256,8 @@ GPU_LABELS = ("gpu", "uuid")
 # Per-process series (those with `pid`) get these on export, where the process's cgroup
 # and the kubelet tell them (collectors/attribution/): its container's id (64 hex), its
 # pod's UID, and with the kubelet's pod-resources socket the pod's namespace and name and
-# the container's name. A process outside any container has none of them.
+# the container's name. A process outside any container has none of them. An engine's
+# series carry them too where the daemon knows its process (query_labels).
 CONTAINER_ID_LABEL, POD_UID_LABEL = "container_id", "pod_uid"
 POD_NAME_LABELS = ("namespace", "pod", "container")
 ATTRIBUTION_LABELS = (CONTAINER_ID_LABEL, POD_UID_LABEL) + POD_NAME_LABELS

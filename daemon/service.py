@@ -189,7 +189,8 @@ class Daemon:
                 counted_before_seen.append((got, subsets))
             self._reporting[runner.name] = runner.up
             families.extend(got)
-        self.attribution.label(families)  # per-process series: container and pod
+        # Per-process series (and a bundled engine's, through its process): container, pod.
+        self.attribution.label(families, self._engine_processes())
         self.budget.admit(families)  # in place: `returning` and the rest see it too
         families.extend(self._utilization(families, now))
         families.extend(self._self_metrics())
@@ -218,6 +219,13 @@ class Daemon:
             self.render_metrics_gzip(scrape=False)  # a scrape then only copies bytes
         elif self._pace.due(generation):
             self.render_metrics(scrape=False)
+
+    def _engine_processes(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for runner in self.runners:
+            if runner.up and hasattr(runner.collector, "processes"):
+                found.update(runner.collector.processes())
+        return found
 
     def _preexisting(self, returning: list[Metric],
                      counted_before_seen: list[tuple[list[Metric], list[dict]]]) -> set:

@@ -488,3 +488,89 @@ def test_a_discovered_engines_series_and_processes_carry_its_container(tmp_path)
                 folder.rmdir()
             except OSError:
                 pass
+
+
+# ----- a bundled engine's series: through its verified process --------------------------
+
+WRITER = """
+import sys, time
+from ac_observe.engine.telemetry import TelemetryWriter
+from ac_observe.metrics import REQUESTS
+w = TelemetryWriter(sys.argv[1], {}, engine="boxed", model="m")
+w.inc(REQUESTS, 5, stream="throughput", status="ok")
+print("ready", flush=True)
+sys.stdin.readline()
+w.close()
+"""
+
+
+def test_a_bundled_engines_series_carry_its_processs_container(tmp_path):
+    """engine.json's pid, checked against the process mapping the engine's telemetry file:
+    the engine in a docker cgroup has its container on its series (no pid label added);
+    one in no container has none."""
+    import sys
+
+    from ac_observe.daemon.config import DaemonConfig
+    from ac_observe.daemon.service import Daemon
+    from ac_observe.engine.telemetry import TelemetryWriter
+    from ac_observe.metrics import REQUESTS
+    from support.servers import parse_metrics
+    if not _writable(V1_ROOT):
+        pytest.skip("cannot make cgroups here")
+    tag = uuid.uuid4().hex[:8]
+    cgroup = V1_ROOT / "docker" / f"{tag}{ID[8:]}"
+    cgroup.mkdir(parents=True)
+    root = tmp_path / "telemetry"
+    root.mkdir(mode=0o700)
+    boxed = subprocess.Popen(["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$0" "$@"',
+                              sys.executable, "-c", WRITER, str(root / "boxed")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    mine = TelemetryWriter(root / "free", {}, engine="free", model="m")
+    mine.inc(REQUESTS, 1, stream="throughput", status="ok")
+    daemon = Daemon(DaemonConfig(telemetry_root=root, collectors=("engine",), history=False,
+                                 pod_resources_socket=None))
+    try:
+        assert boxed.stdout.readline().strip() == "ready"
+
+        def rendered():
+            daemon.run_cycle()
+            got = parse_metrics(daemon.render_metrics().decode())
+            return sample_value(got, "ac_requests_total", engine="boxed", status="ok",
+                                stream="throughput") is not None and got
+        metrics = wait_for(rendered, 30, "both engines read")
+        assert sample_value(metrics, "ac_requests_total", engine="boxed", status="ok",
+                            stream="throughput", container_id=f"{tag}{ID[8:]}") == 5
+        boxed_labels = [dict(labels) for (name, labels) in metrics
+                        if ("engine", "boxed") in labels and name == "ac_requests_total"]
+        assert all("pid" not in labels for labels in boxed_labels)
+        free = [dict(labels) for (name, labels) in metrics if ("engine", "free") in labels]
+        assert free and not any("container_id" in labels for labels in free)
+    finally:
+        daemon.close()
+        mine.close()
+        boxed.stdin.write("\n")
+        boxed.stdin.flush()
+        boxed.wait(timeout=30)
+        cgroup.rmdir()
+
+
+def test_an_engine_pid_that_does_not_map_its_file_names_no_process(tmp_path):
+    """As an engine in another pid namespace: engine.json's pid is someone else here."""
+    from ac_observe.collectors.engine.process import EngineProcesses
+    from ac_observe.engine.telemetry import TelemetryWriter
+    root = tmp_path / "telemetry"
+    root.mkdir(mode=0o700)
+    writer = TelemetryWriter(root / "e1", {}, engine="e1", model="m")
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        processes = EngineProcesses(root)
+        assert processes.pid_of("e1", "e1", os.getpid()) == os.getpid()  # it maps the file
+        os.link(root / "e1" / f"counter_{os.getpid()}.db",
+                root / "e1" / f"counter_{stranger.pid}.db")
+        assert processes.pid_of("e1", "e2", stranger.pid) is None  # the file, not mapped
+        assert processes.pid_of("e1", "e3", 2 ** 22 + 7) is None  # no such process
+        assert processes.pid_of("e1", "e4", "1") is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+        writer.close()

@@ -30,6 +30,7 @@ from ac_observe.collectors.engine.discovery import (
 )
 from ac_observe.collectors.engine.families import EngineFamily, EngineValues
 from ac_observe.collectors.engine.files import EngineFiles
+from ac_observe.collectors.engine.process import EngineProcesses
 from ac_observe.metrics import ENGINE_RESTARTS, KIND_AC_OBSERVE
 from ac_observe.telemetry_format import UnsafeDirectory, open_trusted_dir
 
@@ -60,6 +61,7 @@ class EngineCollector(Collector):
         self._look_before_last: float | None = None  # and of the one before it
         self._seen_dirs: set[str] = set()   # directories the last look read as engines
         self._counted_before_seen: list[dict[str, str]] = []
+        self._processes = EngineProcesses(self.root)
 
     def counted_before_seen(self) -> list[dict[str, str]]:
         return self._counted_before_seen
@@ -182,6 +184,20 @@ class EngineCollector(Collector):
         return (EngineState(name, info, alive, heartbeat, "", read.plan.warning,
                             directory.restarts, read.inherited),
                 EngineValues(read.plan, read.exposed))
+
+    def processes(self) -> dict[str, int]:
+        """{engine: pid} of the live engines whose process this daemon sees (process.py):
+        their series get that process's container and pod labels."""
+        found, live = {}, set()
+        for state in list(self.engines.values()):
+            if state.alive and not state.error and state.info:
+                engine = state.info["engine"]
+                live.add(engine)
+                pid = self._processes.pid_of(state.name, engine, state.info.get("pid"))
+                if pid is not None:
+                    found[engine] = pid
+        self._processes.keep_only(live)
+        return found
 
     def status(self) -> list[dict]:
         now = time.time()
