@@ -574,3 +574,21 @@ def test_an_engine_pid_that_does_not_map_its_file_names_no_process(tmp_path):
         stranger.kill()
         stranger.wait()
         writer.close()
+
+
+def test_names_that_are_not_kubernetes_names_never_become_labels(tmp_path):
+    from ac_observe.collectors.attribution.pod_resources import PodResources
+    from support.kubelet import PodResourcesServer
+    socket_path = tmp_path / "kubelet.sock"
+    kubelet = PodResourcesServer(socket_path, [
+        ("ok", "fine-pod", [("c", [GPU0]), ('x" } evil', [GPU0])]),
+        ("Bad_NS", "p", [("c", [GPU0])]),
+        ("ns", "p" * 300, [("c", [GPU0])]),
+        ("ns", "odd-device", [("c", ["GPU-1\n2"])]),
+    ])
+    try:
+        listed = PodResources(socket_path).containers()
+        assert [(c.namespace, c.pod, c.container, sorted(c.devices)) for c in listed] == [
+            ("ok", "fine-pod", "c", [GPU0]), ("ns", "odd-device", "c", [])]
+    finally:
+        kubelet.stop()
