@@ -480,6 +480,11 @@ def test_a_discovered_engines_series_and_processes_carry_its_container(tmp_path)
             assert {k: labels.get(k) for k in mine} == mine, (name, labels)
         roles = {labels["role"] for name, labels in series if name == "ac_engine_process"}
         assert roles == {"server", "child"}
+        # The query API picks the engine by its container, as PromQL would.
+        (picked,) = daemon.query("requests_running", 3600,
+                                 {"container_id": f"{tag}{ID[8:]}"})["series"]
+        assert picked["labels"]["engine"] == f"vllm-{server.pid}"
+        assert picked["labels"]["pod_uid"] == uid
     finally:
         daemon.close()
         stop_process(server)
