@@ -597,3 +597,39 @@ def test_names_that_are_not_kubernetes_names_never_become_labels(tmp_path):
             ("ok", "fine-pod", "c", [GPU0]), ("ns", "odd-device", "c", [])]
     finally:
         kubelet.stop()
+
+
+def test_a_named_container_keeps_its_name_on_its_ebpf_series_while_listed(tmp_path):
+    """Named once through its GPU, a container's other series (eBPF's, with no GPU on
+    them) carry its pod's name, also in cycles where NVML has no series of it; once the
+    kubelet no longer lists the pod, the name goes."""
+    from support.kubelet import PodResourcesServer
+    cid = "c" * 64
+    _fake_process(tmp_path, 60, 5, f"0::/kubepods/burstable/pod{UID}/{cid}\n")
+    _fake_process(tmp_path, 61, 5, f"0::/kubepods/burstable/pod{UID}/{cid}\n")
+    socket_path = tmp_path / "kubelet.sock"
+    kubelet = PodResourcesServer(socket_path, [("prod", "api-0", [("model", [GPU0])])])
+
+    def cycle(with_gpu: bool) -> dict:
+        ebpf = GaugeMetricFamily("ac_ebpf_map_entries", "x", labels=["pid", "comm"])
+        ebpf.add_metric(["61", "python"], 4)  # a process of the container without a GPU
+        families = [ebpf]
+        if with_gpu:
+            gpu = GaugeMetricFamily("ac_gpu_process_memory_bytes", "x",
+                                    labels=["gpu", "uuid", "pid"])
+            gpu.add_metric(["0", GPU0, "60"], 1.0)
+            families.append(gpu)
+        attribution.label(families)
+        return ebpf.samples[0].labels
+
+    try:
+        attribution = Attribution(proc=tmp_path, socket_path=socket_path)
+        named = {"namespace": "prod", "pod": "api-0", "container": "model"}
+        assert cycle(with_gpu=True).items() >= named.items()
+        assert cycle(with_gpu=False).items() >= named.items()
+        kubelet.pods = []
+        attribution.kubelet._listed_at = -float("inf")  # the next list is due
+        labels = cycle(with_gpu=False)
+        assert labels["container_id"] == cid and "pod" not in labels
+    finally:
+        kubelet.stop()

@@ -87,7 +87,7 @@ class Attribution:
         found = _per_process(families, engines or {})  # one pass: ~1 ms per 10k samples
         pids = {pid for _, _, pid in found}
         if self.kubelet is not None:
-            self._join_pods(families, pids)
+            self._join_pods(families)
         wanted = {pid: self.labels_of(pid) for pid in sorted(pids)[:MAX_PROCESSES]}
         for pid in set(self._cache) - set(wanted):
             del self._cache[pid]
@@ -96,7 +96,7 @@ class Attribution:
             if extra:
                 samples[i] = samples[i]._replace(labels={**samples[i].labels, **extra})
 
-    def _join_pods(self, families: list[Metric], pids: set[int]) -> None:
+    def _join_pods(self, families: list[Metric]) -> None:
         assert self.kubelet is not None
         gpus = _gpus_of(families)
         unnamed = [pid for pid in gpus if self._unnamed(pid)]
@@ -122,13 +122,18 @@ class Attribution:
                                                  container.container)
             if identity.pod_uid:
                 pods[identity.pod_uid] = (container.namespace, container.pod)
-        # A container named before keeps its name while the kubelet still lists its pod.
+        # A container named before keeps its name while the kubelet still lists it and a
+        # process of it is still seen (so these tables hold live containers only).
         live = {(c.namespace, c.pod, c.container) for c in listed}
+        seen = {e.identity for e in self._cache.values()}
+        seen_ids = {i.container_id for i in seen}
+        seen_uids = {i.pod_uid for i in seen}
         for cid, named in self._containers.items():
-            if cid not in containers and named in live:
+            if cid not in containers and named in live and cid in seen_ids:
                 containers[cid] = named
         for uid, pod in self._pods.items():
-            if uid not in pods and any(pod == (c.namespace, c.pod) for c in listed):
+            if uid not in pods and uid in seen_uids and \
+                    any(pod == (c.namespace, c.pod) for c in listed):
                 pods[uid] = pod
         self._containers, self._pods = containers, pods
 
