@@ -332,3 +332,32 @@ def test_the_web_config_parser_takes_exporter_toolkits_sample(tmp_path):
     assert config.tls and config.headers()["X-Frame-Options"] == "deny"
     assert not config.authenticates or config.basic_auth_users
     assert "mDwo" not in repr(config)  # hashes are secrets: never in a repr or a log
+
+
+def test_the_kubernetes_manifests_serve_tls():
+    """The DaemonSet's web-config file loads in the daemon's own parser, names the files
+    the Secret is mounted as, and the ServiceMonitor scrapes over HTTPS with its CA."""
+    from ac_observe.daemon.web_config import parse_web_config
+    folder = Path(__file__).resolve().parents[1] / "dashboards" / "kubernetes"
+    docs = {(d["kind"], d["metadata"]["name"]): d for path in folder.glob("*.yaml")
+            for d in yaml.safe_load_all(path.read_text())}
+    web_text = docs["ConfigMap", "ac-observe-web-config"]["data"]["web.yml"]
+    web = parse_web_config(yaml.safe_load(web_text), "web.yml").tls_server_config
+    assert web is not None
+    pod = docs["DaemonSet", "ac-observe-daemon"]["spec"]["template"]["spec"]
+    (daemon,) = [c for c in pod["containers"] if c["name"] == "daemon"]
+    mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (arg,) = [a for a in daemon["args"] if a.startswith("--web-config-file=")]
+    assert Path(arg.split("=", 1)[1]).parent == Path(mounts["web-config"])
+    assert volumes["web-config"]["configMap"]["name"] == "ac-observe-web-config"
+    assert volumes["tls"]["secret"]["secretName"] == "ac-observe-tls"
+    for name in (web.cert_file, web.key_file):
+        assert name is not None and Path(name).parent == Path(mounts["tls"])
+    assert daemon["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    endpoint = docs["ServiceMonitor", "ac-observe-daemon"]["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "ac-observe-tls", "key": "ca.crt"}
+    service = docs["Service", "ac-observe-daemon"]["metadata"]
+    assert endpoint["tlsConfig"]["serverName"] == \
+        f"{service['name']}.{service['namespace']}.svc"
