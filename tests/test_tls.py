@@ -204,7 +204,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(start_daemon, tmp_pat
 
 
 PROMETHEUS_JOBS = """\
-global: {scrape_interval: 1s, scrape_timeout: 1s}
+global: {scrape_interval: 2s, scrape_timeout: 2s}
 scrape_configs:
   - job_name: tls
     scheme: https
@@ -361,3 +361,29 @@ def test_the_kubernetes_manifests_serve_tls():
     service = docs["Service", "ac-observe-daemon"]["metadata"]
     assert endpoint["tlsConfig"]["serverName"] == \
         f"{service['name']}.{service['namespace']}.svc"
+
+
+def test_bcrypt_never_runs_on_the_event_loop_and_a_verified_password_is_remembered():
+    """The inline /metrics path asks with may_hash=False: an unverified password is sent
+    to the handlers' pool (NEEDS_HASH); once verified there, the event loop admits it."""
+    import base64
+
+    from ac_observe.daemon.credentials import BasicUsers, Credentials, Verdict
+    users = BasicUsers({"scraper": bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()})
+    credentials = Credentials("a-token")
+
+    def basic(user: str, password: str) -> str:
+        return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    good, bad = basic("scraper", "pw"), basic("scraper", "nope")
+    assert credentials.verdict(good, users, may_hash=False) is Verdict.NEEDS_HASH
+    assert credentials.verdict(good, users) is Verdict.ADMIT
+    assert credentials.verdict(good, users, may_hash=False) is Verdict.ADMIT
+    assert credentials.verdict(bad, users, may_hash=False) is Verdict.NEEDS_HASH
+    assert credentials.verdict(bad, users) is Verdict.BAD
+    assert credentials.verdict(basic("other", "pw"), users) is Verdict.BAD
+    assert credentials.verdict("Basic !!not-base64", users) is Verdict.BAD
+    assert credentials.verdict(basic("scraper", "x" * 100), users) is Verdict.BAD  # > 72 B
+    assert credentials.verdict("Bearer a-token", users, may_hash=False) is Verdict.ADMIT
+    assert credentials.verdict("Bearer wrong", users) is Verdict.BAD
+    assert credentials.verdict(None, users) is Verdict.MISSING
+    assert Credentials(None).verdict(None, None) is Verdict.ADMIT
