@@ -396,12 +396,20 @@ SERIES_REFUSED = _daemon("ac_daemon_series_refused_total", COUNTER,
                          "windowed); one refused for many cycles in a row counts once.", (),
                          "series")
 
+# The daemon's HTTP server (daemon/http_server.py, daemon/http_api.py): reasons
+# tls_handshake, plain_http_on_tls, client_cert_name, missing_credentials, bad_credentials.
+HTTP_REFUSED = _daemon("ac_http_refused_total", COUNTER,
+                       "Connections and requests the daemon's HTTP server refused, by reason "
+                       "(a failed TLS handshake, plain HTTP on the TLS port, a client "
+                       "certificate name not allowed, missing or wrong credentials).",
+                       ("reason",), "refusals")
+
 DAEMON_METRICS = (STREAM_UTILIZATION, COLLECTOR_UP, COLLECTOR_DURATION, COLLECTOR_ERRORS,
                   ALERTS_FIRING, WEBHOOK_DELIVERIES, WEBHOOK_QUEUE_DEPTH,
                   WEBHOOK_OLDEST_PENDING, BUILD_INFO,
                   ENGINE_RESTARTS, ENGINE_UP, ENGINE_PROCESS,
                   CONFIG_RELOAD_SUCCESSFUL, CONFIG_RELOAD_SUCCESS_TIME, SERIES,
-                  SERIES_REFUSED)
+                  SERIES_REFUSED, HTTP_REFUSED)
 
 ALL_METRICS = ENGINE_METRICS + NVML_METRICS + EBPF_METRICS + DAEMON_METRICS
 BY_NAME = {spec.name: spec for spec in ALL_METRICS}

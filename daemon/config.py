@@ -73,6 +73,8 @@ class DaemonConfig:
     engine_discovery: bool = False
     # The kubelet's pod-resources socket (collectors/attribution/); None: not asked
     pod_resources_socket: Path | None = field(default_factory=default_socket)
+    # exporter-toolkit's web-config file: TLS, basic auth (daemon/web_config.py, tls.py)
+    web_config_file: Path | None = None
 
     def __post_init__(self) -> None:
         self.telemetry_root = Path(self.telemetry_root)
@@ -93,6 +95,9 @@ class DaemonConfig:
             self.token = self.token.strip()  # as a presented token is read
             if not self.token:
                 raise ValueError("the bearer token is empty or blank: it would let anyone in")
-        if not is_loopback(self.host) and not self.token:
+        # Off loopback with no token, the web-config file must guard every route (basic
+        # auth or verified client certificates): daemon/tls.py refuses one that does not.
+        if not is_loopback(self.host) and not self.token and self.web_config_file is None:
             raise ValueError(f"binding {self.host} exposes the daemon beyond this host: "
-                             "set a bearer token (--token or AC_OBSERVE_TOKEN)")
+                             "set a bearer token (--token or AC_OBSERVE_TOKEN), or basic "
+                             "auth or client certificates in --web-config-file")

@@ -10,25 +10,26 @@ GET /api/v1/alerts      pending and firing alerts, the rules' series that cannot
 GET /healthz            liveness (no token needed)
 POST /-/reload          reload the alerting file and the token file (daemon/reload.py):
                         from this host, or with the bearer token
-A bearer token, when configured, guards everything but /healthz and a reload from this
-host (RFC 6750: the scheme is case-insensitive; the token is compared as bytes, in
-constant time).
+A bearer token, or the web-config file's basic-auth users, when configured, guard
+everything but /healthz and a reload from this host; either credential admits
+(`daemon/credentials.py`; RFC 6750: the scheme is case-insensitive; the token is compared
+as bytes, in constant time). Refusals are counted (ac_http_refused_total).
 """
 from __future__ import annotations
 
-import hmac
 import json
 import math
 from collections.abc import Callable
 from urllib.parse import parse_qs
 
-from ac_observe.auth import bearer_token
 from ac_observe.daemon.config import is_loopback
-from ac_observe.daemon.http_server import HttpServer, Request, Response
+from ac_observe.daemon.credentials import Credentials, Verdict
+from ac_observe.daemon.http_server import HttpServer, Refusals, Request, Response
 from ac_observe.daemon.query import describe_friendly, parse_labels
 from ac_observe.daemon.reload import ConfigReloader, ReloadFailed
 from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
 from ac_observe.daemon.store import StoreUnavailable
+from ac_observe.daemon.tls import WebSettings, WebSnapshot
 from ac_observe.durations import parse_duration, parse_instant
 from ac_observe.metrics import FRIENDLY, query_labels
 
@@ -81,9 +82,12 @@ class Routes:
     the event loop for what is answered at once (see HttpServer)."""
 
     def __init__(self, daemon: Daemon, token: str | None,
-                 reloader: ConfigReloader | None = None):
+                 reloader: ConfigReloader | None = None, web: WebSettings | None = None,
+                 refusals: Refusals | None = None):
         self.daemon = daemon
-        self.expected = token.encode("utf-8") if token else None
+        self.credentials = Credentials(token)
+        self.web = web
+        self.refusals = refusals if refusals is not None else Refusals()
         self.reloader = reloader
         if reloader is not None:
             reloader.on_token = self.set_token
@@ -98,7 +102,10 @@ class Routes:
         }
 
     def set_token(self, token: str) -> None:
-        self.expected = token.encode("utf-8")
+        self.credentials.set_token(token)
+
+    def _web(self) -> WebSnapshot | None:
+        return self.web.current() if self.web is not None else None
 
     def reload(self, request: Request) -> Response:
         """POST /-/reload: from this host (a sidecar, systemd's ExecReload, an operator's
@@ -107,10 +114,15 @@ class Routes:
             return json_response(405, {"error": "POST to reload"}, {"Allow": "POST"})
         if request.headers.get("origin"):  # a browser's cross-site POST needs no preflight
             return json_response(403, {"error": "a reload is not taken from a web page"})
-        if not (is_loopback(request.peer) or (self.expected and self.authorized(request))):
+        web = self._web()
+        basic = web.basic if web is not None else None
+        if not is_loopback(request.peer) and not (
+                self.credentials.configured(basic) and self.authorized(request, web)):
+            self._count_refusal(request)
             return json_response(401, {"error": "a reload comes from this host or carries "
-                                                "the bearer token"},
-                                 {"WWW-Authenticate": 'Bearer realm="ac-observe"'})
+                                                "the bearer token or a basic-auth user's "
+                                                "password"},
+                                 {"WWW-Authenticate": self.credentials.challenge(basic)})
         if self.reloader is None:
             return json_response(404, {"error": "this daemon does not reload"})
         try:
@@ -119,12 +131,15 @@ class Routes:
             return json_response(400, {"error": f"reload failed, the previous configuration "
                                                 f"stays: {exc}"})
 
-    def authorized(self, request: Request) -> bool:
-        """No token is configured, or the request carries it."""
-        if self.expected is None:
-            return True
-        given = bearer_token(request.headers.get("authorization"))
-        return given is not None and hmac.compare_digest(given, self.expected)
+    def authorized(self, request: Request, web: WebSnapshot | None) -> bool:
+        """No credential is configured, or the request carries one that matches."""
+        return self.credentials.verdict(request.headers.get("authorization"),
+                                        web.basic if web is not None else None
+                                        ) is Verdict.ADMIT
+
+    def _count_refusal(self, request: Request) -> None:
+        self.refusals.count("missing_credentials" if not request.headers.get("authorization")
+                            else "bad_credentials")
 
     def query(self, params: dict) -> Response:
         metric = (params.get("metric") or [""])[0]
@@ -165,13 +180,30 @@ class Routes:
         """On the event loop: a plain scrape of /metrics whose render is made already is
         answered at once (50 scrapers need no 50 thread hops); anything else, None."""
         if request.path != "/metrics" or request.method not in ("GET", "HEAD") or \
-                request.query or not self.authorized(request):
+                request.query:
+            return None
+        web = self._web()
+        verdict = self.credentials.verdict(request.headers.get("authorization"),
+                                           web.basic if web is not None else None,
+                                           may_hash=False)
+        if verdict is not Verdict.ADMIT:  # refusals are the pool's to answer and count
             return None
         gzipped = accepts_gzip(request)
         body = self.daemon.rendered_metrics(gzipped)
-        return None if body is None else metrics_response(body, gzipped)
+        return None if body is None else self._with_headers(metrics_response(body, gzipped),
+                                                            web)
+
+    def _with_headers(self, response: Response, web: WebSnapshot | None) -> Response:
+        """The web-config file's http_server_config.headers on every answer."""
+        if web is not None and web.headers:
+            response.headers.update(web.headers)
+        return response
 
     def __call__(self, request: Request) -> Response:
+        web = self._web()
+        return self._with_headers(self._answer(request, web), web)
+
+    def _answer(self, request: Request, web: WebSnapshot | None) -> Response:
         if request.path == "/-/reload":
             return self.reload(request)
         if request.method not in ("GET", "HEAD"):
@@ -179,9 +211,12 @@ class Routes:
                                  {"Allow": ALLOWED_METHODS})
         if request.path == "/healthz":
             return json_response(200, {"status": "ok"})
-        if not self.authorized(request):
-            return json_response(401, {"error": "missing or wrong bearer token"},
-                                 {"WWW-Authenticate": 'Bearer realm="ac-observe"'})
+        if not self.authorized(request, web):
+            basic = web.basic if web is not None else None
+            self._count_refusal(request)
+            return json_response(401, {"error": "missing or wrong credentials (bearer token"
+                                                + (" or basic auth" if basic else "") + ")"},
+                                 {"WWW-Authenticate": self.credentials.challenge(basic)})
         route = self.routes.get(request.path)
         if route is None:
             return json_response(404, {"error": f"no route {request.path[:200]}"})
@@ -196,11 +231,23 @@ class Routes:
 
 
 def make_handler(daemon: Daemon, token: str | None,
-                 reloader: ConfigReloader | None = None) -> Routes:
-    return Routes(daemon, token, reloader)
+                 reloader: ConfigReloader | None = None, web: WebSettings | None = None,
+                 refusals: Refusals | None = None) -> Routes:
+    return Routes(daemon, token, reloader, web, refusals)
 
 
 def make_server(daemon: Daemon, host: str, port: int, token: str | None,
-                max_requests: int = 40, reloader: ConfigReloader | None = None) -> HttpServer:
-    return HttpServer(make_handler(daemon, token, reloader), host, port,
-                      max_requests=max_requests)
+                max_requests: int = 40, reloader: ConfigReloader | None = None,
+                web: WebSettings | None = None) -> HttpServer:
+    """The daemon's server; with a web-config file that sets TLS, every connection is
+    TLS with the context in force when it opens. Refusals are counted in the daemon's
+    `http_refusals`, which its cycle exports."""
+    refusals = daemon.http_refusals
+    tls = None
+    if web is not None and web.tls:
+        def tls():
+            snapshot = web.current()
+            assert snapshot.context is not None  # TLS stays on until a restart
+            return snapshot.context, snapshot.allowed_sans
+    return HttpServer(make_handler(daemon, token, reloader, web, refusals), host, port,
+                      max_requests=max_requests, tls=tls, refusals=refusals)

@@ -10,6 +10,10 @@ without a web stack), built to stay up under careless or hostile clients.
   clients wait in the kernel's backlog (1024) until a connection closes.
 - A client that does not read its answer within `write_timeout` is cut off (the socket
   and its buffer go at once); every socket is closed when its client goes.
+- With TLS (`tls`: the web-config file's context, `daemon/tls.py`), a connection's first
+  byte tells a TLS handshake from a plain-HTTP request, which is answered 400 ("Client sent
+  an HTTP request to an HTTPS server", Go's words) and closed; the handshake must end
+  within `read_timeout`. Every refusal is counted by reason (`Refusals`).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import logging
 import resource
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +36,20 @@ log = logging.getLogger("ac_observe.daemon.http")
 MAX_HEAD_BYTES = 16 << 10
 LISTEN_BACKLOG = 1024
 FD_RESERVE = 256  # for collectors, telemetry files, the handlers' pool
+TLS_HANDSHAKE_RECORD = 0x16
+PLAIN_HTTP_ON_TLS = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                     b"Connection: close\r\n\r\n"
+                     b"Client sent an HTTP request to an HTTPS server.\n")
+# ac_http_refused_total's reasons: a failed TLS handshake (a wrong or missing client
+# certificate, a protocol or cipher the server does not take, garbage), plain HTTP sent to
+# the TLS port, a verified client certificate whose names client_allowed_sans does not
+# hold, a request without credentials, one with wrong credentials.
+REFUSAL_REASONS = ("tls_handshake", "plain_http_on_tls", "client_cert_name",
+                   "missing_credentials", "bad_credentials")
+
+# The TLS in force for a new connection: its context and the client certificate names
+# allowed (empty: any the CA signed).
+TlsSource = Callable[[], tuple[ssl.SSLContext, frozenset[str]]]
 
 
 def raise_fd_limit() -> int:
@@ -104,6 +123,23 @@ def encode_head(response: Response, keep_alive: bool) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+class Refusals:
+    """Connections and requests refused, by reason (every reason from 0): counted by the
+    event loop and the handlers, read by the daemon's cycle."""
+
+    def __init__(self) -> None:
+        self._counts = dict.fromkeys(REFUSAL_REASONS, 0)
+        self._lock = threading.Lock()
+
+    def count(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] += 1
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class Coalesced:
     """Runs `action` on a thread of its own when triggered; triggers while it runs make one
     more run after it, not one each (a burst of SIGHUPs is one or two reloads)."""
@@ -131,12 +167,31 @@ class Coalesced:
                 self._again = False
 
 
+async def _peek_first_byte(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
+    """The connection's first byte, left in the socket for the TLS layer to read."""
+    ready = loop.create_future()
+    fd = conn.fileno()
+
+    def readable() -> None:
+        if not ready.done():
+            ready.set_result(None)
+    loop.add_reader(fd, readable)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+    return conn.recv(1, socket.MSG_PEEK)
+
+
 class HttpServer:
     def __init__(self, handler: Callable[[Request], Response], host: str, port: int, *,
                  max_requests: int = 40, max_connections: int = 1024,
                  read_timeout: float = 10.0, idle_timeout: float = 30.0,
-                 queue_timeout: float = 10.0, write_timeout: float = 30.0):
+                 queue_timeout: float = 10.0, write_timeout: float = 30.0,
+                 tls: TlsSource | None = None, refusals: Refusals | None = None):
         self.handler = handler
+        self.tls = tls
+        self.refusals = refusals if refusals is not None else Refusals()
         # handler.inline(request) -> Response | None, if it has one: answered on the event
         # loop (it must not block), None sends the request to the handlers' pool.
         self._inline = getattr(handler, "inline", None)
@@ -195,7 +250,14 @@ class HttpServer:
             # proto says TCP, and accepted ones say 0).
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_HEAD_BYTES)
+            if self.tls is None:
+                reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_HEAD_BYTES)
+            else:
+                opened = await self._open_tls(conn)
+                if opened is None:
+                    conn.close()
+                    return
+                reader, writer = opened
             await self._connection(reader, writer)
         except OSError:
             conn.close()
@@ -203,6 +265,57 @@ class HttpServer:
             self._connections -= 1
             assert self._room is not None
             self._room.set()
+
+    async def _open_tls(self, conn: socket.socket
+                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The TLS stream of an accepted connection, or None (refused and counted, or a
+        client that sent nothing in time) with the socket left to close."""
+        assert self.tls is not None
+        loop = asyncio.get_running_loop()
+        try:
+            first = await asyncio.wait_for(_peek_first_byte(loop, conn), self.read_timeout)
+        except (asyncio.TimeoutError, OSError):
+            return None
+        if not first:
+            return None
+        if first[0] != TLS_HANDSHAKE_RECORD:
+            if first.isalpha():  # a request line's method: plain HTTP
+                self.refusals.count("plain_http_on_tls")
+                await self._tell_plain_client(loop, conn)
+            else:
+                self.refusals.count("tls_handshake")
+            return None
+        context, allowed_names = self.tls()
+        reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        try:
+            transport, _ = await loop.connect_accepted_socket(
+                lambda: protocol, conn, ssl=context, ssl_handshake_timeout=self.read_timeout)
+        except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
+            self.refusals.count("tls_handshake")
+            log.debug("TLS handshake refused: %s", exc)
+            return None
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        if allowed_names:
+            cert = transport.get_extra_info("peercert") or {}
+            names = {str(value) for _, value in cert.get("subjectAltName", ())}
+            if not names & allowed_names:
+                self.refusals.count("client_cert_name")
+                log.debug("client certificate refused: no name in client_allowed_sans")
+                transport.abort()
+                return None
+        return reader, writer
+
+    async def _tell_plain_client(self, loop: asyncio.AbstractEventLoop,
+                                 conn: socket.socket) -> None:
+        """Go's answer to plain HTTP on a TLS port; the request read first (unread bytes
+        would turn the close into a reset that can swallow the answer)."""
+        with contextlib.suppress(OSError):
+            conn.recv(MAX_HEAD_BYTES)
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(loop.sock_sendall(conn, PLAIN_HTTP_ON_TLS),
+                                   self.write_timeout)
+            conn.shutdown(socket.SHUT_WR)
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         await stop.wait()

@@ -1,6 +1,7 @@
 """The daemon's configuration as files give it, and its reload (SIGHUP, `POST /-/reload`,
-`systemctl reload`): the alerting file (rules and receivers) and the bearer token's file
-are read again; a file that does not load leaves everything as it was and says why.
+`systemctl reload`): the alerting file (rules and receivers), the bearer token's file and
+the web-config file (TLS certificates, basic-auth users) are read again; a file that does
+not load leaves everything as it was and says why.
 
 What a reload cannot change (the port, the store, the collectors, --history) needs a
 restart. A daemon started without --alerting has no alerting file to read again.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from ac_observe.daemon import sd_notify
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.store import StoreUnavailable
+from ac_observe.daemon.tls import WebSettings
 
 if TYPE_CHECKING:  # imported when the daemon has alerts
     from ac_observe.daemon.alerting.evaluator import Evaluator
@@ -81,9 +83,11 @@ class Reloadable(Protocol):
 class ConfigReloader:
     """Reloads one daemon; one reload at a time (a SIGHUP during a POST waits for it)."""
 
-    def __init__(self, daemon: Reloadable, token_file: Path | None = None):
+    def __init__(self, daemon: Reloadable, token_file: Path | None = None,
+                 web: WebSettings | None = None):
         self.daemon = daemon
         self.token_file = token_file
+        self.web = web
         # Set by the HTTP routes: the bearer token they accept from now on.
         self.on_token: Callable[[str], None] | None = None
         self._lock = threading.Lock()
@@ -106,6 +110,7 @@ class ConfigReloader:
         config = daemon.config
         receivers, rules = alerting_setup(config)  # (read and checked: nothing changed yet)
         token = read_token_file(self.token_file) if self.token_file is not None else None
+        web = self.web.load() if self.web is not None else None  # WebConfigError: ValueError
         if config.alerting_file is not None and (daemon.alerts is None or
                                                  daemon.webhooks is None):
             raise ReloadFailed("the alerting is not running (see the log at start)")
@@ -115,10 +120,15 @@ class ConfigReloader:
             daemon.webhooks.replace_receivers(receivers)
         if token is not None and self.on_token is not None:
             self.on_token(token)
+        if self.web is not None and web is not None:
+            self.web.install(web)
         daemon.last_reload = (True, time.time())
         loaded = {"rules": len(rules), "receivers": len(receivers),
                   "token": token is not None}
-        log.info("configuration reloaded%s: %d rules, %d receivers%s",
+        if web is not None:
+            loaded["web_config"] = True
+        log.info("configuration reloaded%s: %d rules, %d receivers%s%s",
                  f" from {config.alerting_file}" if config.alerting_file else "",
-                 len(rules), len(receivers), ", the token file" if token else "")
+                 len(rules), len(receivers), ", the token file" if token else "",
+                 ", the web-config file" if web is not None else "")
         return loaded

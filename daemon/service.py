@@ -25,6 +25,7 @@ from ac_observe.collectors.base import Collector, build, new_counter, new_gauge
 from ac_observe.collectors.scrape.table import KIND_TITLES, exports
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.exposition import Renderer
+from ac_observe.daemon.http_server import Refusals
 from ac_observe.daemon.query import QueryEngine
 from ac_observe.daemon.reload import alerting_setup
 from ac_observe.daemon.runner import CollectorRunner
@@ -136,6 +137,7 @@ class Daemon:
         self.history: MinuteAggregator | None = None
         self.history_writer: HistoryWriter | None = None
         self.last_reload = (True, time.time())  # (took, when one last took): ConfigReloader
+        self.http_refusals = Refusals()  # counted by the HTTP server, exported each cycle
         # AlertConfigError (a ValueError) names the file and field: fail fast.
         receivers, rules = alerting_setup(config)
         # An alerting file, even one with no rules, runs the alerting: a reload fills it.
@@ -280,8 +282,11 @@ class Daemon:
                                  new_gauge(m.CONFIG_RELOAD_SUCCESS_TIME))
         reloaded.add_metric([], 1.0 if took else 0.0)
         reload_time.add_metric([], when)
-        return [up, duration, errors, info, reloaded, reload_time, *self.budget.metrics(),
-                *self._webhook_metrics()]
+        refused = new_counter(m.HTTP_REFUSED)
+        for reason, count in self.http_refusals.counts().items():
+            refused.add_metric([reason], count)
+        return [up, duration, errors, info, reloaded, reload_time, refused,
+                *self.budget.metrics(), *self._webhook_metrics()]
 
     def _alert_metrics(self, alerts: Evaluator) -> list[Metric]:
         firing = new_gauge(m.ALERTS_FIRING)

@@ -80,9 +80,9 @@ class Child:
 
 def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
            telemetry_root: str, engine_args: list[str], daemon_args: list[str],
-           demo_drift: tuple[float, float] | None = None) -> int:
+           demo_drift: tuple[float, float] | None = None, daemon_scheme: str = "http") -> int:
     """demo_drift: (calm, slowed) seconds of the demo's drift cycle (daemon/demo_drift.py),
-    or None."""
+    or None. daemon_scheme: https when the daemon has a web-config file that sets TLS."""
     from ac_observe.telemetry_format import default_telemetry_root
     root = telemetry_root or str(default_telemetry_root())
     env = {**os.environ, "AC_OBSERVE_TELEMETRY_DIR": root}
@@ -116,7 +116,7 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
     signal.signal(signal.SIGTERM, stop)
     for child in children:
         child.start()
-    print(_banner(engine_port, daemon_port), file=sys.stderr, flush=True)
+    print(_banner(engine_port, daemon_port, daemon_scheme), file=sys.stderr, flush=True)
     if driver is not None:
         driver.start()
     try:
@@ -132,16 +132,18 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
     return 0
 
 
-def _banner(engine_port: int, daemon_port: int) -> str:
+def _banner(engine_port: int, daemon_port: int, daemon_scheme: str = "http") -> str:
     """Where to look once the children are started."""
-    daemon = f"http://127.0.0.1:{daemon_port}"
+    daemon = f"{daemon_scheme}://127.0.0.1:{daemon_port}"
+    # (over TLS, the CLI wants the CA that signed the daemon's certificate)
+    cli = f"--daemon {daemon}" + (" --cacert CA.crt" if daemon_scheme == "https" else "")
     return ("\nac-observe is up\n"
             f"  engine   http://127.0.0.1:{engine_port}   "
             "(Anthropic /v1/messages, OpenAI /v1/chat/completions)\n"
             f"  daemon   {daemon}/metrics\n"
-            f"  try      ac-observe --daemon {daemon} --metric cuda_stream_utilization "
+            f"  try      ac-observe {cli} --metric cuda_stream_utilization "
             "--window 60s\n"
-            f"           ac-observe --daemon {daemon} status\n"
+            f"           ac-observe {cli} status\n"
             "  stop     Ctrl-C\n")
 
 

@@ -61,10 +61,10 @@ def engine_server(tmp_path_factory):
 def start_daemon(tmp_path_factory):
     daemons = []
 
-    def start(telemetry_root=None, *args, env=None) -> DaemonProcess:
+    def start(telemetry_root=None, *args, env=None, verify=None) -> DaemonProcess:
         root = telemetry_root or tmp_path_factory.mktemp("daemon") / "telemetry"
         root.mkdir(parents=True, exist_ok=True)
-        daemon = DaemonProcess(root, *args, env=env).wait_ready()
+        daemon = DaemonProcess(root, *args, env=env, verify=verify).wait_ready()
         daemons.append(daemon)
         return daemon
 

@@ -1,8 +1,10 @@
 """`docker compose up` for real: a Docker engine (Debian docker.io), the shipped Dockerfile
 and docker-compose.yml driven by Debian's docker-compose with a test override, no image
 registry. The engine, daemon, Prometheus and Alertmanager containers run; Prometheus in
-its container scrapes the daemon in its container (with the bearer token from the compose
-secret); the engine's demo traffic makes the four headline metrics non-empty through
+its container scrapes the daemon in its container over TLS (the certificates
+scripts/compose-tls.sh makes, with the bearer token from the compose secret); the daemon's
+image holds no torch and its HEALTHCHECK turns healthy; the engine's demo traffic makes
+the four headline metrics non-empty through
 `ac-observe --metric` against the published daemon port; an alert Prometheus fires
 (CollectorDown: no GPU for NVML in a container here) reaches a webhook receiver on the
 host through Alertmanager with the shipped configuration.
@@ -26,6 +28,7 @@ import json
 import os
 import secrets
 import shutil
+import ssl
 import subprocess
 from pathlib import Path
 
@@ -43,6 +46,7 @@ pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 BASE = "ac-observe-test-base:bookworm"
 IMAGE = "ac-observe:compose-test"
+DAEMON_IMAGE = "ac-observe-daemon:compose-test"
 PROJECT = "acobserve-test"
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a Docker engine needs root")
@@ -117,6 +121,7 @@ def _context(tmp: Path) -> Path:
     (context / "secrets").mkdir(mode=0o700)  # as the README says
     (context / "secrets" / "ac-observe.token").write_text(secrets.token_hex(32) + "\n")
     (context / "secrets" / "ac-observe.token").chmod(0o644)
+    _run(str(context / "scripts" / "compose-tls.sh"), cwd=context)  # as the README says
     return context
 
 
@@ -137,6 +142,7 @@ def stack(dockerd, tmp_path_factory):
     hook = WebhookReceiver(host=_gateway())
     ports = {name: free_port() for name in ("ENGINE", "DAEMON", "PROMETHEUS", "ALERTMANAGER")}
     env = {**os.environ, "AC_BASE_IMAGE": BASE, "AC_OBSERVE_IMAGE": IMAGE,
+           "AC_OBSERVE_DAEMON_IMAGE": DAEMON_IMAGE,
            "AC_TORCH_SPEC": "torch==2.13.0+cpu", "AC_TORCH_INDEX_URL": "https://pypi.org/simple",
            "AC_PIP_CERT": "docker/ca.pem", "AC_WITH_BCC": "0",
            # The forced alert: NVML collected on a machine without a GPU is down.
@@ -160,7 +166,8 @@ def stack(dockerd, tmp_path_factory):
         _run(*compose, "up", "-d", "engine", "daemon", "prometheus", "alertmanager",
              cwd=context, env=env, timeout=600)
         yield {"context": context, "ports": ports, "hook": hook, "compose": compose,
-               "env": env, "token": context / "secrets" / "ac-observe.token"}
+               "env": env, "token": context / "secrets" / "ac-observe.token",
+               "ca": context / "secrets" / "tls" / "ca.crt"}
     finally:
         logs = subprocess.run([*compose, "logs", "--no-color", "--tail=60"], cwd=context,
                               env=env, capture_output=True, text=True)
@@ -172,12 +179,21 @@ def stack(dockerd, tmp_path_factory):
 
 @needs_root
 def test_the_stack_runs_scrapes_answers_and_alerts(stack):
-    ports, token = stack["ports"], stack["token"]
-    daemon = f"http://127.0.0.1:{ports['DAEMON']}"
+    ports, token, ca = stack["ports"], stack["token"], stack["ca"]
+    daemon = f"https://127.0.0.1:{ports['DAEMON']}"
     headers = {"authorization": f"Bearer {token.read_text().strip()}"}
-    wait_for(lambda: _status(daemon + "/healthz", headers) == 200, 180, "the daemon's port")
-    # Off loopback in its container, the daemon asks for its token.
-    assert _status(daemon + "/metrics", {}) == 401
+    wait_for(lambda: _status(daemon + "/healthz", headers, ca) == 200, 180,
+             "the daemon's port")
+    # Off loopback in its container, the daemon asks for its token, over TLS only.
+    assert _status(daemon + "/metrics", {}, ca) == 401
+    assert _status(daemon.replace("https:", "http:") + "/metrics", headers, ca) == 400
+    # Its image holds no torch; the engine's does.
+    for image, has_torch in ((DAEMON_IMAGE, False), (IMAGE, True)):
+        probe = subprocess.run(["docker", "run", "--rm", "--entrypoint", "python", image,
+                                "-c", "import importlib.util as u; "
+                                      "print(u.find_spec('torch') is not None)"],
+                               capture_output=True, text=True, timeout=300)
+        assert probe.stdout.strip() == str(has_torch), (image, probe.stdout, probe.stderr)
     running = _run(*stack["compose"], "ps", "--services", "--filter", "status=running",
                    cwd=stack["context"], env=stack["env"]).stdout.split()
     assert set(running) == {"engine", "daemon", "prometheus", "alertmanager"}, running
@@ -187,7 +203,8 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
                    "cuda_stream_utilization"):
         def answered(metric=metric):
             out = subprocess.run([AC_OBSERVE, "--daemon", daemon, "--token-file", str(token),
-                                  "--metric", metric, "--window", "60s", "--json"],
+                                  "--cacert", str(ca), "--metric", metric, "--window", "60s",
+                                  "--json"],
                                  capture_output=True, text=True, timeout=60)
             return out.returncode == 0 and json.loads(out.stdout)["series"]
         series = wait_for(answered, 240, f"{metric} from the demo traffic")
@@ -212,9 +229,19 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
                     "Alertmanager's delivery of CollectorDown")
     assert body["version"] == "4" and body["receiver"] == "ac-observe-webhook"
 
+    # The daemon image's HEALTHCHECK (over TLS, as its web-config file says) is healthy.
+    container = _run(*stack["compose"], "ps", "-q", "daemon", cwd=stack["context"],
+                     env=stack["env"]).stdout.strip()
 
-def _status(url: str, headers: dict) -> int:
+    def healthy() -> bool:
+        return _run("docker", "inspect", "--format", "{{.State.Health.Status}}",
+                    container).stdout.strip() == "healthy"
+    wait_for(healthy, 180, "the daemon container's HEALTHCHECK", interval=2)
+
+
+def _status(url: str, headers: dict, ca: Path) -> int:
     try:
-        return httpx.get(url, headers=headers, timeout=5).status_code
+        return httpx.get(url, headers=headers, timeout=5,
+                         verify=ssl.create_default_context(cafile=str(ca))).status_code
     except httpx.HTTPError:
         return 0

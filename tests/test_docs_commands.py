@@ -38,7 +38,7 @@ NOT_RUN = "# not run by the docs test"
 RUNS_UNTIL_STOPPED = {"up", "daemon", "engine", "top", "gateway"}
 # The root callback's options that take a value (the subcommand is the first other word).
 VALUE_OPTIONS = {"--metric", "-m", "--window", "-w", "--labels", "-l", "--at", "--daemon",
-                 "--token", "--token-file"}
+                 "--token", "--token-file", "--cacert", "--cert", "--key"}
 SHELL_OPERATORS = {"|", "||", "&&", ";", ">", ">>", "<", "<<<", "2>", "&"}
 EXPECTED_EXIT = re.compile(r"\s#\s*exits? (\d+)\b")
 COMMAND_SECONDS = 60

@@ -57,6 +57,21 @@ def test_compose_wiring():
     (job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "ac-observe"]
     assert job["authorization"]["credentials_file"] == "/run/secrets/ac_observe_token"
     assert job["static_configs"][0]["targets"] == ["daemon:9410"]
+    # ... over TLS: the daemon's web-config file names the certificate and key secrets,
+    # Prometheus trusts the CA secret (scripts/compose-tls.sh makes all three).
+    assert job["scheme"] == "https"
+    assert job["tls_config"]["ca_file"] == "/run/secrets/ac_observe_ca"
+    assert "ac_observe_ca" in services["prometheus"]["secrets"]
+    web = yaml.safe_load((REPO / "dashboards" / "ac-observe" / "web.yml").read_text())
+    for key, secret in (("cert_file", "ac_observe_tls_cert"),
+                        ("key_file", "ac_observe_tls_key")):
+        assert web["tls_server_config"][key] == f"/run/secrets/{secret}"
+        assert secret in daemon["secrets"]
+    assert daemon["environment"]["AC_OBSERVE_WEB_CONFIG_FILE"] == "/etc/ac-observe/web.yml"
+    assert "./dashboards/ac-observe:/etc/ac-observe:ro" in daemon["volumes"]
+    # The daemon (and the gateway) run the image without torch, the engine the other.
+    assert daemon["build"]["target"] == "daemon" and services["gateway"]["build"]["target"] \
+        == "daemon" and services["engine"]["build"]["target"] == "engine"
     # Grafana: the provisioning and the dashboards it mounts exist, and it opens on the
     # overview.
     grafana = services["grafana"]

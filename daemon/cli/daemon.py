@@ -1,5 +1,6 @@
 """`ac-observe daemon`: the collectors, /metrics, the query API, drift alerts and webhooks,
-served until Ctrl-C or SIGTERM; SIGHUP reloads the alerting file and the token file."""
+served until Ctrl-C or SIGTERM; SIGHUP reloads the alerting file, the token file and the
+web-config file (TLS, basic auth)."""
 from __future__ import annotations
 
 import os
@@ -21,6 +22,11 @@ def daemon(
                               help="Bearer token (prefer --token-file or the environment: "
                                    "a command line is readable by every local user)."),
     token_file: Path = typer.Option(None, help="File holding the bearer token."),
+    web_config_file: Path = typer.Option(
+        None, envvar="AC_OBSERVE_WEB_CONFIG_FILE", show_envvar=True,
+        help="Prometheus exporter-toolkit's web-config file: TLS (tls_server_config) and "
+             "basic auth (basic_auth_users, bcrypt), beside the bearer token. Its "
+             "certificates are read again when they change."),
     interval: str = typer.Option("1s", help="Collection interval."),
     window: str = typer.Option("1h", help="In-memory window (every cycle) for queries; "
                                           "longer ones come from per-minute history."),
@@ -86,10 +92,11 @@ def daemon(
     from sqlalchemy.exc import SQLAlchemyError
 
     from ac_observe.daemon import sd_notify
-    from ac_observe.daemon.config import DaemonConfig, parse_endpoint
+    from ac_observe.daemon.config import DaemonConfig, is_loopback, parse_endpoint
     from ac_observe.daemon.http_api import make_server
     from ac_observe.daemon.reload import ConfigReloader, ReloadFailed
     from ac_observe.daemon.service import Daemon, tune_interpreter
+    from ac_observe.daemon.tls import WebSettings
     from ac_observe.durations import parse_duration
     from ac_observe.telemetry_format import default_telemetry_root
 
@@ -115,21 +122,26 @@ def daemon(
             grafana_url=grafana_url or None, engine_endpoints=endpoints,
             engine_discovery=discover_engines,
             pod_resources_socket=Path(pod_resources_socket) if pod_resources_socket else None,
+            web_config_file=web_config_file,
             grafana_token=read_token(os.environ.get("GRAFANA_TOKEN") or None,
                                       grafana_token_file) if grafana_url else None)
+        # Read before the daemon opens its store: a bad field is told at once.
+        web = WebSettings(web_config_file, must_authenticate=not config.token and
+                          not is_loopback(host)) if web_config_file is not None else None
         service = Daemon(config)
     except (ValueError, OSError, SQLAlchemyError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    reloader = ConfigReloader(service, token_file)
-    server = make_server(service, host, port, config.token, max_requests, reloader)
+    reloader = ConfigReloader(service, token_file, web)
+    server = make_server(service, host, port, config.token, max_requests, reloader, web)
     tune_interpreter()
+    scheme = "https" if web is not None and web.tls else "http"
 
     def serving() -> None:
         service.start()
-        typer.echo(f"ac-observe daemon: http://{host}:{server.port}/metrics  "
+        typer.echo(f"ac-observe daemon: {scheme}://{host}:{server.port}/metrics  "
                    f"telemetry root {config.telemetry_root}", err=True)
-        sd_notify.notify("READY=1", f"STATUS=serving http://{host}:{server.port}")
+        sd_notify.notify("READY=1", f"STATUS=serving {scheme}://{host}:{server.port}")
 
     def hangup() -> None:
         try:

@@ -26,7 +26,7 @@ from ac_observe.daemon.cli.app import (
     daemon_address,
     read_token,
 )
-from ac_observe.daemon.cli.client import DaemonError, get_json
+from ac_observe.daemon.cli.client import DaemonError, client_tls, get_json
 from ac_observe.daemon.cli.render import metric_table, print_error
 
 
@@ -47,13 +47,23 @@ def root(ctx: typer.Context,
                                    help="Bearer token for a daemon bound off loopback."),
          token_file: Path = typer.Option(None, "--token-file",
                                          help="File holding the bearer token."),
+         cacert: Path = typer.Option(None, "--cacert", envvar="AC_OBSERVE_CACERT",
+                                     help="CA certificate(s) to trust for an https:// "
+                                          "daemon (default: the system's)."),
+         cert: Path = typer.Option(None, "--cert", envvar="AC_OBSERVE_CERT",
+                                   help="Client certificate for a daemon that asks for one "
+                                        "(mutual TLS)."),
+         key: Path = typer.Option(None, "--key", envvar="AC_OBSERVE_KEY",
+                                  help="The client certificate's key (default: in --cert)."),
          version: bool = typer.Option(False, "--version", help="Print the version.")) -> None:
     try:
         bearer = read_token(token, token_file)
+        tls = client_tls(cacert, cert, key)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    ctx.obj = {"url": daemon_address(daemon_url or DEFAULT_DAEMON_URL), "token": bearer}
+    ctx.obj = {"url": daemon_address(daemon_url or DEFAULT_DAEMON_URL), "token": bearer,
+               "tls": tls}
     if version:
         typer.echo(f"ac-observe {__version__}")
         raise typer.Exit()

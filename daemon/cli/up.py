@@ -2,6 +2,8 @@
 (daemon/supervisor.py) until Ctrl-C."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from ac_observe.daemon.cli.app import EXIT_USAGE, app
@@ -23,6 +25,8 @@ def up(
     telemetry_root: str = typer.Option("", help="Telemetry root shared by engine and daemon."),
     engine_arg: list[str] = typer.Option([], "--engine-arg", help="Extra `engine` option."),
     daemon_arg: list[str] = typer.Option([], "--daemon-arg", help="Extra `daemon` option."),
+    web_config_file: Path = typer.Option(None, help="The daemon's web-config file (TLS, "
+                                                    "basic auth; docs/tls.md)."),
 ) -> None:
     """Start an engine and a daemon on the embedded defaults; Ctrl-C stops both."""
     from ac_observe.daemon.supervisor import run_up
@@ -36,5 +40,12 @@ def up(
                        f"such as 150s,90s ({exc})", err=True)
             raise typer.Exit(EXIT_USAGE) from None
         schedule = (calm, slowed)
+    if web_config_file is not None:
+        if demo_drift:
+            typer.echo("error: --demo-drift follows the daemon's alerts over plain HTTP: "
+                       "leave --web-config-file out for the demo", err=True)
+            raise typer.Exit(EXIT_USAGE)
+        daemon_arg = [*daemon_arg, "--web-config-file", str(web_config_file.resolve())]
     raise typer.Exit(run_up(engine_port, daemon_port, model, demo_load, telemetry_root,
-                            engine_arg, daemon_arg, schedule))
+                            engine_arg, daemon_arg, schedule,
+                            daemon_scheme="https" if web_config_file else "http"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -48,10 +49,14 @@ class ServerProcess:
     """An `ac-observe` command serving HTTP, in a subprocess on a free loopback port."""
 
     ready_path = "/health"
+    # How httpx checks the server: True (plain HTTP, or the system's CAs), or the TLS
+    # context of a test CA (tests/support/certs.py) for a daemon serving TLS.
+    verify: ssl.SSLContext | bool = True
 
-    def __init__(self, args: list[str], log_dir, env: dict | None = None):
+    def __init__(self, args: list[str], log_dir, env: dict | None = None,
+                 scheme: str = "http"):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"{args[0]}-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = start_process([AC_OBSERVE, *args, "--port", str(self.port)],
@@ -65,7 +70,8 @@ class ServerProcess:
                 raise RuntimeError(f"{self.proc.args[1]} exited with {self.proc.returncode}: "
                                    f"{self.log_path.read_text()[-2000:]}")
             try:
-                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2,
+                             verify=self.verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -91,9 +97,13 @@ class DaemonProcess(ServerProcess):
 
     ready_path = "/healthz"
 
-    def __init__(self, telemetry_root, *args: str, env: dict | None = None):
+    def __init__(self, telemetry_root, *args: str, env: dict | None = None,
+                 verify: ssl.SSLContext | None = None):
+        if verify is not None:
+            self.verify = verify
         super().__init__(["daemon", "--telemetry-root", str(telemetry_root), *args],
-                         Path(telemetry_root).parent, env)
+                         Path(telemetry_root).parent, env,
+                         scheme="http" if verify is None else "https")
         self.token = (env or {}).get("AC_OBSERVE_TOKEN", os.environ.get("AC_OBSERVE_TOKEN"))
         if "--token" in args:
             self.token = args[args.index("--token") + 1]
@@ -110,7 +120,8 @@ class DaemonProcess(ServerProcess):
     def status(self) -> dict:
         """/api/v1/status's answer (`as_of`: the newest cycle's time)."""
         headers = {"Authorization": b"Bearer " + self.token.encode()} if self.token else None
-        response = httpx.get(self.url + "/api/v1/status", headers=headers, timeout=5)
+        response = httpx.get(self.url + "/api/v1/status", headers=headers, timeout=5,
+                             verify=self.verify)
         assert response.status_code == 200, f"status: {response.status_code} {response.text}"
         return response.json()
 
@@ -129,7 +140,8 @@ class DaemonProcess(ServerProcess):
 
     def metrics(self, headers=None) -> dict:
         """{(sample name, frozenset(labels)): value} of /metrics."""
-        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10, headers=headers).text)
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10, headers=headers,
+                                       verify=self.verify).text)
 
 
 def parse_metrics(text: str) -> dict:

@@ -49,8 +49,8 @@ class _Process:
 
 class Prometheus(_Process):
     """The shipped prometheus.yml and rules, with only the addresses of this machine's
-    daemon and Alertmanager put in for the compose service names, and the daemon's token
-    in a file of its own for the compose secret's."""
+    daemon and Alertmanager put in for the compose service names, the daemon's token in a
+    file of its own for the compose secret's, and plain HTTP for the stack's TLS."""
 
     def __init__(self, base: Path, daemon_target: str, alertmanager_target: str | None,
                  token: str, data: Path | None = None):
@@ -65,6 +65,10 @@ class Prometheus(_Process):
                 assert job["authorization"]["credentials_file"] == \
                     "/run/secrets/ac_observe_token"
                 job["authorization"]["credentials_file"] = str(base / "etc" / "daemon.token")
+                # The compose stack's TLS (the CA in a compose secret); the daemons here
+                # speak plain HTTP (TLS is tests/test_tls.py's).
+                assert job.pop("tls_config") == {"ca_file": "/run/secrets/ac_observe_ca"}
+                assert job.pop("scheme") == "https"
         self.port = free_port()
         for job in config["scrape_configs"]:
             if job["job_name"] == "prometheus":
