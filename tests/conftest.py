@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from support.checkpoints import write_hf_checkpoint
+from support.docker import docker_engine
 from support.postgres import PostgresServer
 from support.servers import DaemonProcess, EngineServer
 
@@ -89,3 +90,9 @@ def store(request, tmp_path):
     store = Store(url, state_dir=tmp_path / "state")
     yield store
     store.close()
+
+
+@pytest.fixture(scope="session")
+def dockerd(tmp_path_factory):
+    """The Docker engine (one for the session: the compose and container tests share it)."""
+    yield from docker_engine(tmp_path_factory.mktemp("dockerd"))

@@ -15,34 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from support.processes import start_process
 from support.servers import sample_value, wait_for
 from support.standins import build_cuda, build_nvml
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("dockerd") is None,
                                  reason="a Docker engine needs root and dockerd")]
-
-
-def _docker_up() -> bool:
-    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
-
-
-@pytest.fixture(scope="module")
-def dockerd(tmp_path_factory):
-    """The Docker engine: the running one, or one started here (and stopped after)."""
-    if _docker_up():
-        yield
-        return
-    log = open(tmp_path_factory.mktemp("dockerd") / "dockerd.log", "w")
-    proc = start_process(["dockerd"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for(_docker_up, 60, "dockerd")
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
 
 
 def _image(folder: Path, tag: str) -> None:

@@ -36,7 +36,6 @@ import httpx
 import pytest
 import yaml
 
-from support.processes import start_process
 from support.receivers import WebhookReceiver
 from support.servers import AC_OBSERVE, free_port, wait_for
 from support.stack import REPO, delivery_of
@@ -56,24 +55,6 @@ def _run(*args, timeout=900, **kw) -> subprocess.CompletedProcess:
     out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **kw)
     assert out.returncode == 0, f"{' '.join(args)}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
-
-
-@pytest.fixture(scope="module")
-def dockerd(tmp_path_factory):
-    """The Docker engine: the running one, or one started here (and stopped after)."""
-    if subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
-        yield
-        return
-    log = open(tmp_path_factory.mktemp("dockerd") / "dockerd.log", "w")
-    proc = start_process(["dockerd"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: subprocess.run(["docker", "info"], capture_output=True)
-                 .returncode == 0, 60, "dockerd")
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
 
 
 def _mirror() -> str:
