@@ -249,3 +249,95 @@ def test_the_api_and_the_cli_at_80_columns_and_as_json(drifted):
         assert "NoSuchRule" in unknown.output
     finally:
         stop()
+
+
+class _Lookups(Collector):
+    """Each cycle 100 prompt blocks looked up on engine e1, 60 of skeleton s1 and 40 of
+    s2. Calm: 90 % hit in both; misses 6 cold, 4 diverged. Drift: s2 hits 6 of its 40
+    (s1 unchanged), misses 8 cold, 4 diverged, 28 evicted; 5 evictions a second."""
+    name = "lookups"
+
+    def __init__(self):
+        self.drift = False
+        self.totals: dict = {}
+
+    def _add(self, key, value):
+        self.totals[key] = self.totals.get(key, 0.0) + value
+
+    def collect(self):
+        hits = {"s1": 54, "s2": 6 if self.drift else 36}
+        for skeleton, lookups in (("s1", 60), ("s2", 40)):
+            self._add(("query", skeleton), lookups)
+            self._add(("hit", skeleton), hits[skeleton])
+            self._add(("requests", skeleton), 1)
+        misses = dict(zip(m.MISS_REASONS, (28, 8, 4) if self.drift else (0, 6, 4),
+                          strict=True))
+        for reason, count in misses.items():
+            self._add(("miss", reason), count)
+        self._add(("evictions",), 5 if self.drift else 0)
+        query, hit, miss = (new_family(m.KV_QUERY_BLOCKS), new_family(m.KV_HIT_BLOCKS),
+                            new_family(m.KV_MISS_BLOCKS))
+        requests, evictions = new_family(m.SKELETON_REQUESTS), new_family(m.KV_EVICTIONS)
+        for skeleton in ("s1", "s2"):
+            query.add_metric(["e1", "m", skeleton], self.totals["query", skeleton])
+            hit.add_metric(["e1", "m", skeleton], self.totals["hit", skeleton])
+            requests.add_metric(["e1", "m", skeleton], self.totals["requests", skeleton])
+        for reason in m.MISS_REASONS:
+            miss.add_metric(["e1", "m", reason], self.totals["miss", reason])
+        evictions.add_metric(["e1", "m"], self.totals["evictions",])
+        return [query, hit, miss, requests, evictions]
+
+
+HIT_RATE_RULE = """\
+rules:
+  - name: HitRateDrop
+    metric: kv_cache_hit_rate
+    statistic: mean
+    window: 10s
+    baseline: trailing:20s
+    comparison: absolute_decrease
+    threshold: 5
+"""
+
+
+def test_a_hit_rate_fall_splits_by_miss_reason_and_names_the_skeleton(tmp_path):
+    path = tmp_path / "alerts.yaml"
+    path.write_text(HIT_RATE_RULE)
+    collector = _Lookups()
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=600, alerting_file=path,
+                                 state_dir=tmp_path / "state", alert_interval_seconds=1.0),
+                    collectors=[collector])
+    try:
+        for t in range(46):
+            collector.drift = t >= DRIFT_AT
+            daemon.run_cycle(now=T0 + t)
+        (alert,) = daemon.alerts.explained()
+        found = alert["explanation"]
+        assert found["mean"] == {"baseline": pytest.approx(90.0), "now": pytest.approx(60.0),
+                                 "change": pytest.approx(-30.0)}
+        parts = _by_name(found["parts"])
+        expected = {"evicted": (0, 28), "cold": (6, 8), "diverged": (4, 4),
+                    "unexplained": (0, 0)}
+        for name, (baseline, now) in expected.items():
+            assert parts[name]["baseline"] == pytest.approx(baseline, abs=1e-9), name
+            assert parts[name]["now"] == pytest.approx(now, abs=1e-9), name
+            assert parts[name]["share"] == pytest.approx((now - baseline) / 30, abs=1e-9), name
+        skeletons = {s["skeleton"]: (s["baseline"], s["now"]) for s in found["skeletons"]}
+        assert skeletons == {"s1": (pytest.approx(90.0), pytest.approx(90.0)),
+                             "s2": (pytest.approx(90.0), pytest.approx(15.0))}
+        assert found["skeletons"][0]["skeleton"] == "s2"  # the one that lost most first
+        assert found["verdict"] == ("KV hit rate mean 90 % -> 60 %: evicted misses +28 "
+                                    "points is 93 % of the fall (evictions/s 0 -> 5)")
+    finally:
+        daemon.close()
+
+
+def test_notifications_carry_the_verdict_where_a_person_reads_them():
+    from ac_observe.daemon.alerting.alert import Alert
+    from ac_observe.daemon.alerting.notify.grafana import grafana_annotation
+    from ac_observe.daemon.alerting.notify.slack import slack_body
+    alert = Alert(labels={"alertname": "TtftDrift"}, status="firing", starts_at=T0,
+                  annotations={"summary": "TTFT p95 up", "explanation": "queue time it is"})
+    assert grafana_annotation([alert])["text"] == "FIRING: TTFT p95 up\nwhy: queue time it is"
+    assert slack_body([alert])["text"].endswith("TTFT p95 up\nwhy: queue time it is")

@@ -189,7 +189,7 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
            "metric": rule.metric, "labels": alert["labels"],
            "window": {"start": window.start, "end": window.end},
            "baseline_span": {"start": base.start, "end": base.end, "source": whence},
-           "statistic": {"name": rule.statistic,
+           "statistic": {"name": rule.statistic, "comparison": rule.comparison,
                          "unit": FRIENDLY[rule.metric].statistic_unit(rule.statistic),
                          "baseline": baseline, "now": value,
                          "change_percent": (100.0 * (value - baseline) / abs(baseline)
@@ -356,10 +356,10 @@ def verdict(out: dict) -> str:
     among those that move that part."""
     stat = out["statistic"]
     head = f"{TITLES.get(out['metric'], out['metric'])} {stat['name']}"
-    if stat["change_percent"] is not None:
+    if stat["change_percent"] is not None and stat["comparison"].startswith("relative"):
         head += f" {stat['change_percent']:+.0f} %"
     elif stat["baseline"] is not None and stat["now"] is not None:
-        head += f" {show(stat['baseline'])} -> {show(stat['now'])}"
+        head += f" {show(stat['baseline'], stat['unit'])} -> {show(stat['now'], stat['unit'])}"
     ranked = sorted((p for p in out["parts"] if p["share"] is not None),
                     key=lambda p: -p["share"])
     if not ranked:
@@ -373,8 +373,9 @@ def verdict(out: dict) -> str:
         what = f"{top['name']} misses {signed(top['change'], 'points')} is " \
                f"{100 * top['share']:.0f} % of the fall"
     related = RELATED.get(top["name"], ())
-    ordered = sorted((c for c in out["causes"]
-                      if c["group"] in related and moved(c) >= NOTABLE_RATIO),
+    split = {out["metric"]} | {p["metric"] for p in out["parts"]}  # not said twice
+    ordered = sorted((c for c in out["causes"] if c["group"] in related
+                      and c["metric"] not in split and moved(c) >= NOTABLE_RATIO),
                      key=lambda c: -moved(c))[:2]
     if ordered:
         what += " (" + ", ".join(cause_text(c) for c in ordered) + ")"
