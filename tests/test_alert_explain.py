@@ -54,7 +54,8 @@ class _Requests(Collector):
     """Each cycle, 10 requests per engine. Calm: front-end 5 ms, queue 10 ms, prefill
     40 ms, TTFT their sum + 2 ms (what the parts leave out); 2 more requests reach the
     front-end only (rejected). Drift: 2 of the 10 wait 510 ms in the queue (8 still
-    10 ms), prefill 50 ms, the rest 4 ms; finished requests/s 10 -> 20, waiting 0 -> 14.
+    10 ms), prefill 50 ms, the rest 4 ms; finished requests/s 10 -> 20, waiting 0 -> 14,
+    running 4 -> 1 (moved most, but the way that speeds requests up).
     Engine e2 exports no front-end time."""
     name = "requests"
 
@@ -89,7 +90,7 @@ class _Requests(Collector):
         for engine in ("e1", "e2"):
             requests.add_metric([engine, "m", LANE, "ok"], self.requests_ok[engine])
             waiting.add_metric([engine, "m", LANE], 14.0 if self.drift else 0.0)
-            running.add_metric([engine, "m", LANE], 4.0)
+            running.add_metric([engine, "m", LANE], 1.0 if self.drift else 4.0)
         return out + [requests, waiting, running]
 
 
@@ -173,7 +174,7 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
     assert (causes["requests/s"]["baseline"], causes["requests/s"]["now"]) == \
         (pytest.approx(10.0), pytest.approx(20.0))
     assert (causes["waiting"]["baseline"], causes["waiting"]["now"]) == (0.0, 14.0)
-    assert (causes["running"]["baseline"], causes["running"]["now"]) == (4.0, 4.0)
+    assert (causes["running"]["baseline"], causes["running"]["now"]) == (4.0, 1.0)
     # No KV, prompt, kernel or device series here: missing, never 0.
     for name in ("hit rate", "misses evicted", "evictions/s", "prompt tokens/s",
                  "prompt tokens/request", "skeleton depth", "prefill kernels ms/step",
@@ -183,6 +184,7 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
 
 
 def test_the_verdict_names_the_part_with_the_largest_share_and_its_causes(drifted):
+    """The causes that moved most the way that slows requests (not running 4 -> 1)."""
     alert = _alerts(drifted)["e1"]
     percent = round(alert["explanation"]["statistic"]["change_percent"])
     assert alert["explanation"]["verdict"] == (

@@ -71,6 +71,7 @@ class Cause:
     scale: float = 1.0  # the friendly unit into the one shown
     unit: str = ""
     fixed: tuple = ()   # extra label filter (a reason, a phase)
+    worse: int = 1      # which way it moves to slow requests down: +1 up, -1 down
 
 
 CAUSES = (
@@ -78,7 +79,7 @@ CAUSES = (
     Cause("load", "prompt tokens/s", "prompt_tokens_per_second", "sum", unit="tok/s"),
     Cause("load", "running", "requests_running", "avg"),
     Cause("load", "waiting", "requests_waiting", "avg"),
-    Cause("kv", "hit rate", "kv_cache_hit_rate", "avg", unit="%"),
+    Cause("kv", "hit rate", "kv_cache_hit_rate", "avg", unit="%", worse=-1),
     *[Cause("kv", f"misses {reason}", "kv_cache_miss_reasons", "avg", unit="%",
             fixed=(("reason", reason),)) for reason in MISS_REASONS],
     Cause("kv", "evictions/s", "kv_cache_eviction_rate", "sum", unit="blocks/s"),
@@ -88,13 +89,16 @@ CAUSES = (
             unit="ms", fixed=(("phase", phase),)) for phase in ("prefill", "decode")],
     Cause("device", "sync wait", "sync_wait_ns", "mean", 1e-6, "ms"),
     Cause("device", "GPU util", "gpu_utilization", "avg", unit="%"),
-    Cause("device", "SM clock", "gpu_sm_clock_hertz", "avg", 1e-6, "MHz"),
+    Cause("device", "SM clock", "gpu_sm_clock_hertz", "avg", 1e-6, "MHz", worse=-1),
     Cause("device", "power", "gpu_power_watts", "avg", unit="W"),
     Cause("device", "XID errors/s", "gpu_xid_error_rate", "sum", unit="1/s"),
     Cause("engine", "restarts/s", "engine_restart_rate", "sum", unit="1/s"),
+    # How fast the lane's steps come as its requests see them: a slower engine (its
+    # queue waits on slower steps too) shows here when its load did not grow.
+    Cause("engine", "inter-token", "inter_token_latency_ms", "mean", unit="ms"),
 )
 # Which causes move which part: the verdict names the ones that moved most among them.
-RELATED = {"queue": ("load",), "front-end": ("load",),
+RELATED = {"queue": ("load", "engine"), "front-end": ("load",),
            "prefill": ("kv", "prompts", "kernels", "load", "device", "engine"),
            "decode": ("load", "kernels", "device", "engine"),
            "decode step": ("load", "kernels", "device", "engine"),
@@ -308,7 +312,7 @@ def _cause(cause: Cause, reader: Reader, window: Span, base: Span) -> dict:
     b = None if b is None else b * cause.scale
     n = None if n is None else n * cause.scale
     return {"group": cause.group, "name": cause.name, "metric": cause.metric,
-            "unit": cause.unit, "baseline": b, "now": n}
+            "unit": cause.unit, "worse": cause.worse, "baseline": b, "now": n}
 
 
 def _ms(seconds):
@@ -331,12 +335,16 @@ def signed(value, unit: str) -> str:
     return ("+" if value >= 0 else "-") + show(abs(value), unit)
 
 
-def moved(cause: dict) -> float:
-    """How far a cause moved, as a factor (1: not at all; 0: missing in a span). From or
-    to 0 the factor is 1 + the other figure: waiting 0 -> 14 moved, 0 -> 0.02 did not."""
+def moved(cause: dict, rising: bool = True) -> float:
+    """How far a cause moved the way that makes requests slower when the figure split
+    rose (`rising`; faster when it fell), as a factor (1: not at all, or the other way;
+    0: missing in a span). From or to 0 the factor is 1 + the other figure: waiting
+    0 -> 14 moved, 0 -> 0.02 did not."""
     b, n = cause["baseline"], cause["now"]
     if b is None or n is None:
         return 0.0
+    if (n - b) * cause.get("worse", 1) * (1 if rising else -1) < 0:
+        return 1.0  # moved the other way: no cause of this change
     if b == n:
         return 1.0
     if min(abs(b), abs(n)) == 0:
@@ -374,9 +382,12 @@ def verdict(out: dict) -> str:
                f"{100 * top['share']:.0f} % of the fall"
     related = RELATED.get(top["name"], ())
     split = {out["metric"]} | {p["metric"] for p in out["parts"]}  # not said twice
+    # A latency that rose is slowed by causes that moved their worse way; a hit rate's
+    # fall by those that moved the way that loses hits (its misses up: the same way).
+    rising = out["split"] != "mean" or (out["mean"]["change_ms"] or 0) >= 0
     ordered = sorted((c for c in out["causes"] if c["group"] in related
-                      and c["metric"] not in split and moved(c) >= NOTABLE_RATIO),
-                     key=lambda c: -moved(c))[:2]
+                      and c["metric"] not in split and moved(c, rising) >= NOTABLE_RATIO),
+                     key=lambda c: -moved(c, rising))[:2]
     if ordered:
         what += " (" + ", ".join(cause_text(c) for c in ordered) + ")"
     return f"{head}: {what}"
