@@ -343,3 +343,59 @@ def test_notifications_carry_the_verdict_where_a_person_reads_them():
                   annotations={"summary": "TTFT p95 up", "explanation": "queue time it is"})
     assert grafana_annotation([alert])["text"] == "FIRING: TTFT p95 up\nwhy: queue time it is"
     assert slack_body([alert])["text"].endswith("TTFT p95 up\nwhy: queue time it is")
+
+
+@pytest.mark.slow
+def test_the_demo_drift_is_explained_by_slower_steps(tmp_path):
+    """`up --demo-drift` slows every step by 300 ms: the firing DemoLatencyDrift's
+    explanation puts the change in the parts that wait on steps (prefill, and the queue
+    behind the slower steps), prefill among the first two, the residual under 20 %, and
+    the slower steps show among its causes (inter-token latency)."""
+    import signal
+    import subprocess
+
+    import httpx
+
+    from support.processes import start_process
+    from support.servers import AC_OBSERVE, free_port, wait_for
+    engine_port, daemon_port = free_port(), free_port()
+    daemon_url = f"http://127.0.0.1:{daemon_port}"
+    log_path = tmp_path / "up.log"
+    log = open(log_path, "w")
+    up = start_process([AC_OBSERVE, "up", "--engine-port", str(engine_port),
+                        "--daemon-port", str(daemon_port), "--demo-drift",
+                        "--demo-drift-schedule", "80s,30s",
+                        "--telemetry-root", str(tmp_path / "telemetry")],
+                       stdout=log, stderr=subprocess.STDOUT)
+
+    def firing():
+        try:
+            body = httpx.get(daemon_url + "/api/v1/alerts", timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return [a for a in body["alerts"] if a["rule"] == "DemoLatencyDrift"
+                and a["state"] == FIRING and a["explanation"]]
+
+    try:
+        alerts = wait_for(firing, 170, "DemoLatencyDrift firing", interval=0.5)
+        said = log_path.read_text()
+        assert said.index("slowing every engine step") < said.index(
+            "alert DemoLatencyDrift firing")
+        for alert in alerts:
+            found = alert["explanation"]
+            parts = _by_name(found["parts"])
+            assert found["mean"]["change_ms"] > 0, found
+            assert abs(parts["unexplained"]["share"]) < 0.2, found
+            ranked = sorted(found["parts"], key=lambda p: -(p["share"] or 0))
+            assert "prefill" in [p["name"] for p in ranked[:2]], found
+            assert ranked[0]["name"] in ("prefill", "queue"), found
+            assert parts["prefill"]["share"] + parts["queue"]["share"] > 0.8, found
+            assert parts["prefill"]["change_ms"] > 50, found
+            step = {c["name"]: c for c in found["causes"]}["inter-token"]
+            assert step["now"] > 2 * step["baseline"], step  # each step 300 ms slower
+            assert re.match(r"TTFT p95 \+\d+ %: (prefill|queue) time \+", found["verdict"]), \
+                found["verdict"]
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+        log.close()
