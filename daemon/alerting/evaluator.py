@@ -57,6 +57,7 @@ class Evaluator:
         self._verdicts: dict[str, str] = {}
         # (rule, fingerprint) -> (the evaluation it was worked out at, the explanation)
         self._explained: dict[InstanceKey, tuple[float, dict | None]] = {}
+        self._explained_lock = threading.Lock()  # the cache only, never while working out
         # (rule, severity) -> firing instances, as the last evaluation left them: the
         # cycle reads it without waiting on an evaluation in progress.
         self.firing_counts: dict[tuple[str, str], int] = {
@@ -237,13 +238,16 @@ class Evaluator:
         for alert in out:
             key = (alert["rule"], alert["fingerprint"])
             rule = self.rules.get(alert["rule"])
-            cached = self._explained.get(key)
+            with self._explained_lock:
+                cached = self._explained.get(key)
             if cached is None or cached[0] != at:
                 cached = (at, self._explain(rule, alert, at) if rule else None)
-                self._explained[key] = cached
+                with self._explained_lock:
+                    self._explained[key] = cached
             alert["explanation"] = cached[1]
-        for key in set(self._explained) - {(a["rule"], a["fingerprint"]) for a in out}:
-            self._explained.pop(key, None)  # no longer active
+        with self._explained_lock:  # forget those no longer active
+            active = {(a["rule"], a["fingerprint"]) for a in out}
+            self._explained = {k: v for k, v in self._explained.items() if k in active}
         return out
 
     def _evaluate_rule(self, rule: Rule, values: dict, baselines: dict, now: float) -> None:

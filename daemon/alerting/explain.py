@@ -117,9 +117,12 @@ class Span:
         return self.end - self.start
 
 
-def spans(rule: Rule, alert: dict, now: float) -> tuple[Span, Span, str]:
+def spans(rule: Rule, alert: dict, now: float,
+          held_seconds: float = math.inf) -> tuple[Span, Span, str]:
     """(the window, the baseline span, where it is): the span the alert's baseline was
-    read over when it went pending (it stays frozen while the alert is active)."""
+    read over when it went pending (it stays frozen while the alert is active); for a
+    rule that reads none, the hour before the window, or what the in-memory windows
+    (`held_seconds`) hold of it."""
     window = Span(now - rule.window_seconds, now)
     anchor = alert.get("active_since") or now
     source = alert.get("baseline_source") or ""
@@ -127,7 +130,8 @@ def spans(rule: Rule, alert: dict, now: float) -> tuple[Span, Span, str]:
         span = max(rule.window_seconds, SAME_HOUR_SPAN_SECONDS)
         end = anchor - 86400.0 - rule.window_seconds / 2 + span / 2
         return window, Span(end - span, end), source
-    seconds = rule.baseline_seconds if rule.reads_baseline else DEFAULT_BASELINE_SECONDS
+    seconds = rule.baseline_seconds if rule.reads_baseline else max(
+        rule.window_seconds, min(DEFAULT_BASELINE_SECONDS, held_seconds - rule.window_seconds))
     end = anchor - rule.window_seconds
     whence = (source or f"trailing {figure(seconds)} s before the window") \
         if rule.reads_baseline else f"the {figure(seconds)} s before the window (the rule " \
@@ -186,14 +190,17 @@ def _change(baseline, now):
 def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
     """The explanation of one active alert (a dict as `active()` lists it: rule,
     fingerprint, labels, value, baseline, baseline_source, active_since)."""
-    window, base, whence = spans(rule, alert, now)
+    window, base, whence = spans(rule, alert, now, series.window_seconds)
     reader = Reader(series, alert["labels"])
     value, baseline = alert.get("value"), alert.get("baseline")
+    if not rule.reads_baseline:  # compared with its threshold: no baseline of its own
+        baseline = None
     out = {"rule": rule.name, "fingerprint": alert.get("fingerprint", ""),
            "metric": rule.metric, "labels": alert["labels"],
            "window": {"start": window.start, "end": window.end},
            "baseline_span": {"start": base.start, "end": base.end, "source": whence},
            "statistic": {"name": rule.statistic, "comparison": rule.comparison,
+                         "threshold": rule.threshold,
                          "unit": FRIENDLY[rule.metric].statistic_unit(rule.statistic),
                          "baseline": baseline, "now": value,
                          "change_percent": (100.0 * (value - baseline) / abs(baseline)
@@ -364,10 +371,16 @@ def verdict(out: dict) -> str:
     among those that move that part."""
     stat = out["statistic"]
     head = f"{TITLES.get(out['metric'], out['metric'])} {stat['name']}"
+    def as_shown(value):  # nanoseconds read as milliseconds
+        return show(value / 1e6, "ms") if stat["unit"] == "ns" else show(value, stat["unit"])
+
     if stat["change_percent"] is not None and stat["comparison"].startswith("relative"):
         head += f" {stat['change_percent']:+.0f} %"
     elif stat["baseline"] is not None and stat["now"] is not None:
-        head += f" {show(stat['baseline'], stat['unit'])} -> {show(stat['now'], stat['unit'])}"
+        head += f" {as_shown(stat['baseline'])} -> {as_shown(stat['now'])}"
+    elif stat["now"] is not None:  # against a threshold
+        head += f" {as_shown(stat['now'])} ({stat['comparison']} " \
+                f"{as_shown(stat['threshold'])})"
     ranked = sorted((p for p in out["parts"] if p["share"] is not None),
                     key=lambda p: -p["share"])
     if not ranked:

@@ -156,8 +156,10 @@ def explanation_lines(alert: dict, width: int = 80) -> list[str]:
         f"{clock(span['start'], '%m-%d %H:%M:%S')}-{clock(span['end'], '%H:%M:%S')} "
         f"({span['source']})", width, subsequent_indent="  ")
     stat = found["statistic"]
-    lines.append(f"{stat['name']}: {human(stat['baseline'], stat['unit'])} -> "
-                 f"{human(stat['now'], stat['unit'])} (the rule's statistic, not split)")
+    figures = human(stat["now"], stat["unit"])
+    if stat["baseline"] is not None:
+        figures = f"{human(stat['baseline'], stat['unit'])} -> {figures}"
+    lines.append(f"{stat['name']}: {figures} (the rule's statistic, not split)")
     mean = found.get("mean")
     if found.get("split") == "mean":
         lines.append(f"mean: {show(mean['baseline_ms'], 'ms')} -> {show(mean['now_ms'], 'ms')}"
