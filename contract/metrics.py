@@ -179,11 +179,12 @@ KV_REPORTED_HIT = _engine("ac_kv_cache_reported_hit_ratio", GAUGE,
                           "cache_hit_rate); engines with lookup counters leave it out.",
                           unit="ratio")
 REQUEST_PREFILL = _latency("ac_request_prefill_seconds",
-                           "Time a request spent in its prefill phase (vLLM's "
-                           "request_prefill_time_seconds; not the device time of one step).")
+                           "Time a request spent in its prefill phase: first scheduled to "
+                           "first token (vLLM's request_prefill_time_seconds; not the device "
+                           "time of one step). Front-end + queue + prefill = TTFT.")
 REQUEST_DECODE = _latency("ac_request_decode_seconds",
-                          "Time a request spent in its decode phase (vLLM's "
-                          "request_decode_time_seconds).")
+                          "Time a request spent in its decode phase: first token to finish "
+                          "(vLLM's request_decode_time_seconds).")
 KV_USAGE = _engine("ac_kv_cache_usage_ratio", GAUGE, "Fraction of KV blocks held by requests.",
                    unit="ratio")
 KV_BLOCKS = _engine("ac_kv_cache_blocks", GAUGE, "KV blocks in the pool.", unit="blocks")
@@ -509,9 +510,9 @@ FRIENDLY = {f.name: f for f in (
     Friendly("kv_cache_reported_hit_rate", GAUGE_KIND, KV_REPORTED_HIT, "%", 100.0,
              "Prefix-cache hit rate as the engine reports it (a gauge: vLLM V0, SGLang)."),
     Friendly("request_prefill_ms", HISTOGRAM_KIND, REQUEST_PREFILL, "ms", 1e3,
-             "Time a request spent in its prefill phase (vLLM)."),
+             "Time a request spent in its prefill phase: first scheduled to first token."),
     Friendly("request_decode_ms", HISTOGRAM_KIND, REQUEST_DECODE, "ms", 1e3,
-             "Time a request spent in its decode phase (vLLM)."),
+             "Time a request spent in its decode phase: first token to finish."),
     Friendly("kv_cache_token_hit_rate", RATIO_KIND, KV_HIT_TOKENS, "%", 100.0,
              "Prompt tokens served from the prefix cache over prompt tokens (per prompt "
              "skeleton with --labels skeleton=ID).", KV_QUERY_TOKENS, ("skeleton",)),
@@ -537,6 +538,14 @@ FRIENDLY = {f.name: f for f in (
              "Prompt tokens admitted per second."),
     Friendly("preemptions_per_second", RATE_KIND, PREEMPTIONS, "1/s", 1.0,
              "Requests preempted per second."),
+    Friendly("kv_cache_eviction_rate", RATE_KIND, KV_EVICTIONS, "blocks/s", 1.0,
+             "Cached blocks evicted per second."),
+    Friendly("skeleton_request_rate", RATE_KIND, SKELETON_REQUESTS, "req/s", 1.0,
+             "Requests per second per prompt skeleton."),
+    Friendly("engine_restart_rate", RATE_KIND, ENGINE_RESTARTS, "1/s", 1.0,
+             "New engine processes taking over an engine's telemetry, per second."),
+    Friendly("gpu_xid_error_rate", RATE_KIND, GPU_XID_ERRORS, "1/s", 1.0,
+             "XID errors per second (NVML)."),
     Friendly("requests_running", GAUGE_KIND, REQUESTS_RUNNING, "requests", 1.0,
              "Requests holding KV blocks."),
     Friendly("requests_waiting", GAUGE_KIND, REQUESTS_WAITING, "requests", 1.0,

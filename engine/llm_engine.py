@@ -445,7 +445,7 @@ class Engine:
 
     def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int | None],
                      device_seconds: float, now_ns: int) -> None:
-        first_token_seconds, gap_seconds = [], []
+        first_token_seconds, gap_seconds, prefill_seconds = [], [], []
         try:
             for seq, token_id in zip(batch.seqs, next_tokens, strict=False):
                 request = self._requests[seq.request_id]
@@ -468,9 +468,11 @@ class Engine:
                     gap_seconds.append((now_ns - previous_ns) * NS)
                 else:
                     first_token_seconds.append(timeline.ttft_ns * NS)
+                    prefill_seconds.append(timeline.prefill_phase_ns * NS)
                 self._emit(request, token_id, previous_ns == 0)
         finally:  # the tokens made so far are counted even if a delivery raised
-            self.stats.on_tokens(batch.lane, first_token_seconds, gap_seconds)
+            self.stats.on_tokens(batch.lane, first_token_seconds, gap_seconds,
+                                 prefill_seconds)
 
     def _emit(self, request: _Request, token_id: int, first: bool) -> None:
         seq, params = request.seq, request.seq.params

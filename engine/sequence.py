@@ -54,7 +54,8 @@ class Timeline:
     """Host monotonic instants (ns) of one request, plus its device-timed work.
 
     NOTE: arrival is when the server received the request (before parsing, validation and
-    tokenization), so time to first token = front-end + queue + the first steps."""
+    tokenization), so time to first token = front-end + queue + prefill phase, and the
+    end-to-end time = that + decode phase: the parts add up exactly."""
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     queued_ns: int = 0             # entered the engine's waiting queue
     first_scheduled_ns: int = 0
@@ -80,6 +81,18 @@ class Timeline:
     @property
     def ttft_ns(self) -> int:
         return self.first_token_ns - self.arrival_ns if self.first_token_ns else 0
+
+    @property
+    def prefill_phase_ns(self) -> int:
+        """First scheduled to first token: the steps that computed the prompt, and the
+        host time and other lanes' steps between them (vLLM's prefill time)."""
+        return self.first_token_ns - self.first_scheduled_ns if self.first_token_ns else 0
+
+    @property
+    def decode_phase_ns(self) -> int:
+        """First token to finish (vLLM's decode time)."""
+        return self.finished_ns - self.first_token_ns if self.finished_ns and \
+            self.first_token_ns else 0
 
     @property
     def e2e_ns(self) -> int:

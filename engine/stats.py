@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ac_observe import metrics as m
@@ -38,14 +39,16 @@ class LaneTotals:
 class _LaneSeries:
     """A lane's per-step series, resolved once, and what its steps and tokens added since
     the last flush (the hot path appends to lists; `commit` hands them to the writer)."""
-    __slots__ = ("step_gpu", "busy", "steps", "ttft", "itl", "running", "waiting",
-                 "step_seconds", "busy_seconds", "ttft_seconds", "itl_seconds")
+    __slots__ = ("step_gpu", "busy", "steps", "ttft", "itl", "prefill", "running", "waiting",
+                 "step_seconds", "busy_seconds", "ttft_seconds", "itl_seconds",
+                 "prefill_seconds")
 
     def __init__(self, writer: TelemetryWriter, lane: str):
         self.step_seconds: dict[str, list[float]] = {m.PHASE_PREFILL: [], m.PHASE_DECODE: []}
         self.busy_seconds = 0.0
         self.ttft_seconds: list[float] = []
         self.itl_seconds: list[float] = []
+        self.prefill_seconds: list[float] = []
         self.step_gpu = {m.PHASE_PREFILL: writer.series(m.PREFILL_GPU, stream=lane),
                          m.PHASE_DECODE: writer.series(m.DECODE_STEP_GPU, stream=lane)}
         self.steps = {phase: writer.series(m.ENGINE_STEPS, stream=lane, phase=phase)
@@ -53,6 +56,7 @@ class _LaneSeries:
         self.busy = writer.series(m.STREAM_BUSY, stream=lane)
         self.ttft = writer.series(m.INFERENCE_LATENCY, stream=lane)
         self.itl = writer.series(m.INTER_TOKEN_LATENCY, stream=lane)
+        self.prefill = writer.series(m.REQUEST_PREFILL, stream=lane)
         self.running = writer.series(m.REQUESTS_RUNNING, stream=lane)
         self.waiting = writer.series(m.REQUESTS_WAITING, stream=lane)
 
@@ -65,7 +69,8 @@ class _LaneSeries:
         if self.busy_seconds:
             self.busy.inc(self.busy_seconds)
             self.busy_seconds = 0.0
-        for pending, series in ((self.ttft_seconds, self.ttft), (self.itl_seconds, self.itl)):
+        for pending, series in ((self.ttft_seconds, self.ttft), (self.itl_seconds, self.itl),
+                                (self.prefill_seconds, self.prefill)):
             if pending:
                 series.observe_many(pending)
                 pending.clear()
@@ -167,16 +172,18 @@ class EngineStats:
                     self.writer.inc(m.KV_MISS_TOKENS, count * block_size, reason=reason)
 
     def on_tokens(self, lane: str, first_token_seconds: list[float],
-                  gap_seconds: list[float]) -> None:
+                  gap_seconds: list[float], prefill_seconds: Iterable[float] = ()) -> None:
         """A batch's new tokens: time to first token of the sequences that got their
-        first, and the gap since the previous token of the others (one write per bucket
-        touched, not one per token)."""
+        first (and their prefill phase, first scheduled to then: with front-end and queue
+        time it adds up to the TTFT), and the gap since the previous token of the others
+        (one write per bucket touched, not one per token)."""
         if not self.writer:
             return
         series = self._lane_series(lane)
         self._pending_tokens += len(first_token_seconds) + len(gap_seconds)
         series.ttft_seconds += first_token_seconds
         series.itl_seconds += gap_seconds
+        series.prefill_seconds += prefill_seconds
 
     def on_first_text(self, seq: Sequence) -> None:
         if self.writer:
@@ -208,7 +215,10 @@ class EngineStats:
         status = {FinishReason.ABORTED: "aborted", FinishReason.ERROR: "error"}.get(reason, "ok")
         self.writer.inc(m.REQUESTS, stream=seq.lane, status=status)
         if status == "ok":
+            # e2e = front-end + queue + prefill phase + decode phase, request by request
             self.writer.observe(m.E2E_LATENCY, seq.timeline.e2e_ns * NS,
+                                stream=seq.lane)
+            self.writer.observe(m.REQUEST_DECODE, seq.timeline.decode_phase_ns * NS,
                                 stream=seq.lane)
 
     def _write_state(self) -> None:
@@ -281,7 +291,7 @@ class NullStats(EngineStats):
     def on_step(self, lane, phase, device_seconds, start_ns, end_ns): pass
     def on_kernel_sample(self, found): pass
     def on_first_scheduled(self, seq, block_size): pass
-    def on_tokens(self, lane, first_token_seconds, gap_seconds): pass
+    def on_tokens(self, lane, first_token_seconds, gap_seconds, prefill_seconds=()): pass
     def on_first_text(self, seq): pass
     def on_first_sent(self, lane, sent_seconds, lag_seconds): pass
     def on_loop_lag(self, seconds): pass

@@ -156,8 +156,16 @@ def test_every_engine_family_by_value(tmp_path):  # noqa: C901 - one check a fam
     # Histograms: counts, sums and every bucket, from the requests' own trace figures.
     for lane, names in by_lane.items():
         traces = [outs[k].trace for k in names]
+        # The parts of a request's time add up, request by request: TTFT = front-end +
+        # queue + prefill phase, e2e = TTFT + decode phase (daemon/alerting/explain.py
+        # splits a drift's change of the mean into them).
+        prefill = [(t.ttft_ns - t.frontend_ns - t.queue_ns) * 1e-9 for t in traces]
+        decode = [(t.e2e_ns - t.ttft_ns) * 1e-9 for t in traces]
+        assert all(p > 0 for p in prefill) and all(d >= 0 for d in decode)
         for spec, values in ((m.INFERENCE_LATENCY, [t.ttft_ns * 1e-9 for t in traces]),
-                             (m.E2E_LATENCY, [t.e2e_ns * 1e-9 for t in traces])):
+                             (m.E2E_LATENCY, [t.e2e_ns * 1e-9 for t in traces]),
+                             (m.REQUEST_PREFILL, prefill), (m.REQUEST_DECODE, decode)):
+            assert _value(final, f"{spec.family}_count", stream=lane) == len(values)
             assert _value(final, f"{spec.family}_sum", stream=lane) == pytest.approx(
                 sum(values), abs=1e-9)
             for bound, count in _buckets(spec, values).items():

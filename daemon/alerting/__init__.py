@@ -8,6 +8,7 @@ the store's outbox.
     baselines.py  a rule's values and baselines, read through the daemon's series
     state.py      an alert instance and its states (inactive, pending, firing, resolved)
     evaluator.py  every rule on a clock: values -> states -> store + outbox
+    explain.py    why an alert fired: its change split into parts, with causes
     alert.py      an alert as notifications carry it
     notify/       one module a format: Alertmanager, Slack, Grafana annotations, signing
     outbox.py     the sender that delivers the store's outbox, with retries

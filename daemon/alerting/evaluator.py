@@ -10,12 +10,14 @@ import threading
 
 from ac_observe.daemon.alerting.alert import Alert, fingerprint
 from ac_observe.daemon.alerting.baselines import Baseline, BaselineReader, LabelSet, SeriesSource
+from ac_observe.daemon.alerting.explain import explain
 from ac_observe.daemon.alerting.outbox import WebhookSender
-from ac_observe.daemon.alerting.rules import TEMPLATE, Rule, alert_labels, figure
+from ac_observe.daemon.alerting.rules import TEMPLATE, Rule, alert_labels, breached, figure
 from ac_observe.daemon.alerting.state import (
     ACTIVE,
     FIRING,
     INACTIVE,
+    PENDING,
     RESOLVED,
     AlertInstance,
     lack_data,
@@ -50,6 +52,12 @@ class Evaluator:
         self._lock = threading.Lock()
         self._evaluating = threading.Lock()  # an evaluation, against a reload's new rules
         self._orphans: list[SavedAlert] = []
+        # fingerprint -> the verdict of an instance this evaluation of its rule may fire,
+        # worked out before the lock is taken (explain.py reads many series)
+        self._verdicts: dict[str, str] = {}
+        # (rule, fingerprint) -> (the evaluation it was worked out at, the explanation)
+        self._explained: dict[InstanceKey, tuple[float, dict | None]] = {}
+        self._explained_lock = threading.Lock()  # the cache only, never while working out
         # (rule, severity) -> firing instances, as the last evaluation left them: the
         # cycle reads it without waiting on an evaluation in progress.
         self.firing_counts: dict[tuple[str, str], int] = {
@@ -133,8 +141,13 @@ class Evaluator:
                 return
             try:
                 values, baselines = self.read_inputs(rule, now)  # reads: no lock held
+                verdicts = self._about_to_fire(rule, values, baselines, now)
                 with self._lock:  # the HTTP threads read the instances
-                    self._evaluate_rule(rule, values, baselines, now)
+                    self._verdicts = verdicts
+                    try:
+                        self._evaluate_rule(rule, values, baselines, now)
+                    finally:
+                        self._verdicts = {}
             except StoreUnavailable:  # told once by the store's outage
                 pass
             except Exception:  # one bad rule never stops the others
@@ -179,6 +192,64 @@ class Evaluator:
             return values, {key: (rule.baseline_value, "static") for key in values}
         return values, self.baselines.read(rule, now, list(values))
 
+    def _about_to_fire(self, rule: Rule, values: dict, baselines: dict,
+                       now: float) -> dict[str, str]:
+        """fingerprint -> the verdict (explain.py) of each series this evaluation will move
+        to firing (as `observe` will find), so its notification carries why; read with no
+        lock held, once per firing transition. (Only this thread changes the instances.)"""
+        out = {}
+        for key, value in values.items():
+            labels = dict(key)
+            alert_fingerprint = fingerprint(alert_labels(rule, labels))
+            instance = self.instances.get((rule.name, alert_fingerprint))
+            state = instance.state if instance is not None else INACTIVE
+            baseline, source = baselines[key]
+            if instance is not None and state in ACTIVE and instance.baseline is not None:
+                baseline, source = instance.baseline, instance.baseline_source or source
+            if state == FIRING or baseline is None or not breached(rule, value, baseline):
+                continue
+            since = instance.active_since if instance is not None and state == PENDING \
+                else now
+            if now - (now if since is None else since) < rule.for_seconds:
+                continue
+            found = self._explain(rule, {"fingerprint": alert_fingerprint, "labels": labels,
+                                         "value": value, "baseline": baseline,
+                                         "baseline_source": source, "active_since": since},
+                                  now)
+            if found is not None:
+                out[alert_fingerprint] = found["verdict"]
+        return out
+
+    def _explain(self, rule: Rule, alert: dict, now: float) -> dict | None:
+        try:
+            return explain(rule, alert, self.series, now)
+        except Exception:  # an explanation never stops an evaluation or an answer
+            log.exception("alert %s %s: its explanation failed", rule.name,
+                          alert.get("fingerprint"))
+            return None
+
+    def explained(self) -> list[dict]:
+        """`active()`, each with its explanation as of the latest evaluation (worked out on
+        request, with no lock held, at most once an evaluation per alert)."""
+        out = self.active()
+        at = self._last
+        if not math.isfinite(at):
+            return [{**alert, "explanation": None} for alert in out]
+        for alert in out:
+            key = (alert["rule"], alert["fingerprint"])
+            rule = self.rules.get(alert["rule"])
+            with self._explained_lock:
+                cached = self._explained.get(key)
+            if cached is None or cached[0] != at:
+                cached = (at, self._explain(rule, alert, at) if rule else None)
+                with self._explained_lock:
+                    self._explained[key] = cached
+            alert["explanation"] = cached[1]
+        with self._explained_lock:  # forget those no longer active
+            active = {(a["rule"], a["fingerprint"]) for a in out}
+            self._explained = {k: v for k, v in self._explained.items() if k in active}
+        return out
+
     def _evaluate_rule(self, rule: Rule, values: dict, baselines: dict, now: float) -> None:
         def move(instance: AlertInstance, to: str) -> bool:
             return self._move(rule, instance, to, now)
@@ -221,6 +292,8 @@ class Evaluator:
                                           f"{fields['unit']} {against}")
         annotations.update(value=fields["value"], baseline=fields["baseline"],
                            baseline_source=instance.baseline_source)
+        if status == FIRING and instance.fingerprint in self._verdicts:
+            annotations["explanation"] = self._verdicts[instance.fingerprint]
         if status == RESOLVED and instance.resolved_because:
             annotations["resolved_because"] = instance.resolved_because
         return Alert(labels=alert_labels(rule, instance.labels), annotations=annotations,

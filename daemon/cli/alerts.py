@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ac_observe.daemon.cli.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, PLAIN_HELP, app
 from ac_observe.daemon.cli.client import DaemonError, get_json
-from ac_observe.daemon.cli.render import alert_state, alerts_table, clock, print_error
+from ac_observe.daemon.cli.render import alert_state, alerts_table, clock, human, print_error
 
 alerts_app = typer.Typer(
     **PLAIN_HELP, help="Drift alerts: what is pending and firing, history, test deliveries.")
@@ -106,6 +106,100 @@ def alerts_test(
         sender.stop()
         outbox.close()
     raise typer.Exit(EXIT_REFUSED if failed else EXIT_OK)
+
+
+@alerts_app.command("explain")
+def alerts_explain(ctx: typer.Context,
+                   target: str = typer.Argument(..., metavar="RULE|FINGERPRINT",
+                                                help="An active alert's rule or fingerprint."),
+                   as_json: bool = typer.Option(False, "--json")) -> None:
+    """Why an alert is pending or firing: the change of the mean split into parts, the
+    causes with baseline and now, and a one-line verdict."""
+    try:
+        body = get_json(ctx.obj, "/api/v1/alerts", "alerts")
+    except DaemonError as exc:
+        print_error(str(exc))
+        raise typer.Exit(exc.exit_code) from None
+    found = [a for a in body["alerts"] if target in (a["rule"], a["fingerprint"])]
+    if not found:
+        print_error(f"no pending or firing alert has the rule or fingerprint {target[:80]!r} "
+                    "(ac-observe alerts lists them)")
+        raise typer.Exit(EXIT_USAGE)
+    if as_json:
+        print(json.dumps([{**a["explanation"], "state": a["state"]} if a.get("explanation")
+                          else {"rule": a["rule"], "fingerprint": a["fingerprint"],
+                                "explanation": None} for a in found]))
+        raise typer.Exit(EXIT_OK)
+    for number, alert in enumerate(found):
+        if number:
+            typer.echo("")
+        typer.echo("\n".join(explanation_lines(alert)))
+    raise typer.Exit(EXIT_OK)
+
+
+def explanation_lines(alert: dict, width: int = 80) -> list[str]:
+    """An alert's explanation as plain lines of at most `width` columns."""
+    import textwrap
+
+    from ac_observe.daemon.alerting.explain import show, signed
+    labels = " ".join(f"{k}={v}" for k, v in sorted(alert["labels"].items()))
+    lines = textwrap.wrap(f"{alert['rule']} {alert['fingerprint']} {alert['state']} {labels}",
+                          width, subsequent_indent="  ")
+    found = alert.get("explanation")
+    if not found:
+        return lines + ["no explanation (its figures could not be read)"]
+    lines += textwrap.wrap(found["verdict"], width, subsequent_indent="  ")
+    span = found["baseline_span"]
+    lines += textwrap.wrap(
+        f"window {clock(found['window']['start'], '%H:%M:%S')}-"
+        f"{clock(found['window']['end'], '%H:%M:%S')} against "
+        f"{clock(span['start'], '%m-%d %H:%M:%S')}-{clock(span['end'], '%H:%M:%S')} "
+        f"({span['source']})", width, subsequent_indent="  ")
+    stat = found["statistic"]
+    figures = human(stat["now"], stat["unit"])
+    if stat["baseline"] is not None:
+        figures = f"{human(stat['baseline'], stat['unit'])} -> {figures}"
+    lines.append(f"{stat['name']}: {figures} (the rule's statistic, not split)")
+    mean = found.get("mean")
+    if found.get("split") == "mean":
+        lines.append(f"mean: {show(mean['baseline_ms'], 'ms')} -> {show(mean['now_ms'], 'ms')}"
+                     f" ({signed(mean['change_ms'], 'ms')}), split into its parts:")
+        rows = [(_part_name(p), show(p["baseline_ms"], "ms"), show(p["now_ms"], "ms"),
+                 signed(p["change_ms"], "ms"), _share(p["share"])) for p in found["parts"]]
+    elif found.get("split") == "hit rate":
+        lines.append(f"hit rate: {show(mean['baseline'], '%')} -> {show(mean['now'], '%')}, "
+                     "its fall split by miss reason (% of lookups):")
+        rows = [(p["name"], show(p["baseline"], "%"), show(p["now"], "%"),
+                 signed(p["change"], "pt"), _share(p["share"])) for p in found["parts"]]
+    else:
+        lines.append(found.get("note", "no split"))
+        rows = []
+    if rows:
+        lines += _columns(("part", "baseline", "now", "change", "share"), rows)
+    for skeleton in found.get("skeletons", []):
+        lines.append(f"  skeleton {skeleton['skeleton'][:30]}: hit rate "
+                     f"{show(skeleton['baseline'], '%')} -> {show(skeleton['now'], '%')}")
+    lines += _columns(("cause", "baseline", "now", "", ""),
+                      [(f"{c['group']}: {c['name']}", show(c["baseline"], c["unit"]),
+                        show(c["now"], c["unit"]), "", "") for c in found["causes"]])
+    return [line.rstrip()[:width] for line in lines]
+
+
+def _part_name(part: dict) -> str:
+    """The residual says which missing parts it holds."""
+    missing = part.get("includes_missing")
+    return f"{part['name']} (+{', '.join(missing)})" if missing else part["name"]
+
+
+def _share(share) -> str:
+    return "missing" if share is None else f"{100 * share:.0f} %"
+
+
+def _columns(titles: tuple, rows: list[tuple]) -> list[str]:
+    """A name column of 32 and four right-aligned ones of 12: 80 columns."""
+    def line(cells):
+        return f"{str(cells[0])[:32]:<32}" + "".join(f"{str(c)[:11]:>12}" for c in cells[1:])
+    return ["", line(titles), *[line(row) for row in rows]]
 
 
 WAITING_SHOWN = 10  # series listed as waiting under the alerts table

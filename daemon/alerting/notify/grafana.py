@@ -43,6 +43,8 @@ def grafana_annotation(alerts: list[Alert]) -> dict:
     text = f"{alert.status.upper()}: {alert.annotations.get('summary') or name}"
     if alert.annotations.get("description"):
         text += "\n" + alert.annotations["description"]
+    if alert.status == "firing" and alert.annotations.get("explanation"):
+        text += "\nwhy: " + alert.annotations["explanation"]
     body = {"time": int(round(alert.starts_at * 1000)),
             "tags": [GRAFANA_ANNOTATION_TAG, alert.status,
                      f"fingerprint:{fingerprint(alert.labels)}"]

@@ -1,0 +1,470 @@
+"""An alert's explanation (daemon/alerting/explain.py), on the daemon's real windows and
+query engine with a clock the test drives, fed by a collector whose requests the test
+writes: every part and cause by value, missing ones said missing, the verdict's text, the
+notification's annotation, the API and the CLI.
+
+The drift is made so that the plausible wrong formulas answer otherwise: the queue's mean
+moves by 100 ms while its p95 moves by 500 ms (a split of quantiles), its share of the
+mean's change is 89 % but of the new mean 65 % (a share of the new total), and the
+front-end has more observations than TTFT (its sum over TTFT's count is 6 ms, not 5).
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import re
+
+import pytest
+
+from ac_observe import metrics as m
+from ac_observe.collectors.base import Collector, new_family
+from ac_observe.daemon.alerting.explain import MISSING
+from ac_observe.daemon.alerting.state import FIRING
+from ac_observe.daemon.config import DaemonConfig
+from ac_observe.daemon.service import Daemon
+from ac_observe.daemon.store import deliveries
+
+LANE = "low_latency"
+T0 = 1_000_000.0
+DRIFT_AT = 30  # the first cycle of the drift
+
+
+class _Histogram:
+    """One series' cumulative buckets and sum, as an engine would export them."""
+
+    def __init__(self, spec: m.MetricSpec):
+        self.spec = spec
+        self.counts = [0] * (len(spec.buckets) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.spec.buckets, value)] += times
+        self.total += value * times
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, count in zip([*map(repr, self.spec.buckets), "+Inf"], self.counts,
+                                strict=True):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+HISTOGRAMS = (m.INFERENCE_LATENCY, m.FRONTEND, m.QUEUE_TIME, m.REQUEST_PREFILL,
+              m.REQUEST_DECODE, m.INTER_TOKEN_LATENCY, m.E2E_LATENCY)
+
+
+class _Requests(Collector):
+    """Each cycle, 10 requests per engine. Calm: front-end 5 ms, queue 10 ms, prefill
+    40 ms, TTFT their sum + 2 ms (what the parts leave out); 2 more requests reach the
+    front-end only (rejected). Drift: 2 of the 10 wait 510 ms in the queue (8 still
+    10 ms), prefill 50 ms, the rest 4 ms; finished requests/s 10 -> 20, waiting 0 -> 14,
+    running 4 -> 1 (moved most, but the way that speeds requests up). Each request has 4
+    output tokens, 3 gaps of 20 ms (drift: 30 ms) after the first: its decode phase.
+    Engine e2 exports no front-end time."""
+    name = "requests"
+
+    def __init__(self):
+        self.drift = False
+        self.requests_ok = {"e1": 0.0, "e2": 0.0}
+        self.series = {(engine, spec.name): _Histogram(spec) for engine in ("e1", "e2")
+                       for spec in HISTOGRAMS}
+
+    def collect(self):
+        for engine in ("e1", "e2"):
+            def add(spec, value, times, e=engine):
+                self.series[e, spec.name].observe(value, times)
+            prefill, rest = (0.050, 0.004) if self.drift else (0.040, 0.002)
+            queues = ((0.010, 8), (0.510, 2)) if self.drift else ((0.010, 10),)
+            gap = 0.030 if self.drift else 0.020
+            for queue, times in queues:
+                add(m.QUEUE_TIME, queue, times)
+                add(m.INFERENCE_LATENCY, 0.005 + queue + prefill + rest, times)
+                add(m.E2E_LATENCY, 0.005 + queue + prefill + rest + 3 * gap, times)
+            add(m.INTER_TOKEN_LATENCY, gap, 30)
+            add(m.REQUEST_DECODE, 3 * gap, 10)
+            add(m.FRONTEND, 0.005, 12)
+            add(m.REQUEST_PREFILL, prefill, 10)
+            self.requests_ok[engine] += 20 if self.drift else 10
+        out = []
+        for spec in HISTOGRAMS:
+            family = new_family(spec)
+            for engine in ("e1", "e2") if spec is not m.FRONTEND else ("e1",):
+                series = self.series[engine, spec.name]
+                family.add_metric([engine, "m", LANE], series.buckets(), series.total)
+            out.append(family)
+        requests, waiting, running = (new_family(m.REQUESTS), new_family(m.REQUESTS_WAITING),
+                                      new_family(m.REQUESTS_RUNNING))
+        for engine in ("e1", "e2"):
+            requests.add_metric([engine, "m", LANE, "ok"], self.requests_ok[engine])
+            waiting.add_metric([engine, "m", LANE], 14.0 if self.drift else 0.0)
+            running.add_metric([engine, "m", LANE], 1.0 if self.drift else 4.0)
+        return out + [requests, waiting, running]
+
+
+RULES = """\
+receivers:
+  - {name: ops, url: 'http://127.0.0.1:9/x', secret: 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw'}
+rules:
+  - name: TtftDrift
+    metric: inference_latency_ns
+    statistic: p95
+    window: 10s
+    baseline: trailing:20s
+    comparison: relative_increase
+    threshold: 0.5
+  - name: E2eDrift
+    metric: e2e_latency_ms
+    statistic: mean
+    window: 10s
+    baseline: trailing:20s
+    comparison: relative_increase
+    threshold: 0.5
+    match: {engine: e1}
+  - name: TtftHigh
+    metric: inference_latency_ns
+    statistic: mean
+    window: 10s
+    comparison: above
+    threshold: 100000000
+    match: {engine: e1}
+"""
+
+
+def _drifted(tmp_path, until: int = 45):
+    path = tmp_path / "alerts.yaml"
+    path.write_text(RULES)
+    collector = _Requests()
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=600, alerting_file=path,
+                                 state_dir=tmp_path / "state", alert_interval_seconds=1.0),
+                    collectors=[collector])
+    for t in range(until + 1):
+        collector.drift = t >= DRIFT_AT
+        daemon.run_cycle(now=T0 + t)
+    return daemon
+
+
+def _by_name(entries):
+    return {e["name"]: e for e in entries}
+
+
+@pytest.fixture(scope="module")
+def drifted(tmp_path_factory):
+    daemon = _drifted(tmp_path_factory.mktemp("explain"))
+    yield daemon
+    daemon.close()
+
+
+def _alerts(daemon, rule: str = "TtftDrift") -> dict:
+    return {a["labels"]["engine"]: a for a in daemon.alerts.explained() if a["rule"] == rule}
+
+
+def test_the_mean_splits_into_its_parts_by_value(drifted):
+    alert = _alerts(drifted)["e1"]
+    assert alert["state"] == FIRING
+    found = alert["explanation"]
+    # The baseline span is the 20 s before the window as the alert went pending: calm.
+    assert found["baseline_span"]["end"] == alert["active_since"] - 10
+    assert found["window"] == {"start": T0 + 35, "end": T0 + 45}
+    mean = found["mean"]
+    assert mean["baseline_ms"] == pytest.approx(57.0)
+    assert mean["now_ms"] == pytest.approx(169.0)
+    assert mean["change_ms"] == pytest.approx(112.0)
+    assert mean["observations"] == 100
+    parts = _by_name(found["parts"])
+    assert list(parts) == ["front-end", "queue", "prefill", "unexplained"]
+    expected = {"front-end": (5, 5), "queue": (10, 110), "prefill": (40, 50),
+                "unexplained": (2, 4)}
+    for name, (baseline, now) in expected.items():
+        part = parts[name]
+        assert part["baseline_ms"] == pytest.approx(baseline, abs=1e-6), name
+        assert part["now_ms"] == pytest.approx(now, abs=1e-6), name
+        assert part["change_ms"] == pytest.approx(now - baseline, abs=1e-6), name
+        assert part["share"] == pytest.approx((now - baseline) / 112, abs=1e-6), name
+    assert sum(p["share"] for p in parts.values()) == pytest.approx(1.0)
+    # The rule's own statistic beside the split, never split itself.
+    stat = found["statistic"]
+    assert stat["name"] == "p95" and stat["unit"] == "ns"
+    assert (stat["baseline"], stat["now"]) == (alert["baseline"], alert["value"])
+    assert stat["change_percent"] == pytest.approx(
+        100 * (alert["value"] - alert["baseline"]) / alert["baseline"])
+
+
+def test_causes_by_value_and_missing_ones_said_missing(drifted):
+    found = _alerts(drifted)["e1"]["explanation"]
+    causes = {c["name"]: c for c in found["causes"]}
+    assert (causes["requests/s"]["baseline"], causes["requests/s"]["now"]) == \
+        (pytest.approx(10.0), pytest.approx(20.0))
+    assert (causes["waiting"]["baseline"], causes["waiting"]["now"]) == (0.0, 14.0)
+    assert (causes["running"]["baseline"], causes["running"]["now"]) == (4.0, 1.0)
+    # No KV, prompt, kernel or device series here: missing, never 0.
+    for name in ("hit rate", "misses evicted", "evictions/s", "prompt tokens/s",
+                 "prompt tokens/request", "skeleton depth", "prefill kernels ms/step",
+                 "sync wait", "GPU util", "SM clock", "power", "XID errors/s",
+                 "restarts/s"):
+        assert (causes[name]["baseline"], causes[name]["now"]) == (None, None), name
+
+
+def test_the_verdict_names_the_part_with_the_largest_share_and_its_causes(drifted):
+    """The causes that moved most the way that slows requests (not running 4 -> 1)."""
+    alert = _alerts(drifted)["e1"]
+    percent = round(alert["explanation"]["statistic"]["change_percent"])
+    assert alert["explanation"]["verdict"] == (
+        f"TTFT p95 +{percent} %: queue time +100 ms is 89 % of the mean's change "
+        "(waiting 0 -> 14, requests/s 2.0x baseline)")
+
+
+def test_an_end_to_end_mean_adds_the_decode_phase_per_token_times_tokens(drifted):
+    found = _alerts(drifted, "E2eDrift")["e1"]["explanation"]
+    assert (found["mean"]["baseline_ms"], found["mean"]["now_ms"]) == (pytest.approx(117.0),
+                                                                       pytest.approx(259.0))
+    parts = _by_name(found["parts"])
+    expected = {"front-end": (5, 5), "queue": (10, 110), "prefill": (40, 50),
+                "decode": (60, 90), "unexplained": (2, 4)}
+    assert list(parts) == list(expected)
+    for name, (baseline, now) in expected.items():
+        assert (parts[name]["baseline_ms"], parts[name]["now_ms"]) == (
+            pytest.approx(baseline, abs=1e-6), pytest.approx(now, abs=1e-6)), name
+        assert parts[name]["share"] == pytest.approx((now - baseline) / 142, abs=1e-6), name
+    decode = parts["decode"]
+    assert (decode["baseline_per_token_ms"], decode["now_per_token_ms"]) == (
+        pytest.approx(20.0), pytest.approx(30.0))
+    assert decode["baseline_tokens_per_request"] == decode["now_tokens_per_request"] == 4
+    assert found["verdict"].startswith("e2e latency mean +121 %: queue time +100 ms is 70 % ")
+
+
+def test_a_threshold_rule_is_explained_against_the_hour_before_its_window(drifted):
+    """A rule that reads no baseline: its statistic against its threshold, the split
+    against the span before the window (calm here)."""
+    alert = _alerts(drifted, "TtftHigh")["e1"]
+    found = alert["explanation"]
+    assert found["statistic"]["baseline"] is None
+    assert found["baseline_span"]["end"] == alert["active_since"] - 10
+    # the hour before it, or what the daemon's windows (600 s here) hold of it
+    assert found["baseline_span"]["start"] == alert["active_since"] - 600
+    assert (found["mean"]["baseline_ms"], found["mean"]["now_ms"]) == (pytest.approx(57.0),
+                                                                       pytest.approx(169.0))
+    assert found["verdict"] == ("TTFT mean 169 ms (above 100 ms): queue time +100 ms is 89 % "
+                                "of the mean's change (waiting 0 -> 14, requests/s 2.0x "
+                                "baseline)")
+
+
+def test_a_part_without_data_is_missing_and_left_to_the_residual(drifted):
+    parts = _by_name(_alerts(drifted)["e2"]["explanation"]["parts"])
+    assert (parts["front-end"]["baseline_ms"], parts["front-end"]["now_ms"],
+            parts["front-end"]["share"]) == (None, None, None)
+    residual = parts["unexplained"]
+    assert residual["includes_missing"] == ["front-end"]
+    assert (residual["baseline_ms"], residual["now_ms"]) == (pytest.approx(7.0),
+                                                             pytest.approx(9.0))
+    assert parts["queue"]["share"] == pytest.approx(100 / 112)
+
+
+def test_the_firing_notification_carries_the_verdict(drifted):
+    import sqlalchemy as sa
+    with drifted.store.engine.connect() as connection:
+        bodies = [json.loads(r.body) for r in connection.execute(sa.select(deliveries))]
+    firing = {b["alerts"][0]["labels"]["engine"]: b["alerts"][0]["annotations"]
+              for b in bodies if b["status"] == "firing"
+              and b["alerts"][0]["labels"]["alertname"] == "TtftDrift"}
+    # Fired while the window held its first drifting cycles: the queue's share of the
+    # mean's change is 89 % from the first one on.
+    assert re.fullmatch(r"TTFT p95 \+\d+ %: queue time \+[\d.]+ ms is 89 % of the mean's "
+                        r"change \(.*\)", firing["e1"]["explanation"]), firing["e1"]
+
+
+def test_the_api_and_the_cli_at_80_columns_and_as_json(drifted):
+    from typer.testing import CliRunner
+
+    from ac_observe.daemon.cli import app
+    from ac_observe.daemon.http_api import Routes
+    from ac_observe.daemon.http_server import HttpServer
+    server = HttpServer(Routes(drifted, None), "127.0.0.1", 0)
+    stop = server.start_in_thread()
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        import httpx
+        body = httpx.get(url + "/api/v1/alerts").json()
+        assert {a["labels"]["engine"]: a["explanation"]["verdict"] for a in body["alerts"]
+                if a["rule"] == "TtftDrift"} \
+            == {e: a["explanation"]["verdict"] for e, a in _alerts(drifted).items()}
+        runner = CliRunner()
+        fingerprint = _alerts(drifted)["e1"]["fingerprint"]
+        out = runner.invoke(app, ["--daemon", url, "alerts", "explain", fingerprint],
+                            env={"COLUMNS": "80"})
+        assert out.exit_code == 0, out.output
+        lines = out.output.splitlines()
+        assert max(len(line) for line in lines) <= 80
+        assert lines[1].startswith("TTFT p95 +")
+        table = {line.split()[0]: line.split()[1:] for line in lines if line.strip()}
+        assert table["queue"] == ["10", "ms", "110", "ms", "+100", "ms", "89", "%"]
+        assert table["front-end"][-2:] == ["0", "%"]
+        assert any(line.startswith("device: GPU util") and line.split()[-2:] ==
+                   [MISSING, MISSING] for line in lines)
+        both = runner.invoke(app, ["--daemon", url, "alerts", "explain", "TtftDrift", "--json"])
+        assert both.exit_code == 0, both.output
+        assert sorted(e["labels"]["engine"] for e in json.loads(both.output)) == ["e1", "e2"]
+        unknown = runner.invoke(app, ["--daemon", url, "alerts", "explain", "NoSuchRule"])
+        assert unknown.exit_code == 2
+        assert len(unknown.output.strip().splitlines()) == 1
+        assert "NoSuchRule" in unknown.output
+    finally:
+        stop()
+
+
+class _Lookups(Collector):
+    """Each cycle 100 prompt blocks looked up on engine e1, 60 of skeleton s1 and 40 of
+    s2. Calm: 90 % hit in both; misses 6 cold, 4 diverged. Drift: s2 hits 6 of its 40
+    (s1 unchanged), misses 8 cold, 4 diverged, 28 evicted; 5 evictions a second."""
+    name = "lookups"
+
+    def __init__(self):
+        self.drift = False
+        self.totals: dict = {}
+
+    def _add(self, key, value):
+        self.totals[key] = self.totals.get(key, 0.0) + value
+
+    def collect(self):
+        hits = {"s1": 54, "s2": 6 if self.drift else 36}
+        for skeleton, lookups in (("s1", 60), ("s2", 40)):
+            self._add(("query", skeleton), lookups)
+            self._add(("hit", skeleton), hits[skeleton])
+            self._add(("requests", skeleton), 1)
+        misses = dict(zip(m.MISS_REASONS, (28, 8, 4) if self.drift else (0, 6, 4),
+                          strict=True))
+        for reason, count in misses.items():
+            self._add(("miss", reason), count)
+        self._add(("evictions",), 5 if self.drift else 0)
+        query, hit, miss = (new_family(m.KV_QUERY_BLOCKS), new_family(m.KV_HIT_BLOCKS),
+                            new_family(m.KV_MISS_BLOCKS))
+        requests, evictions = new_family(m.SKELETON_REQUESTS), new_family(m.KV_EVICTIONS)
+        for skeleton in ("s1", "s2"):
+            query.add_metric(["e1", "m", skeleton], self.totals["query", skeleton])
+            hit.add_metric(["e1", "m", skeleton], self.totals["hit", skeleton])
+            requests.add_metric(["e1", "m", skeleton], self.totals["requests", skeleton])
+        for reason in m.MISS_REASONS:
+            miss.add_metric(["e1", "m", reason], self.totals["miss", reason])
+        evictions.add_metric(["e1", "m"], self.totals["evictions",])
+        return [query, hit, miss, requests, evictions]
+
+
+HIT_RATE_RULE = """\
+rules:
+  - name: HitRateDrop
+    metric: kv_cache_hit_rate
+    statistic: mean
+    window: 10s
+    baseline: trailing:20s
+    comparison: absolute_decrease
+    threshold: 5
+"""
+
+
+def test_a_hit_rate_fall_splits_by_miss_reason_and_names_the_skeleton(tmp_path):
+    path = tmp_path / "alerts.yaml"
+    path.write_text(HIT_RATE_RULE)
+    collector = _Lookups()
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
+                                 interval_seconds=1.0, window_seconds=600, alerting_file=path,
+                                 state_dir=tmp_path / "state", alert_interval_seconds=1.0),
+                    collectors=[collector])
+    try:
+        for t in range(46):
+            collector.drift = t >= DRIFT_AT
+            daemon.run_cycle(now=T0 + t)
+        (alert,) = daemon.alerts.explained()
+        found = alert["explanation"]
+        assert found["mean"] == {"baseline": pytest.approx(90.0), "now": pytest.approx(60.0),
+                                 "change": pytest.approx(-30.0)}
+        parts = _by_name(found["parts"])
+        expected = {"evicted": (0, 28), "cold": (6, 8), "diverged": (4, 4),
+                    "unexplained": (0, 0)}
+        for name, (baseline, now) in expected.items():
+            assert parts[name]["baseline"] == pytest.approx(baseline, abs=1e-9), name
+            assert parts[name]["now"] == pytest.approx(now, abs=1e-9), name
+            assert parts[name]["share"] == pytest.approx((now - baseline) / 30, abs=1e-9), name
+        skeletons = {s["skeleton"]: (s["baseline"], s["now"]) for s in found["skeletons"]}
+        assert skeletons == {"s1": (pytest.approx(90.0), pytest.approx(90.0)),
+                             "s2": (pytest.approx(90.0), pytest.approx(15.0))}
+        assert found["skeletons"][0]["skeleton"] == "s2"  # the one that lost most first
+        assert found["verdict"] == ("KV hit rate mean 90 % -> 60 %: evicted misses +28 "
+                                    "points is 93 % of the fall (evictions/s 0 -> 5)")
+    finally:
+        daemon.close()
+
+
+def test_notifications_carry_the_verdict_where_a_person_reads_them():
+    from ac_observe.daemon.alerting.alert import Alert
+    from ac_observe.daemon.alerting.notify.grafana import grafana_annotation
+    from ac_observe.daemon.alerting.notify.slack import slack_body
+    alert = Alert(labels={"alertname": "TtftDrift"}, status="firing", starts_at=T0,
+                  annotations={"summary": "TTFT p95 up", "explanation": "queue time it is"})
+    assert grafana_annotation([alert])["text"] == "FIRING: TTFT p95 up\nwhy: queue time it is"
+    assert slack_body([alert])["text"].endswith("TTFT p95 up\nwhy: queue time it is")
+
+
+@pytest.mark.slow
+def test_the_demo_drift_is_explained_by_slower_steps(tmp_path):
+    """`up --demo-drift` slows every step by 300 ms: the firing DemoLatencyDrift's
+    explanation puts the change in the parts that wait on steps (prefill, and the queue
+    behind the slower steps), prefill among the first two, and the slower steps show
+    among its causes (inter-token latency)."""
+    import signal
+    import subprocess
+    import time
+
+    import httpx
+
+    from support.processes import start_process
+    from support.servers import AC_OBSERVE, free_port, wait_for
+    engine_port, daemon_port = free_port(), free_port()
+    daemon_url = f"http://127.0.0.1:{daemon_port}"
+    log_path = tmp_path / "up.log"
+    log = open(log_path, "w")
+    up = start_process([AC_OBSERVE, "up", "--engine-port", str(engine_port),
+                        "--daemon-port", str(daemon_port), "--demo-drift",
+                        "--demo-drift-schedule", "80s,30s",
+                        "--telemetry-root", str(tmp_path / "telemetry")],
+                       stdout=log, stderr=subprocess.STDOUT)
+
+    slowed: list[float] = []
+
+    def firing():
+        """The alerts that fired since the steps were slowed (a loaded machine's hiccup
+        in the calm phase may fire one of its own: not what is explained here)."""
+        if not slowed:
+            if "slowing every engine step" in log_path.read_text():
+                slowed.append(time.time())
+            return None
+        try:
+            body = httpx.get(daemon_url + "/api/v1/alerts", timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return [a for a in body["alerts"] if a["rule"] == "DemoLatencyDrift"
+                and a["state"] == FIRING and a["explanation"]
+                and a["firing_since"] >= slowed[0]]
+
+    try:
+        alerts = wait_for(firing, 170, "DemoLatencyDrift firing", interval=0.5)
+        for alert in alerts:
+            found = alert["explanation"]
+            parts = _by_name(found["parts"])
+            assert found["mean"]["change_ms"] > 0, found
+            # A slowed 30 s window holds a few requests only: one whose queue time is in
+            # it and its first token not yet is a large share of the residual, so the
+            # bounds here are loose (the issue asks for a residual under 20 %).
+            assert abs(parts["unexplained"]["share"]) < 0.35, found
+            ranked = sorted(found["parts"], key=lambda p: -(p["share"] or 0))
+            assert "prefill" in [p["name"] for p in ranked[:2]], found
+            assert parts["prefill"]["share"] + parts["queue"]["share"] > 0.6, found
+            assert parts["prefill"]["change_ms"] > 50, found
+            step = {c["name"]: c for c in found["causes"]}["inter-token"]
+            assert step["now"] > 2 * step["baseline"], step  # each step 300 ms slower
+            assert re.match(r"TTFT p95 \+\d+ %: [a-z -]+ time \+", found["verdict"]), \
+                found["verdict"]
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+        log.close()
