@@ -446,24 +446,48 @@ def test_the_demo_drift_is_explained_by_slower_steps(tmp_path):
                 and a["state"] == FIRING and a["explanation"]
                 and a["firing_since"] >= slowed[0]]
 
-    try:
-        alerts = wait_for(firing, 170, "DemoLatencyDrift firing", interval=0.5)
-        for alert in alerts:
-            found = alert["explanation"]
-            parts = _by_name(found["parts"])
-            assert found["mean"]["change_ms"] > 0, found
+    def misexplained(alert) -> list[str]:
+        """What the explanation gets wrong, [] when nothing."""
+        found = alert["explanation"]
+        parts = _by_name(found["parts"])
+        ranked = [p["name"] for p in sorted(found["parts"], key=lambda p: -(p["share"] or 0))]
+        step = {c["name"]: c for c in found["causes"]}["inter-token"]
+        checks = {
+            "the mean rose": found["mean"]["change_ms"] > 0,
             # A slowed 30 s window holds a few requests only: one whose queue time is in
             # it and its first token not yet is a large share of the residual, so the
-            # bounds here are loose (the issue asks for a residual under 20 %).
-            assert abs(parts["unexplained"]["share"]) < 0.35, found
-            ranked = sorted(found["parts"], key=lambda p: -(p["share"] or 0))
-            assert "prefill" in [p["name"] for p in ranked[:2]], found
-            assert parts["prefill"]["share"] + parts["queue"]["share"] > 0.6, found
-            assert parts["prefill"]["change_ms"] > 50, found
-            step = {c["name"]: c for c in found["causes"]}["inter-token"]
-            assert step["now"] > 2 * step["baseline"], step  # each step 300 ms slower
-            assert re.match(r"TTFT p95 \+\d+ %: [a-z -]+ time \+", found["verdict"]), \
-                found["verdict"]
+            # bound is loose (the issue asks for a residual under 20 %).
+            "residual under 35 %": abs(parts["unexplained"]["share"]) < 0.35,
+            "prefill among the first two": "prefill" in ranked[:2],
+            "prefill + queue over 60 %":
+                parts["prefill"]["share"] + parts["queue"]["share"] > 0.6,
+            "prefill +50 ms or more": parts["prefill"]["change_ms"] > 50,
+            # each step 300 ms slower
+            "inter-token over twice its baseline":
+                step["now"] is not None and step["baseline"] is not None
+                and step["now"] > 2 * step["baseline"],
+            "the verdict's form":
+                re.match(r"TTFT p95 \+\d+ %: [a-z -]+ time \+", found["verdict"]) is not None,
+        }
+        return [name for name, held in checks.items() if not held]
+
+    seen: list[tuple[list[str], dict]] = []
+
+    def explained() -> bool:
+        """True once a firing alert's explanation holds every check: while it fires, its
+        30 s window fills with slowed requests, so an early reading may still be thin."""
+        for alert in firing() or []:
+            wrong = misexplained(alert)
+            seen.append((wrong, alert["explanation"]))
+            if not wrong:
+                return True
+        return False
+
+    try:
+        try:
+            wait_for(explained, 170, "DemoLatencyDrift firing and explained", interval=0.5)
+        except AssertionError:
+            raise AssertionError(f"last explanation read: {seen[-1:]}") from None
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(30)
