@@ -237,6 +237,10 @@ GATEWAY_METRICS = (
 # a query may filter on it and a quantile never mixes two engines' bucket layouts. It is
 # the daemon's label, added on export: the bundled engine's files never hold it.
 KIND_LABEL = "kind"
+# Every series the daemon exports and answers carries `node`, first: the node the daemon
+# watches (`--node-name`, default the host name). The daemon adds it on export and in its
+# answers, as Prometheus adds external labels; no collector writes it.
+NODE_LABEL = "node"
 # A scraped engine's server process, where the daemon knows it (one it discovered): its
 # series carry `pid`, so NVML's and eBPF's per-process series (`pid` too) join them.
 PID_LABEL = "pid"
@@ -539,9 +543,11 @@ FRIENDLY = {f.name: f for f in (
 
 
 def exposed_labels(spec: MetricSpec) -> tuple[str, ...]:
-    """The labels a family's series carry on export: its own, and an engine family's
-    `kind` (the daemon adds it; every engine series of every kind has it)."""
-    return spec.labels + (KIND_LABEL,) if spec.source == "engine" else spec.labels
+    """The labels a family's series carry on export: the daemon's `node` first, then its
+    own, and an engine family's `kind` (the daemon adds both; every engine series of every
+    kind has `kind`)."""
+    own = (NODE_LABEL,) + spec.labels
+    return own + (KIND_LABEL,) if spec.source == "engine" else own
 
 
 def query_labels(friendly: Friendly) -> tuple[str, ...]:

@@ -113,6 +113,15 @@ def test_kubernetes_manifests_validate_for_their_version(tmp_path):
     (daemon,) = [c for c in daemonset["containers"] if c["name"] == "daemon"]
     assert "--discover-engines" in daemon["args"]
     assert "SYS_PTRACE" in daemon["securityContext"]["capabilities"]["add"]
+    # Every series carries the Kubernetes node's name, set by the daemon (downward API),
+    # and the ServiceMonitor honours it: no relabelling writes `node`, which the operator
+    # would otherwise turn into `exported_node` on the daemon's series.
+    (node,) = [e for e in daemon["env"] if e["name"] == "AC_OBSERVE_NODE_NAME"]
+    assert node["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    for endpoint in monitor["endpoints"]:
+        assert endpoint["honorLabels"] is True
+        assert all(r.get("targetLabel") != "node" for r in
+                   endpoint.get("relabelings", []) + endpoint.get("metricRelabelings", []))
 
 
 def test_the_vllm_override_discovers_the_server_it_adds(tmp_path):

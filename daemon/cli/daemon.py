@@ -75,13 +75,16 @@ def daemon(
         False, "--discover-engines", envvar="AC_OBSERVE_DISCOVER_ENGINES", show_envvar=True,
         help="Find vLLM and SGLang server processes on the node (by command line and "
              "listening socket, a pod's in its own network namespace) and read them."),
+    node_name: str = typer.Option(None, envvar="AC_OBSERVE_NODE_NAME", show_envvar=True,
+                                  help="The node label on every series (default the host "
+                                       "name; a DaemonSet gives spec.nodeName)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
     from sqlalchemy.exc import SQLAlchemyError
 
     from ac_observe.daemon import sd_notify
-    from ac_observe.daemon.config import DaemonConfig, parse_endpoint
+    from ac_observe.daemon.config import DaemonConfig, default_node_name, parse_endpoint
     from ac_observe.daemon.http_api import make_server
     from ac_observe.daemon.reload import ConfigReloader, ReloadFailed
     from ac_observe.daemon.service import Daemon, tune_interpreter
@@ -109,6 +112,7 @@ def daemon(
             history_retention_seconds=parse_duration(history_retention),
             grafana_url=grafana_url or None, engine_endpoints=endpoints,
             engine_discovery=discover_engines,
+            node_name=default_node_name() if node_name is None else node_name,
             grafana_token=read_token(os.environ.get("GRAFANA_TOKEN") or None,
                                       grafana_token_file) if grafana_url else None)
         service = Daemon(config)
