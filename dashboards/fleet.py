@@ -10,16 +10,7 @@ from __future__ import annotations
 
 from ac_observe import metrics as m
 from ac_observe.dashboards import promql
-from ac_observe.dashboards.grafana import (
-    ENGINE,
-    ENGINE_KIND,
-    RANGE,
-    Board,
-    Panel,
-    gauge_by,
-    hit_rate_by_basis,
-    sel,
-)
+from ac_observe.dashboards.grafana import Board, Panel, gauge_by, sel
 from ac_observe.metrics import FRIENDLY
 
 FLEET_UID = "ac-fleet"
@@ -29,15 +20,28 @@ GPU_BUSY_RATIO = 0.05
 WORST = 10  # nodes in each ranking
 
 
+# The board reads the recording rules (dashboards/prometheus/rules/recording.rules.yml), a
+# few series per engine, so it draws the same on a global Prometheus that federates only
+# them (docs/fleet.md) as on the one that scrapes the daemons.
+TTFT_P95_RECORD = promql.record_name(FRIENDLY["inference_latency_ns"], "p95")
+HIT_RATE_BY = (m.NODE_LABEL, "engine", "kind")
+HIT_RATE_RECORD = promql.record_name(FRIENDLY["kv_cache_hit_rate"], "mean_by_basis",
+                                     by=HIT_RATE_BY)
+
+
+def recorded(name: str) -> str:
+    return f'{name}{{node=~"$node", engine=~"$engine"}}'
+
+
 def ttft_p95_per_node() -> str:
-    """Each node's worst engine's TTFT p95: quantiles per engine layout, then the max."""
-    return promql.statistic_expr(FRIENDLY["inference_latency_ns"], "p95", RANGE,
-                                 by=(m.NODE_LABEL,), regex=ENGINE)
+    """Each node's worst engine's TTFT p95 over the last minute (each recorded per engine
+    and lane: quantiles never cross layouts)."""
+    return f"max by (node) ({recorded(TTFT_P95_RECORD)})"
 
 
 def hit_rate_per_node() -> str:
     """Each node's lowest engine's prefix-cache hit rate, each on its own basis."""
-    return f"min by (node) ({hit_rate_by_basis(ENGINE_KIND)})"
+    return f"min by (node) ({recorded(HIT_RATE_RECORD)})"
 
 
 def fleet() -> Board:
@@ -68,8 +72,9 @@ def fleet() -> Board:
         ("Worst nodes", [
             Panel(f"Worst {WORST} nodes by TTFT p95", [
                 (f"topk({WORST}, {ttft_p95_per_node()})", "{{node}}")], "ns", "table",
-                  description="Each node's worst engine's time to first token, p95 "
-                              "(buckets summed within one engine: one layout)."),
+                  description="Each node's worst engine's time to first token, p95 over "
+                              "the last minute (recorded per engine and lane: buckets "
+                              "summed within one layout)."),
             Panel(f"Worst {WORST} nodes by KV hit rate", [
                 (f"bottomk({WORST}, {hit_rate_per_node()})", "{{node}}")], "percent",
                   "table", description="Each node's lowest engine's prefix-cache hit "

@@ -34,9 +34,12 @@ def recording_rules() -> dict:
     rules = []
     for name, statistic in RECORDED:
         friendly = FRIENDLY[name]
-        by = promql.group_labels(friendly, {})
-        rules.append({"record": f"{'_'.join(by)}:{name}:{statistic}_1m",
+        rules.append({"record": promql.record_name(friendly, statistic),
                       "expr": promql.statistic_expr(friendly, statistic, "1m")})
+    # Every engine's hit rate on its own basis (blocks, tokens, its gauge), as the daemon
+    # answers it: what the Fleet board ranks nodes by, on a global Prometheus too.
+    rules.append({"record": fleet.HIT_RATE_RECORD,
+                  "expr": grafana.hit_rate_by_basis(fleet.HIT_RATE_BY, "1m", None)})
     return {"groups": [{"name": "ac-observe-recording", "rules": rules}]}
 
 

@@ -100,7 +100,8 @@ def heatmap_panel(title: str, spec: m.MetricSpec, unit: str) -> Panel:
                  repeat="engine" if per_engine else "")
 
 
-def hit_rate_by_basis(by: tuple[str, ...]) -> str:
+def hit_rate_by_basis(by: tuple[str, ...], window: str = RANGE,
+                      regex: dict | None = ENGINE) -> str:
     """kv_cache_hit_rate as the daemon answers it: from blocks where the engine counts
     them, else tokens (vLLM V1), else its own gauge (vLLM V0, SGLang), with `basis`
     saying which (the contract's names for them)."""
@@ -108,9 +109,10 @@ def hit_rate_by_basis(by: tuple[str, ...]) -> str:
     bases = ((friendly.source.unit, friendly.name), *friendly.fallbacks)
     by = per_node(by)
     on = ", ".join(b for b in by if b != "skeleton")
-    return f" or on ({on}) ".join(
-        f'label_replace({stat(name, "mean", by)}, "basis", "{basis}", "", "")'
-        for basis, name in bases)
+    means = [(basis, promql.statistic_expr(FRIENDLY[name], "mean", window, by=by, regex=regex))
+             for basis, name in bases]
+    return f" or on ({on}) ".join(f'label_replace({mean}, "basis", "{basis}", "", "")'
+                                  for basis, mean in means)
 
 
 LANE = ("engine", "stream")

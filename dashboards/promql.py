@@ -95,6 +95,14 @@ def _range(window: str, offset: str) -> str:
     return f"[{window}]" + (f" offset {offset}" if offset else "")
 
 
+def record_name(friendly: Friendly, statistic: str, window: str = "1m",
+                by: tuple[str, ...] | None = None) -> str:
+    """A recording rule's name, Prometheus' level:metric:operations: the labels it keeps
+    (`node` first), the friendly name, the statistic and its window."""
+    by = group_labels(friendly, {}) if by is None else by
+    return f"{'_'.join(by)}:{friendly.name}:{statistic}_{window}"
+
+
 def group_labels(friendly: Friendly, match: dict) -> tuple[str, ...]:
     """The labels a friendly name's series are told apart by."""
     labels = exposed_labels(friendly.source)

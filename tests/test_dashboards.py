@@ -81,6 +81,8 @@ def test_every_query_names_families_of_the_contract_through_the_pinned_datasourc
                                   "prometheus.yml").read_text())
     assert provisioned["datasources"][0]["uid"] == grafana.DATASOURCE_UID
     named = set()
+    records = {rule["record"] for group in generate.recording_rules()["groups"]
+               for rule in group["rules"]}
     for uid, model in models.items():
         text = json.dumps(model)
         assert "${DS_" not in text and "__inputs" not in text, uid  # no import placeholders
@@ -94,8 +96,12 @@ def test_every_query_names_families_of_the_contract_through_the_pinned_datasourc
             for target in panel["targets"]:
                 assert target["datasource"]["uid"] == grafana.DATASOURCE_UID
                 families = grafana.families_named(target["expr"])
+                # A recording rule a query reads is one the shipped rules record.
+                recorded = set(_RECORD.findall(target["expr"]))
+                assert recorded <= records, (uid, panel["title"], recorded - records)
                 # (or Prometheus' own ALERTS series, for the exported rules)
-                assert families or "ALERTS{" in target["expr"], (uid, panel["title"])
+                assert families or recorded or "ALERTS{" in target["expr"], \
+                    (uid, panel["title"])
                 unknown = families - set(m.BY_NAME)
                 assert not unknown, (uid, panel["title"], unknown)
                 named |= families
@@ -111,7 +117,9 @@ _GROUPING = re.compile(r"\b(by|on)\s*\(([^()]*)\)")
 # An aggregation that keeps no label: `sum(`, `topk(10, ` (by-less)
 _BY_LESS = re.compile(r"\b(sum|min|max|avg|count|group|topk|bottomk|quantile|stddev)\s*\((?!\))")
 # A series selector: a contract family or Prometheus' ALERTS, with its matchers if any
-_SELECTOR = re.compile(r"\b(ac_[a-z0-9_]+|ALERTS)\b(\{[^}]*\})?")
+_SELECTOR = re.compile(r"\b(ac_[a-z0-9_]+|ALERTS|node_[a-z_]+:[a-z0-9_]+:[a-z0-9_]+)(\{[^}]*\})?")
+# A recording rule's name (dashboards/prometheus/rules/recording.rules.yml)
+_RECORD = re.compile(r"\b(node_[a-z_]+:[a-z0-9_]+:[a-z0-9_]+)")
 
 
 def node_dropped(expr: str) -> list[str]:
@@ -582,7 +590,7 @@ def test_every_panel_query_returns_data(stack):
     assert abs(answers["vllm-0"][1] - 100 * VLLM_HIT_SHARE) < 0.5, answers
     assert answers["sglang-0"] == ("gauge", pytest.approx(100 * SGLANG_HIT_GAUGE)), answers
     # What is left to the GPU check is exactly the NVML and eBPF panels.
-    assert {uid for uid, _, _ in hardware} == {"ac-gpu-cuda"}
+    assert {uid for uid, _, _ in hardware} == {"ac-gpu-cuda", "ac-fleet"}
     assert {need for _, _, need in hardware} == {"gpu (NVML)", "eBPF (CUDA driver probes)",
                                                  grafana.ON_SCRAPED}
 
