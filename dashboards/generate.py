@@ -43,6 +43,22 @@ def recording_rules() -> dict:
     return {"groups": [{"name": "ac-observe-recording", "rules": rules}]}
 
 
+def provisioning() -> dict[str, str]:
+    """Grafana's provisioning files: the datasource with its pinned uid and the provider."""
+    import yaml
+    datasource = {"apiVersion": 1, "datasources": [{
+        "name": "Prometheus", "type": "prometheus", "uid": grafana.DATASOURCE_UID,
+        "access": "proxy", "url": "http://prometheus:9090", "isDefault": True,
+        "editable": False, "jsonData": {"timeInterval": "5s"}}]}
+    provider = {"apiVersion": 1, "providers": [{
+        "name": "ac-observe", "folder": "ac-observe", "type": "file",
+        "disableDeletion": True, "allowUiUpdates": False, "updateIntervalSeconds": 30,
+        "options": {"path": "/var/lib/grafana/dashboards/ac-observe",
+                    "foldersFromFilesStructure": False}}]}
+    return {"datasources/prometheus.yml": yaml.safe_dump(datasource, sort_keys=False),
+            "dashboards/ac-observe.yml": yaml.safe_dump(provider, sort_keys=False)}
+
+
 def _yaml(document: dict) -> str:
     import yaml
     return HEADER + yaml.safe_dump(document, sort_keys=False, width=100)
@@ -66,7 +82,7 @@ def files(rules=None) -> dict[str, str]:
     for board in boards(rules):
         out[f"dashboards/grafana/dashboards/{board.uid}.json"] = json.dumps(
             grafana.build(board), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    for path, text in grafana.provisioning().items():
+    for path, text in provisioning().items():
         out[f"dashboards/grafana/provisioning/{path}"] = HEADER + text
     out["dashboards/prometheus/rules/drift.rules.yml"] = _yaml(promql.alert_groups(rules))
     out["dashboards/prometheus/rules/recording.rules.yml"] = _yaml(recording_rules())

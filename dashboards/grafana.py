@@ -104,12 +104,17 @@ def hit_rate_by_basis(by: tuple[str, ...], window: str = RANGE,
                       regex: dict | None = ENGINE) -> str:
     """kv_cache_hit_rate as the daemon answers it: from blocks where the engine counts
     them, else tokens (vLLM V1), else its own gauge (vLLM V0, SGLang), with `basis`
-    saying which (the contract's names for them)."""
+    saying which (the contract's names for them). The gauge only of the kinds that
+    report one: another's (a zero the bundled engine's files hold) would stand in for
+    its counters until their rate has two scrapes, a basis that flips."""
     friendly = FRIENDLY["kv_cache_hit_rate"]
     bases = ((friendly.source.unit, friendly.name), *friendly.fallbacks)
-    by = per_node(by)
+    by, gauge = per_node(by), FRIENDLY[bases[-1][1]].source.name
     on = ", ".join(b for b in by if b != "skeleton")
-    means = [(basis, promql.statistic_expr(FRIENDLY[name], "mean", window, by=by, regex=regex))
+    reporting = {**(regex or {}), "kind": "|".join(sorted(
+        kind for kind, names in TARGETS.items() if gauge in names))}
+    means = [(basis, promql.statistic_expr(FRIENDLY[name], "mean", window, by=by,
+                                           regex=reporting if basis == "gauge" else regex))
              for basis, name in bases]
     return f" or on ({on}) ".join(f'label_replace({mean}, "basis", "{basis}", "", "")'
                                   for basis, mean in means)
@@ -582,19 +587,3 @@ def needs_hardware(expr: str) -> str | None:
     if sources and sources <= {"ebpf"}:
         return "eBPF (CUDA driver probes)"
     return None
-
-
-def provisioning() -> dict[str, str]:
-    """Grafana's provisioning files: the datasource with its pinned uid and the provider."""
-    import yaml
-    datasource = {"apiVersion": 1, "datasources": [{
-        "name": "Prometheus", "type": "prometheus", "uid": DATASOURCE_UID,
-        "access": "proxy", "url": "http://prometheus:9090", "isDefault": True,
-        "editable": False, "jsonData": {"timeInterval": "5s"}}]}
-    provider = {"apiVersion": 1, "providers": [{
-        "name": "ac-observe", "folder": "ac-observe", "type": "file",
-        "disableDeletion": True, "allowUiUpdates": False, "updateIntervalSeconds": 30,
-        "options": {"path": "/var/lib/grafana/dashboards/ac-observe",
-                    "foldersFromFilesStructure": False}}]}
-    return {"datasources/prometheus.yml": yaml.safe_dump(datasource, sort_keys=False),
-            "dashboards/ac-observe.yml": yaml.safe_dump(provider, sort_keys=False)}
