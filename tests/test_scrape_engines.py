@@ -584,7 +584,8 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
         (picked,) = daemon.query("requests_running", 3600, {"pid": str(pids[2])})["series"]
         assert picked["labels"]["engine"] == f"sglang-{pids[2]}"
         text = daemon.render_metrics().decode()
-        assert f'ac_engine_up{{engine="sglang-{pids[2]}",model=' in text
+        assert (f'ac_engine_up{{node="{daemon.config.node_name}",'
+                f'engine="sglang-{pids[2]}",model=') in text
         assert f'kind="sglang",pid="{pids[2]}"}} 1.0' in text
         assert f'pid="{pids[0]}"' in text.split("ac_inference_latency_seconds_bucket", 1)[1]
         # The join table: each server's pid and its child's (where vLLM V1 and SGLang run
