@@ -25,6 +25,8 @@ RANGE = "$__rate_interval"
 # Every family follows the node variable, and those with an engine label the engine one.
 ENGINE = {m.NODE_LABEL: "$node", "engine": "$engine"}
 NODE = m.NODE_LABEL
+# A panel whose title names nodes goes across them (a headline sum, a ranking of nodes).
+ACROSS_NODES = re.compile(r"\bnodes\b", re.IGNORECASE)
 
 
 @dataclass
@@ -514,6 +516,8 @@ def build(board: Board) -> dict:
             if panel.no_value:
                 built = built.no_value(panel.no_value)
             for i, (expr, legend) in enumerate(panel.targets):
+                if legend and NODE not in legend and not ACROSS_NODES.search(panel.title):
+                    legend = f"{{{{{NODE}}}}} {legend}"  # GPU 0 of two nodes: two names
                 query = (Dataquery().ref_id(chr(ord("A") + i)).expr(expr)
                          .legend_format(legend).datasource(source))
                 if panel.kind == "heatmap":

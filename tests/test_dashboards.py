@@ -153,6 +153,13 @@ def test_every_panel_query_keeps_nodes_apart_unless_its_title_says_so():
                 merged.append((uid, title, dropped))
     assert not merged, "queries that merge nodes:\n" + "\n".join(map(str, merged))
     assert said >= 4  # the headline figures and the Fleet board's rankings
+    # ... and each line's legend names its node (two nodes' "gpu 0" are told apart).
+    unnamed = [(uid, panel["title"], target["legendFormat"])
+               for uid, model in _models().items() for panel in model["panels"]
+               for target in panel.get("targets") or []
+               if target.get("legendFormat") and "{{node}}" not in target["legendFormat"]
+               and not re.search(r"\bnodes\b", panel["title"], re.IGNORECASE)]
+    assert not unnamed, unnamed
 
 
 def test_the_node_check_catches_a_query_that_merges_nodes():
