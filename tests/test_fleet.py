@@ -28,9 +28,15 @@ def node_name(i: int) -> str:
     return f"gpu-{i:02d}"
 
 
+# The contract's TTFT bucket edges from 8 ms: node i's slow requests fall in the i-th
+# bucket after it, so every node's p95 (read from its buckets) differs from the others'.
+SLOW_EDGES = [edge for edge in m.INFERENCE_LATENCY.buckets if edge >= 0.008][:NODES + 1]
+
+
 def slow_seconds(i: int) -> float:
-    """Node i's slow requests take this long: the higher i, the worse its TTFT p95."""
-    return 0.05 * (1 + i / 4)
+    """Node i's slow requests take this long (inside its own bucket, at no edge): the
+    higher i, the worse its TTFT p95."""
+    return math.sqrt(SLOW_EDGES[i] * SLOW_EDGES[i + 1])
 
 
 def hit_blocks(i: int) -> int:
