@@ -238,6 +238,10 @@ GATEWAY_METRICS = (
 # a query may filter on it and a quantile never mixes two engines' bucket layouts. It is
 # the daemon's label, added on export: the bundled engine's files never hold it.
 KIND_LABEL = "kind"
+# Every series the daemon exports and answers carries `node`, first: the node the daemon
+# watches (`--node-name`, default the host name). The daemon adds it on export and in its
+# answers, as Prometheus adds external labels; no collector writes it.
+NODE_LABEL = "node"
 # A scraped engine's server process, where the daemon knows it (one it discovered): its
 # series carry `pid`, so NVML's and eBPF's per-process series (`pid` too) join them.
 PID_LABEL = "pid"
@@ -582,10 +586,12 @@ FRIENDLY = {f.name: f for f in (
 
 
 def exposed_labels(spec: MetricSpec) -> tuple[str, ...]:
-    """The labels a family's series carry on export: its own, an engine family's `kind`
-    (the daemon adds it; every engine series of every kind has it), and a per-process
-    family's container and pod (ATTRIBUTION_LABELS, where the process has them)."""
-    labels = spec.labels + (KIND_LABEL,) if spec.source == "engine" else spec.labels
+    """The labels a family's series carry on export: the daemon's `node` first, then its
+    own, an engine family's `kind` (the daemon adds both; every engine series of every
+    kind has `kind`), and a per-process family's container and pod (ATTRIBUTION_LABELS,
+    where the process has them)."""
+    own = (NODE_LABEL,) + spec.labels
+    labels = own + (KIND_LABEL,) if spec.source == "engine" else own
     return labels + ATTRIBUTION_LABELS if PID_LABEL in labels else labels
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,31 @@ DEFAULT_COLLECTORS = ("engine", "nvml", "ebpf")
 # ~50 engines of ~900 watched series each, their GPUs and CUDA processes.
 DEFAULT_MAX_SERIES = 50_000
 DEFAULT_POD_RESOURCES_SOCKET = DEFAULT_SOCKET
+
+
+# Longest node name taken: a Kubernetes node name is a DNS subdomain (253), a host name
+# fits in 255.
+MAX_NODE_NAME = 253
+
+
+def check_node_name(name: str) -> str:
+    """A node name as every series carries it (`node`): a Prometheus label value, so any
+    UTF-8 text, but not empty, not past MAX_NODE_NAME characters and no control
+    characters (they would break logs and receivers' displays)."""
+    if not name or not name.strip():
+        raise ValueError("the node name is empty: give --node-name (or "
+                         "AC_OBSERVE_NODE_NAME) a name, or leave it out for the host name")
+    if len(name) > MAX_NODE_NAME:
+        raise ValueError(f"the node name is {len(name)} characters long: at most "
+                         f"{MAX_NODE_NAME} (--node-name, AC_OBSERVE_NODE_NAME)")
+    if any(ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0 for c in name):
+        raise ValueError(f"the node name {name[:100]!r} holds a control character "
+                         "(--node-name, AC_OBSERVE_NODE_NAME)")
+    return name
+
+
+def default_node_name() -> str:
+    return socket.gethostname() or "localhost"
 
 
 def is_loopback(host: str) -> bool:
@@ -75,8 +101,12 @@ class DaemonConfig:
     pod_resources_socket: Path | None = field(default_factory=default_socket)
     # exporter-toolkit's web-config file: TLS, basic auth (daemon/web_config.py, tls.py)
     web_config_file: Path | None = None
+    # The `node` label on every series the daemon exports and answers (a Prometheus
+    # external label of the daemon's own): the DaemonSet gives the Kubernetes node's name
+    node_name: str = field(default_factory=default_node_name)
 
     def __post_init__(self) -> None:
+        self.node_name = check_node_name(self.node_name)
         self.telemetry_root = Path(self.telemetry_root)
         names = [name for name, _ in self.engine_endpoints]
         if len(set(names)) != len(names):

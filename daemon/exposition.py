@@ -2,7 +2,11 @@
 
 Each series' `name{labels} ` prefix is escaped once and cached across cycles, so a render
 costs one value format per sample. Output is prometheus_client's `generate_latest`
-format (labels in the collector's order, `le` last).
+format (labels in the collector's order, `le` last), after the daemon's own labels.
+
+NOTE: the daemon's own labels (`node`) are added here, once, to every series, as
+Prometheus adds its external labels: no collector carries them, and one a collector gave
+of the same name is replaced.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ def _escape_help(text: str) -> str:
 
 
 class Renderer:
-    def __init__(self):
+    def __init__(self, own_labels: dict[str, str] | None = None):
+        self.own_labels = dict(own_labels or {})
+        self._own = ",".join(f'{k}="{_escape_label(v)}"' for k, v in self.own_labels.items())
         self._prefixes: dict[tuple, str] = {}
         # The last render's lines by the Sample they came from: a collector that hands
         # over the same Sample object for a series that did not move (the engine
@@ -53,16 +59,16 @@ class Renderer:
                     key = (sample.name, tuple(sample.labels.items()))
                     prefix = prefixes.get(key)
                     if prefix is None:
-                        if sample.labels:
-                            labels = ",".join(f'{k}="{_escape_label(str(v))}"'
-                                              for k, v in sample.labels.items())
-                            prefix = f"{sample.name}{{{labels}}} "
-                        else:
-                            prefix = f"{sample.name} "
-                        prefixes[key] = prefix
+                        prefix = prefixes[key] = self._prefix(sample.name, sample.labels)
                     line = prefix + floatToGoString(sample.value) + "\n"
                     made = (sample, line)
                 kept[id(sample)] = made
                 out.append(line)
         self._lines = kept
         return "".join(out).encode("utf-8")
+
+    def _prefix(self, name: str, labels: dict) -> str:
+        own = self.own_labels
+        parts = [self._own] if own else []
+        parts += [f'{k}="{_escape_label(str(v))}"' for k, v in labels.items() if k not in own]
+        return f"{name}{{{','.join(parts)}}} " if parts else f"{name} "

@@ -116,7 +116,7 @@ class Daemon:
         self._snapshot: list[Metric] = []
         self._generation = 0
         self._rendered: tuple[int, bytes] = (-1, b"")
-        self._renderer = Renderer()
+        self._renderer = Renderer({m.NODE_LABEL: config.node_name})
         self._render_lock = threading.Lock()
         self._pace, self._gzip_pace = ScrapePace(), ScrapePace()
         self._gzipped: tuple = (None, b"")  # (the text object, its gzip)
@@ -388,6 +388,24 @@ class Daemon:
     def query(self, metric: str, window_seconds: float, labels: dict[str, str],
               now: float | None = None, shares: dict[str, float] | None = None,
               source: str = "auto") -> dict:
+        """`_query`'s answer with the daemon's `node` first on every series, as on export
+        (the windows and the history never hold it): a filter on another node matches
+        nothing, one on this node everything."""
+        node = self.config.node_name
+        wanted = labels.get(m.NODE_LABEL, node)
+        answer = self._query(metric, window_seconds,
+                             {k: v for k, v in labels.items() if k != m.NODE_LABEL},
+                             now, shares, source)
+        if wanted != node:
+            answer["series"] = []
+            answer.pop("not_exported", None)
+        for series in answer["series"]:
+            series["labels"] = {m.NODE_LABEL: node, **series["labels"]}
+        return answer
+
+    def _query(self, metric: str, window_seconds: float, labels: dict[str, str],
+               now: float | None = None, shares: dict[str, float] | None = None,
+               source: str = "auto") -> dict:
         """A window within the in-memory hour is answered from the windows; a longer one,
         or one that ended before the windows begin, from the store's per-minute history.
         `source` "windows" or "history" (if the daemon keeps one) asks one of them alone.
@@ -454,7 +472,7 @@ class Daemon:
             other = m.FRIENDLY[name]
             if not set(labels) <= set(m.query_labels(other)):
                 continue  # filtered on a label it lacks (a skeleton): nothing of its own
-            extra = self.query(name, window_seconds, labels, now, shares, source)
+            extra = self._query(name, window_seconds, labels, now, shares, source)
             for series in extra["series"]:
                 if series["labels"].get("engine") not in answered:
                     series["basis"] = basis
@@ -507,7 +525,8 @@ class Daemon:
             engines.extend(getattr(collector, "status", lambda: [])())
         with self._lock:
             as_of = self.windows.latest_time
-        return {"version": __version__, "interval_seconds": self.config.interval_seconds,
+        return {"version": __version__, "node": self.config.node_name,
+                "interval_seconds": self.config.interval_seconds,
                 "as_of": as_of,  # the newest cycle: pin queries to it with at=
                 "window_seconds": self.config.window_seconds,
                 "telemetry_root": str(self.config.telemetry_root),

@@ -22,7 +22,11 @@ from ac_observe.metrics import FRIENDLY
 DATASOURCE_UID = "ac-prometheus"
 HOME_UID = "ac-overview"
 RANGE = "$__rate_interval"
-ENGINE = {"engine": "$engine"}  # every family with an engine label follows the variable
+# Every family follows the node variable, and those with an engine label the engine one.
+ENGINE = {m.NODE_LABEL: "$node", "engine": "$engine"}
+NODE = m.NODE_LABEL
+# A panel whose title names nodes goes across them (a headline sum, a ranking of nodes).
+ACROSS_NODES = re.compile(r"\bnodes\b", re.IGNORECASE)
 
 
 @dataclass
@@ -51,9 +55,16 @@ class Board:
 SPARSE = "5m"
 
 
+def per_node(by: tuple[str, ...]) -> tuple[str, ...]:
+    """`by` with `node` first: nodes are told apart wherever a query groups (GPU 0 of two
+    nodes is two lines)."""
+    return by if NODE in by else (NODE, *by)
+
+
 def stat(name: str, statistic: str, by: tuple[str, ...] | None = None, window: str = RANGE,
          **kw) -> str:
-    return promql.statistic_expr(FRIENDLY[name], statistic, window, by=by, regex=ENGINE, **kw)
+    return promql.statistic_expr(FRIENDLY[name], statistic, window,
+                                 by=None if by is None else per_node(by), regex=ENGINE, **kw)
 
 
 def quantiles(name: str, by: tuple[str, ...], legend: str) -> list[tuple[str, str]]:
@@ -61,51 +72,61 @@ def quantiles(name: str, by: tuple[str, ...], legend: str) -> list[tuple[str, st
 
 
 def sel(spec: m.MetricSpec, suffix: str = "") -> str:
-    """A family's selector under the dashboard's engine filter."""
+    """A family's selector under the dashboard's node and engine filters."""
     if "engine" in spec.labels:
-        return f'{spec.name}{suffix}{{engine=~"$engine"}}'
-    return spec.name + suffix
+        return f'{spec.name}{suffix}{{node=~"$node", engine=~"$engine"}}'
+    return f'{spec.name}{suffix}{{node=~"$node"}}'
 
 
 def gauge_by(spec: m.MetricSpec, by: tuple[str, ...], how: str = "sum") -> str:
-    return f"{how} by ({', '.join(by)}) ({sel(spec)})"
+    return f"{how} by ({', '.join(per_node(by))}) ({sel(spec)})"
 
 
 def rate_by(spec: m.MetricSpec, by: tuple[str, ...], suffix: str = "") -> str:
-    return f"sum by ({', '.join(by)}) (rate({sel(spec, suffix)}[{RANGE}]))"
+    return f"sum by ({', '.join(per_node(by))}) (rate({sel(spec, suffix)}[{RANGE}]))"
 
 
 def heatmap(spec: m.MetricSpec) -> str:
-    """Buckets summed within one engine and kind (one layout; the panel is repeated per
-    engine), or, for a process's eBPF family, over the contract's one layout."""
+    """Buckets summed over the selected nodes within one engine and kind (one layout; the
+    panel is repeated per engine), or, for a process's eBPF family, over the contract's
+    one layout: a heatmap draws one distribution, its title says across nodes."""
     by = "engine, kind, le" if "engine" in spec.labels else "le"
     return f"sum by ({by}) (increase({sel(spec, '_bucket')}[{RANGE}]))"
 
 
 def heatmap_panel(title: str, spec: m.MetricSpec, unit: str) -> Panel:
     per_engine = "engine" in spec.labels
+    title = f"{title}, across nodes"
     return Panel(f"{title} ($engine)" if per_engine else title,
                  [(heatmap(spec), "{{le}}")], unit, "heatmap", description=spec.help,
                  repeat="engine" if per_engine else "")
 
 
-def hit_rate_by_basis(by: tuple[str, ...]) -> str:
+def hit_rate_by_basis(by: tuple[str, ...], window: str = RANGE,
+                      regex: dict | None = ENGINE) -> str:
     """kv_cache_hit_rate as the daemon answers it: from blocks where the engine counts
     them, else tokens (vLLM V1), else its own gauge (vLLM V0, SGLang), with `basis`
-    saying which (the contract's names for them)."""
+    saying which (the contract's names for them). The gauge only of the kinds that
+    report one: another's (a zero the bundled engine's files hold) would stand in for
+    its counters until their rate has two scrapes, a basis that flips."""
     friendly = FRIENDLY["kv_cache_hit_rate"]
     bases = ((friendly.source.unit, friendly.name), *friendly.fallbacks)
+    by, gauge = per_node(by), FRIENDLY[bases[-1][1]].source.name
     on = ", ".join(b for b in by if b != "skeleton")
-    return f" or on ({on}) ".join(
-        f'label_replace({stat(name, "mean", by)}, "basis", "{basis}", "", "")'
-        for basis, name in bases)
+    reporting = {**(regex or {}), "kind": "|".join(sorted(
+        kind for kind, names in TARGETS.items() if gauge in names))}
+    means = [(basis, promql.statistic_expr(FRIENDLY[name], "mean", window, by=by,
+                                           regex=reporting if basis == "gauge" else regex))
+             for basis, name in bases]
+    return f" or on ({on}) ".join(f'label_replace({mean}, "basis", "{basis}", "", "")'
+                                  for basis, mean in means)
 
 
 LANE = ("engine", "stream")
 ENGINE_KIND = ("engine", "kind")
 # A per-process (eBPF) series' engine: the discovered server its pid belongs to.
-BY_ENGINE_PROCESS = (f'on (pid) group_left (engine, kind) '
-                     f'{m.ENGINE_PROCESS.name}{{engine=~"$engine"}}')
+BY_ENGINE_PROCESS = (f'on (node, pid) group_left (engine, kind) '
+                     f'{m.ENGINE_PROCESS.name}{{node=~"$node", engine=~"$engine"}}')
 GPU = ("gpu",)
 POD = ("namespace", "pod", "pod_uid")  # a pod by name where the kubelet told it, else by UID
 
@@ -115,15 +136,19 @@ def overview() -> Board:
                  "Latency (time to first token from the engine's own timers, inter-token, "
                  "end to end), throughput, the queue and the two lanes, per engine.", [
         ("Now", [
-            Panel("Engines up", [(f"sum({sel(m.ENGINE_UP)})", "up")], "short", "stat",
-                  width=6, height=4),
-            Panel("Requests / s", [(f"sum({rate_by(m.REQUESTS, ('engine',))})", "req/s")],
+            # The headline figures of the selected nodes together (Fleet tells them apart).
+            Panel("Engines up, across nodes", [(f"sum({sel(m.ENGINE_UP)})", "up")], "short",
+                  "stat", width=6, height=4),
+            Panel("Requests / s, across nodes",
+                  [(f"sum({rate_by(m.REQUESTS, ('engine',))})", "req/s")],
                   "reqps", "stat", width=6, height=4),
-            Panel("TTFT p95", [(stat("inference_latency_ns", "p95", ()), "p95")], "ns",
+            Panel("TTFT p95 (worst engine across nodes)",
+                  [(promql.statistic_expr(FRIENDLY["inference_latency_ns"], "p95", RANGE,
+                                          by=(), regex=ENGINE), "p95")], "ns",
                   "stat", width=6, height=4),
             # Each engine on its basis (blocks, tokens, its gauge), the lowest shown, as
             # the TTFT stat shows the worst engine's.
-            Panel("KV hit rate (lowest engine)",
+            Panel("KV hit rate (lowest engine across nodes)",
                   [(f"min({hit_rate_by_basis(ENGINE_KIND)})", "hit rate")], "percent", "stat",
                   description="The lowest of the engines' prefix-cache hit rates, each on "
                               "its own basis: blocks where it counts them, else tokens, "
@@ -203,7 +228,7 @@ def kv_and_prompts() -> Board:
                 (hit_rate_by_basis(ENGINE_KIND), "{{engine}} ({{basis}})"),
                 # An engine that counts blocks counts tokens too: both, told apart.
                 (f"{stat('kv_cache_token_hit_rate', 'mean', ENGINE_KIND)} and on "
-                 f"(engine, kind) {stat('kv_cache_hit_rate', 'mean', ENGINE_KIND)}",
+                 f"(node, engine, kind) {stat('kv_cache_hit_rate', 'mean', ENGINE_KIND)}",
                  "{{engine}} (tokens)"),
             ], "percent", description=FRIENDLY["kv_cache_hit_rate"].help + " The legend "
                   "names each line's basis: blocks where the engine counts them (the "
@@ -226,7 +251,7 @@ def kv_and_prompts() -> Board:
             # The ten skeletons with the most block lookups, not the ten best hit rates.
             Panel("Hit rate of the busiest skeletons", [
                 (f"{stat('kv_cache_hit_rate', 'mean', ('engine', 'skeleton'))} and on "
-                 f"(engine, skeleton) topk(10, "
+                 f"(node, engine, skeleton) topk by (node) (10, "
                  f"{rate_by(m.KV_QUERY_BLOCKS, ('engine', 'skeleton'))} > 0)",
                  "{{engine}} {{skeleton}}")], "percent"),
         ]),
@@ -235,7 +260,8 @@ def kv_and_prompts() -> Board:
             Panel("Mean skeleton complexity", [
                 (stat("skeleton_complexity", "mean", ("engine",)), "{{engine}}")], "short"),
             Panel("Top skeletons (requests / s)", [
-                (f"topk(10, {rate_by(m.SKELETON_REQUESTS, ('engine', 'skeleton'))})",
+                (f"topk by (node) (10, "
+                 f"{rate_by(m.SKELETON_REQUESTS, ('engine', 'skeleton'))})",
                  "{{engine}} {{skeleton}}")], "reqps", "table", width=24,
                   description=m.SKELETON_REQUESTS.help),
         ]),
@@ -310,8 +336,8 @@ def gpu_and_cuda() -> Board:
             Panel("Sync wait p95 by API, launch call p95", [
                 (stat("sync_wait_ns", "p95", ("pid", "comm", "api")),
                  "wait {{comm}} {{pid}} {{api}}"),
-                (f"histogram_quantile(0.95, sum by (le, pid, comm) "
-                 f"(rate({m.CUDA_LAUNCH_CALL.name}_bucket[{RANGE}]))) * 1e9",
+                (f"histogram_quantile(0.95, sum by (le, node, pid, comm) "
+                 f"(rate({sel(m.CUDA_LAUNCH_CALL, '_bucket')}[{RANGE}]))) * 1e9",
                  "launch call {{comm}} {{pid}}"),
             ], "ns"),
             Panel("Copies / s by direction", [
@@ -320,13 +346,14 @@ def gpu_and_cuda() -> Board:
             # What stands in for a vLLM's or SGLang's missing stream utilisation: the
             # probes' view of its processes (server and children), by engine.
             Panel("vLLM / SGLang processes: kernel launches / s per stream", [
-                (f"sum by (engine, kind, stream) (rate({m.CUDA_KERNEL_LAUNCHES.name}"
-                 f"[{RANGE}]) * {BY_ENGINE_PROCESS})", "{{engine}} {{stream}}")], "short",
+                (f"sum by (node, engine, kind, stream) (rate("
+                 f"{sel(m.CUDA_KERNEL_LAUNCHES)}[{RANGE}]) * {BY_ENGINE_PROCESS})",
+                 "{{engine}} {{stream}}")], "short",
                   description="eBPF's launches of every process of a discovered vLLM or "
                               "SGLang server (ac_engine_process), summed per engine."),
             Panel("vLLM / SGLang processes: sync wait p95", [
-                (f"histogram_quantile(0.95, sum by (le, engine, kind, api) "
-                 f"(rate({m.CUDA_SYNC_WAIT.name}_bucket[{RANGE}]) * {BY_ENGINE_PROCESS}))"
+                (f"histogram_quantile(0.95, sum by (le, node, engine, kind, api) "
+                 f"(rate({sel(m.CUDA_SYNC_WAIT, '_bucket')}[{RANGE}]) * {BY_ENGINE_PROCESS}))"
                  f" * 1e9", "{{engine}} {{api}}")], "ns",
                   description="Host time blocked in CUDA synchronisation by the processes "
                               "of a discovered vLLM or SGLang server (ac_engine_process)."),
@@ -356,26 +383,27 @@ def drift_and_alerts(rules) -> Board:
         ("Drift rules", panels),
         ("Alerts and deliveries", [
             Panel("Alerts firing (daemon)", [
-                (f"sum by (rule, severity) ({m.ALERTS_FIRING.name})",
+                (f"sum by (node, rule, severity) ({sel(m.ALERTS_FIRING)})",
                  "{{rule}} {{severity}}")], "short"),
             Panel("Alerts firing (Prometheus rules)", [
-                ("count by (alertname, severity) (ALERTS{alertstate=\"firing\", "
+                ("count by (node, alertname, severity) (ALERTS{alertstate=\"firing\", "
+                 f"node=~\"$node\", "
                  f"alertname=~\"{'|'.join(rule.name for rule in rules)}\"}})",
                  "{{alertname}} {{severity}}")], "short",
                   description="The same rules exported to Prometheus "
                               "(`ac-observe rules export`)."),
             Panel("Webhook deliveries / s by outcome", [
-                (f"sum by (receiver, outcome) (rate({m.WEBHOOK_DELIVERIES.name}[{RANGE}]))",
+                (rate_by(m.WEBHOOK_DELIVERIES, ("receiver", "outcome")),
                  "{{receiver}} {{outcome}}")], "short"),
             Panel("Webhook outbox: depth and oldest pending", [
-                (f"max by (receiver) ({m.WEBHOOK_QUEUE_DEPTH.name})", "depth {{receiver}}"),
-                (f"max by (receiver) ({m.WEBHOOK_OLDEST_PENDING.name})",
+                (gauge_by(m.WEBHOOK_QUEUE_DEPTH, ("receiver",), "max"), "depth {{receiver}}"),
+                (gauge_by(m.WEBHOOK_OLDEST_PENDING, ("receiver",), "max"),
                  "oldest s {{receiver}}"),
             ], "short"),
-            Panel("Collectors up", [(f"max by (collector) ({m.COLLECTOR_UP.name})",
-                                     "{{collector}}")], "short"),
-            Panel("Engines up", [(f"max by (engine, model) ({sel(m.ENGINE_UP)})",
-                                  "{{engine}} {{model}}")], "short"),
+            Panel("Collectors up", [(gauge_by(m.COLLECTOR_UP, ("collector",), "max"),
+                                     "{{node}} {{collector}}")], "short"),
+            Panel("Engines up", [(gauge_by(m.ENGINE_UP, ("engine", "model"), "max"),
+                                  "{{node}} {{engine}} {{model}}")], "short"),
         ]),
     ])
 
@@ -432,8 +460,8 @@ def with_not_exported(board: Board) -> Board:
     for kind, names in figures.items():
         if not names:
             continue
-        up = f'{m.ENGINE_UP.name}{{engine=~"$engine", kind="{kind}"}}'
-        targets.append((f'label_replace(label_replace(group by (engine, kind) ({up}), '
+        up = f'{m.ENGINE_UP.name}{{node=~"$node", engine=~"$engine", kind="{kind}"}}'
+        targets.append((f'label_replace(label_replace(group by (node, engine, kind) ({up}), '
                         f'"status", "not exported by {KIND_TITLES[kind]}", "", ""), '
                         f'"figures", "{"; ".join(names)}", "", "")', ""))
     if targets:
@@ -469,12 +497,15 @@ def build(board: Board) -> dict:
     source = DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
     kinds = {"timeseries": sdk_timeseries.Panel, "stat": sdk_stat.Panel,
              "heatmap": sdk_heatmap.Panel, "table": sdk_table.Panel}
+    node = (QueryVariable(NODE).label("Node").datasource(source)
+            .query(f"label_values({m.BUILD_INFO.name}, {NODE})").multi(True)
+            .include_all(True).all_value(".*").refresh(2).sort(1))
     engine = (QueryVariable("engine").label("Engine").datasource(source)
-              .query(f"label_values({m.ENGINE_UP.name}, engine)").multi(True)
-              .include_all(True).all_value(".*").refresh(2).sort(1))
+              .query(f'label_values({m.ENGINE_UP.name}{{node=~"$node"}}, engine)')
+              .multi(True).include_all(True).all_value(".*").refresh(2).sort(1))
     dashboard = (Dashboard(board.title).uid(board.uid).description(board.description)
                  .tags(["ac-observe", "generated"]).refresh("10s").time("now-1h", "now")
-                 .timezone("browser").editable().with_variable(engine)
+                 .timezone("browser").editable().with_variable(node).with_variable(engine)
                  .annotations(annotation_queries(AnnotationQuery, AnnotationTarget)))
     y, next_id = 0, 1
     for title, panels in board.rows:
@@ -498,6 +529,8 @@ def build(board: Board) -> dict:
             if panel.no_value:
                 built = built.no_value(panel.no_value)
             for i, (expr, legend) in enumerate(panel.targets):
+                if legend and NODE not in legend and not ACROSS_NODES.search(panel.title):
+                    legend = f"{{{{{NODE}}}}} {legend}"  # GPU 0 of two nodes: two names
                 query = (Dataquery().ref_id(chr(ord("A") + i)).expr(expr)
                          .legend_format(legend).datasource(source))
                 if panel.kind == "heatmap":
@@ -571,19 +604,3 @@ def needs_hardware(expr: str) -> str | None:
     if sources and sources <= {"ebpf"}:
         return "eBPF (CUDA driver probes)"
     return None
-
-
-def provisioning() -> dict[str, str]:
-    """Grafana's provisioning files: the datasource with its pinned uid and the provider."""
-    import yaml
-    datasource = {"apiVersion": 1, "datasources": [{
-        "name": "Prometheus", "type": "prometheus", "uid": DATASOURCE_UID,
-        "access": "proxy", "url": "http://prometheus:9090", "isDefault": True,
-        "editable": False, "jsonData": {"timeInterval": "5s"}}]}
-    provider = {"apiVersion": 1, "providers": [{
-        "name": "ac-observe", "folder": "ac-observe", "type": "file",
-        "disableDeletion": True, "allowUiUpdates": False, "updateIntervalSeconds": 30,
-        "options": {"path": "/var/lib/grafana/dashboards/ac-observe",
-                    "foldersFromFilesStructure": False}}]}
-    return {"datasources/prometheus.yml": yaml.safe_dump(datasource, sort_keys=False),
-            "dashboards/ac-observe.yml": yaml.safe_dump(provider, sort_keys=False)}

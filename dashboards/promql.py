@@ -25,7 +25,8 @@ a trailing span with any samples is a baseline, where the daemon asks for the ru
 `baseline_min_coverage` of it.)
 
 NOTE: Prometheus adds `job` and `instance`; every expression aggregates `by` the
-family's own labels, so a series here is a series in the daemon's answers.
+family's exported labels (`node` first, the daemon's), so a series here is a series in the
+daemon's answers, and no expression merges two nodes.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ KEEP_FIRING_SECONDS = 1.0
 # (as each daemon evaluates its own), where the dashboards sum over nodes.
 INSTANCE = "instance"
 # The labels that tell one bucket layout from another: a quantile sums buckets within one
-# engine of one kind only.
-LAYOUT_LABELS = ("engine", "kind")
+# engine of one kind on one node only (two nodes' `engine-8000` may be two servers).
+LAYOUT_LABELS = ("node", "engine", "kind")
 
 
 def number(value: float) -> str:
@@ -92,6 +93,14 @@ def _escape(value: str) -> str:
 
 def _range(window: str, offset: str) -> str:
     return f"[{window}]" + (f" offset {offset}" if offset else "")
+
+
+def record_name(friendly: Friendly, statistic: str, window: str = "1m",
+                by: tuple[str, ...] | None = None) -> str:
+    """A recording rule's name, Prometheus' level:metric:operations: the labels it keeps
+    (`node` first), the friendly name, the statistic and its window."""
+    by = group_labels(friendly, {}) if by is None else by
+    return f"{'_'.join(by)}:{friendly.name}:{statistic}_{window}"
 
 
 def group_labels(friendly: Friendly, match: dict) -> tuple[str, ...]:

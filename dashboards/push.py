@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ac_observe.dashboards import grafana
+from ac_observe.dashboards import generate, grafana
 
 
 class PushError(RuntimeError):
@@ -36,7 +36,7 @@ def push(url: str, token: str | None, folder: str = "ac-observe",
                 raise
             api.folder.create_folder(folder, uid=folder_uid)
             yield f"created folder {folder!r}"
-        for board in grafana.boards(rules):
+        for board in generate.boards(rules):
             model = grafana.build(board)
             if datasource_uid:
                 model = retarget(model, datasource_uid)

@@ -311,8 +311,8 @@ def _seen(families) -> None:
 def dashboard_panels(model: str, device: str) -> None:
     """The panels tests/test_dashboards.py leaves to this script (NVML and eBPF ones): every
     family each of their queries names had samples from the collectors under load."""
-    from ac_observe.dashboards import grafana
-    hardware = [(board.uid, panel.title, expr) for board in grafana.boards()
+    from ac_observe.dashboards import generate, grafana
+    hardware = [(board.uid, panel.title, expr) for board in generate.boards()
                 for _, panels in board.rows for panel in panels
                 for expr, _ in panel.targets
                 if grafana.needs_hardware(expr) not in (None, grafana.ON_SCRAPED)]

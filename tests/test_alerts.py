@@ -79,7 +79,8 @@ RULES = """\
 def _daemon(tmp_path, path, collector) -> Daemon:
     return Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=(),
                                interval_seconds=1.0, window_seconds=600, alerting_file=path,
-                               state_dir=tmp_path / "state", alert_interval_seconds=1.0),
+                               state_dir=tmp_path / "state", alert_interval_seconds=1.0,
+                               node_name="gpu-node-7"),
                   collectors=[collector])
 
 
@@ -136,9 +137,11 @@ def test_states_for_resolution_and_outbox_rows_written_with_the_transition(tmp_p
                                  ("firing", "KvUsageDrift")]
     firing = json.loads(outbox[0]["body"])
     (alert,) = firing["alerts"]
+    # The daemon's node on every alert it sends, as on every series it exports.
     assert alert["labels"] == {"alertname": "KvUsageHigh", "severity": "critical",
-                               "team": "infra", "engine": "e1", "model": "m"}
-    assert alert["annotations"]["summary"] == "KV 95 % on engine=e1, model=m"
+                               "team": "infra", "node": "gpu-node-7", "engine": "e1",
+                               "model": "m"}
+    assert alert["annotations"]["summary"] == "KV 95 % on engine=e1, model=m, node=gpu-node-7"
     assert alert["annotations"]["baseline_source"] == "static"
     resolved = json.loads(outbox[1]["body"])["alerts"][0]
     assert resolved["status"] == "resolved" and resolved["endsAt"] != "0001-01-01T00:00:00Z"
@@ -155,8 +158,10 @@ def test_states_for_resolution_and_outbox_rows_written_with_the_transition(tmp_p
     assert {h["rule"]: (h["metric"], h["statistic"]) for h in history} == {
         "KvUsageHigh": ("kv_cache_usage", "last"), "KvUsageDrift": ("kv_cache_usage", "mean")}
     metrics = daemon.render_metrics().decode()
-    assert 'ac_alerts_firing{rule="KvUsageDrift",severity="warning"} 1.0' in metrics
-    assert 'ac_alerts_firing{rule="KvUsageHigh",severity="critical"} 0.0' in metrics
+    assert 'ac_alerts_firing{node="gpu-node-7",rule="KvUsageDrift",severity="warning"} 1.0' \
+        in metrics
+    assert 'ac_alerts_firing{node="gpu-node-7",rule="KvUsageHigh",severity="critical"} 0.0' \
+        in metrics
     daemon.close()
 
     # A restart keeps the firing alert: no second firing delivery, and it resolves later.
@@ -283,7 +288,7 @@ def test_no_data_changes_nothing(tmp_path):
      "rules[0] (a).statistic: 'share_below' does not apply to kv_cache_hit_rate (a ratio)"),
     ("  - {name: a, metric: inference_latency_ns, window: 1m, comparison: above, threshold: 1,"
      " match: {strem: low_latency}}\n",
-     "rules[0] (a).match: inference_latency_ns's series have no label 'strem' (labels: "
+     "rules[0] (a).match: inference_latency_ns's series have no label 'strem' (labels: node, "
      "engine, model, stream, kind, pid, upstream)"),
     ("  - {name: a, metric: inference_latency_ns, window: 1m, comparison: above, threshold: 1,"
      " match: {stream: ''}}\n", "rules[0] (a).match.stream: give a label value"),
@@ -523,7 +528,8 @@ def test_an_engine_whose_heartbeat_stopped_is_down_and_fires_until_it_returns(tm
             time.sleep(0.25)
         [alert] = daemon.alerts.active()
         assert alert["state"] == FIRING and alert["labels"] == {
-            "engine": "e1", "model": "m", "kind": "ac-observe"}
+            "node": daemon.config.node_name, "engine": "e1", "model": "m",
+            "kind": "ac-observe"}
         assert up() == ("e1", 0.0)
         # The engine's own series are gone after the grace; it still reads as down.
         assert daemon.query("requests_running", 0.3, {})["series"] == []

@@ -338,7 +338,8 @@ def test_metrics_text_is_prometheus_clients_own_over_cycles_that_move(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
     writers = [write_engine(tmp_path / f"engine-{i}", f"engine-{i}", random.Random(i))
                for i in range(2)]
-    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
+    daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",),
+                                 node_name='gpu "7"\\a'))  # escaped as any label value
 
     class Snapshot:
         def collect(self):
@@ -351,7 +352,12 @@ def test_metrics_text_is_prometheus_clients_own_over_cycles_that_move(tmp_path):
             traffic(writers[1], random.Random(cycle), 3)
             daemon.run_cycle()
             ours = daemon.render_metrics()
-            assert _parsed(ours) == _parsed(generate_latest(registry)), cycle
+            # The daemon's node on every sample, first, as an external label is added.
+            assert _parsed(ours) == _parsed(generate_latest(registry),
+                                            node='gpu "7"\\a'), cycle
+            samples = [line for line in ours.decode().splitlines()
+                       if not line.startswith("#")]
+            assert samples and all('{node="gpu \\"7\\"\\\\a"' in line for line in samples)
             rendered.add(ours)
         assert len(rendered) == 4  # every cycle moved something
     finally:
@@ -360,10 +366,11 @@ def test_metrics_text_is_prometheus_clients_own_over_cycles_that_move(tmp_path):
             writer.close()
 
 
-def _parsed(text: bytes) -> list:
+def _parsed(text: bytes, node: str | None = None) -> list:
     from prometheus_client.parser import text_string_to_metric_families
+    own = {"node": node} if node is not None else {}
     return [(f.name, f.type, f.documentation,
-             [(s.name, sorted(s.labels.items()), s.value) for s in f.samples])
+             [(s.name, sorted({**s.labels, **own}.items()), s.value) for s in f.samples])
             for f in text_string_to_metric_families(text.decode())]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -33,6 +34,12 @@ BOARDS = sorted((SHIPPED / "grafana" / "dashboards").glob("*.json"))
 
 def _models() -> dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in BOARDS}
+
+
+def all_selected(expr: str, rate_interval: str = "1m") -> str:
+    """A panel's query as Grafana sends it with every node and engine selected."""
+    return (expr.replace("$__rate_interval", rate_interval).replace("$engine", ".*")
+            .replace("$node", ".*"))
 
 
 # ----- generated, current, wired to the contract ------------------------------------------
@@ -68,11 +75,14 @@ def test_dashboards_path_names_the_installed_dashboard_and_stack_files():
 
 def test_every_query_names_families_of_the_contract_through_the_pinned_datasource():
     models = _models()
-    assert set(models) == {"ac-overview", "ac-kv-cache", "ac-gpu-cuda", "ac-drift"}
+    assert set(models) == {"ac-overview", "ac-kv-cache", "ac-gpu-cuda", "ac-drift",
+                           "ac-fleet"}
     provisioned = yaml.safe_load((SHIPPED / "grafana" / "provisioning" / "datasources" /
                                   "prometheus.yml").read_text())
     assert provisioned["datasources"][0]["uid"] == grafana.DATASOURCE_UID
     named = set()
+    records = {rule["record"] for group in generate.recording_rules()["groups"]
+               for rule in group["rules"]}
     for uid, model in models.items():
         text = json.dumps(model)
         assert "${DS_" not in text and "__inputs" not in text, uid  # no import placeholders
@@ -86,8 +96,12 @@ def test_every_query_names_families_of_the_contract_through_the_pinned_datasourc
             for target in panel["targets"]:
                 assert target["datasource"]["uid"] == grafana.DATASOURCE_UID
                 families = grafana.families_named(target["expr"])
+                # A recording rule a query reads is one the shipped rules record.
+                recorded = set(_RECORD.findall(target["expr"]))
+                assert recorded <= records, (uid, panel["title"], recorded - records)
                 # (or Prometheus' own ALERTS series, for the exported rules)
-                assert families or "ALERTS{" in target["expr"], (uid, panel["title"])
+                assert families or recorded or "ALERTS{" in target["expr"], \
+                    (uid, panel["title"])
                 unknown = families - set(m.BY_NAME)
                 assert not unknown, (uid, panel["title"], unknown)
                 named |= families
@@ -96,6 +110,68 @@ def test_every_query_names_families_of_the_contract_through_the_pinned_datasourc
                  m.STREAM_UTILIZATION, m.GPU_UTILIZATION, m.CUDA_KERNEL_LAUNCHES,
                  m.CUDA_SYNC_WAIT, m.ALERTS_FIRING, m.WEBHOOK_DELIVERIES):
         assert spec.name in named, spec.name
+
+
+# An aggregation or a join and the labels it keeps: `sum by (node, gpu) (`, `on (node, pid)`
+_GROUPING = re.compile(r"\b(by|on)\s*\(([^()]*)\)")
+# An aggregation that keeps no label: `sum(`, `topk(10, ` (by-less)
+_BY_LESS = re.compile(r"\b(sum|min|max|avg|count|group|topk|bottomk|quantile|stddev)\s*\((?!\))")
+# A series selector: a contract family or Prometheus' ALERTS, with its matchers if any
+_SELECTOR = re.compile(r"\b(ac_[a-z0-9_]+|ALERTS|node_[a-z_]+:[a-z0-9_]+:[a-z0-9_]+)(\{[^}]*\})?")
+# A recording rule's name (dashboards/prometheus/rules/recording.rules.yml)
+_RECORD = re.compile(r"\b(node_[a-z_]+:[a-z0-9_]+:[a-z0-9_]+)")
+
+
+def node_dropped(expr: str) -> list[str]:
+    """What of a query merges nodes: a grouping without `node`, an aggregation keeping no
+    label, a selector not filtered by the node variable."""
+    out = [f"{word} ({labels})" for word, labels in _GROUPING.findall(expr)
+           if "node" not in (label.strip() for label in labels.split(","))]
+    out += [f"{name}(" for name in _BY_LESS.findall(expr)]
+    out += [name + braces for name, braces in _SELECTOR.findall(expr)
+            if 'node=~"$node"' not in braces]
+    return out
+
+
+def test_every_panel_query_keeps_nodes_apart_unless_its_title_says_so():
+    """GPU 0 of two nodes is two lines: every query filters on the node variable and keeps
+    `node` in each aggregation and join, save a panel whose title says it goes across
+    nodes (a headline sum, a ranking of nodes)."""
+    merged, said = [], 0
+    for uid, model in _models().items():
+        variables = [v["name"] for v in model["templating"]["list"]]
+        assert variables[:2] == ["node", "engine"], (uid, variables)
+        node = model["templating"]["list"][0]
+        assert node["multi"] and node["includeAll"], uid
+        for title, expr in grafana.queries(model):
+            if re.search(r"\bnodes\b", title, re.IGNORECASE):
+                said += 1
+                assert 'node=~"$node"' in expr, (uid, title, expr)  # still filtered
+                continue
+            dropped = node_dropped(expr)
+            if dropped:
+                merged.append((uid, title, dropped))
+    assert not merged, "queries that merge nodes:\n" + "\n".join(map(str, merged))
+    assert said >= 4  # the headline figures and the Fleet board's rankings
+    # ... and each line's legend names its node (two nodes' "gpu 0" are told apart).
+    unnamed = [(uid, panel["title"], target["legendFormat"])
+               for uid, model in _models().items() for panel in model["panels"]
+               for target in panel.get("targets") or []
+               if target.get("legendFormat") and "{{node}}" not in target["legendFormat"]
+               and not re.search(r"\bnodes\b", panel["title"], re.IGNORECASE)]
+    assert not unnamed, unnamed
+
+
+def test_the_node_check_catches_a_query_that_merges_nodes():
+    assert node_dropped('sum by (node, gpu) (ac_gpu_utilization_ratio{node=~"$node"})') == []
+    assert node_dropped('max by (gpu) (ac_gpu_utilization_ratio{node=~"$node"})') == \
+        ["by (gpu)"]
+    assert node_dropped('sum by (node) (ac_gpu_utilization_ratio)') == \
+        ["ac_gpu_utilization_ratio"]
+    assert node_dropped('rate(x{node=~"$node"}[1m]) * on (pid) group_left (engine) '
+                        'ac_engine_process{node=~"$node"}') == ["on (pid)"]
+    assert node_dropped('topk(10, sum by (node) (ac_build_info{node=~"$node"}))') == \
+        ["topk("]
 
 
 def test_the_drift_board_has_a_panel_per_shipped_rule_with_its_baseline():
@@ -110,7 +186,8 @@ def test_the_drift_board_has_a_panel_per_shipped_rule_with_its_baseline():
 
 
 def test_heatmaps_read_prometheus_buckets_with_their_unit_on_the_y_axis():
-    units = {"Skeleton complexity ($engine)": "short", "Synchronisation waits": "s"}
+    units = {"Skeleton complexity, across nodes ($engine)": "short",
+             "Synchronisation waits, across nodes": "s"}
     heatmaps = {p["title"]: p for model in _models().values() for p in model["panels"]
                 if p.get("type") == "heatmap"}
     assert set(heatmaps) == set(units)
@@ -119,8 +196,9 @@ def test_heatmaps_read_prometheus_buckets_with_their_unit_on_the_y_axis():
         assert panel["options"]["yAxis"]["unit"] == units[title], title
         assert all(t["format"] == "heatmap" for t in panel["targets"]), title
     # An engine family's buckets are summed within one engine and kind, a panel per
-    # engine: never one heatmap over two engines' layouts.
-    engine_map = heatmaps["Skeleton complexity ($engine)"]
+    # engine: never one heatmap over two engines' layouts (the selected nodes' engines of
+    # that name together, as the title says).
+    engine_map = heatmaps["Skeleton complexity, across nodes ($engine)"]
     assert engine_map["repeat"] == "engine"
     assert "sum by (engine, kind, le)" in engine_map["targets"][0]["expr"]
 
@@ -493,7 +571,7 @@ def test_every_panel_query_returns_data(stack):
             if need:
                 hardware.append((uid, title, need))
                 continue
-            query = expr.replace("$__rate_interval", "1m").replace("$engine", ".*")
+            query = all_selected(expr)
             if not finite(prometheus.query(query)):  # no series, or only NaN (0 / 0)
                 empty.append((uid, title, query))
     assert not empty, "panels without data:\n" + "\n".join(map(str, empty))
@@ -505,7 +583,7 @@ def test_every_panel_query_returns_data(stack):
                     if title == "Figures these engines do not export"]
               for uid, model in models.items()}
     rows = [r["metric"] for expr in tables["ac-overview"]
-            for r in prometheus.query(expr.replace("$engine", ".*"))]
+            for r in prometheus.query(all_selected(expr))]
     assert {(r["engine"], r["kind"], r["status"]) for r in rows} == {
         ("vllm-0", "vllm", "not exported by vLLM"),
         ("sglang-0", "sglang", "not exported by SGLang")}
@@ -513,14 +591,13 @@ def test_every_panel_query_returns_data(stack):
     (hit_rate, _) = [expr for title, expr in grafana.queries(models["ac-kv-cache"])
                      if title.startswith("Prefix-cache hit rate")]
     answers = {r["metric"]["engine"]: (r["metric"]["basis"], float(r["value"][1]))
-               for r in prometheus.query(hit_rate.replace("$__rate_interval", "1m")
-                                         .replace("$engine", ".*"))}
+               for r in prometheus.query(all_selected(hit_rate))}
     assert answers["e1"][0] == "blocks"
     assert answers["vllm-0"][0] == "tokens"
     assert abs(answers["vllm-0"][1] - 100 * VLLM_HIT_SHARE) < 0.5, answers
     assert answers["sglang-0"] == ("gauge", pytest.approx(100 * SGLANG_HIT_GAUGE)), answers
     # What is left to the GPU check is exactly the NVML and eBPF panels.
-    assert {uid for uid, _, _ in hardware} == {"ac-gpu-cuda"}
+    assert {uid for uid, _, _ in hardware} == {"ac-gpu-cuda", "ac-fleet"}
     assert {need for _, _, need in hardware} == {"gpu (NVML)", "eBPF (CUDA driver probes)",
                                                  grafana.ON_SCRAPED}
 
@@ -544,7 +621,7 @@ def test_dashboards_push_uploads_every_board_into_its_folder_pointed_at_a_dataso
         # Again: the folder is found, the boards overwritten (no second folder).
         assert run_cli("dashboards", "push", "--grafana-url", grafana_api.url,
                        env=env).returncode == 0
-        assert len(grafana_api.folders) == 1 and len(grafana_api.dashboards) == 8
+        assert len(grafana_api.folders) == 1 and len(grafana_api.dashboards) == 2 * len(BOARDS)
         # A wrong token and an unreachable Grafana: a clear error, exit 1.
         out = run_cli("dashboards", "push", "--grafana-url", grafana_api.url,
                       env={**os.environ, "GRAFANA_TOKEN": "wrong"})
@@ -598,21 +675,27 @@ def test_ebpf_series_join_a_discovered_engine_through_its_processes(tmp_path):
     """The GPU & CUDA board's vLLM / SGLang panels, evaluated by promtool's PromQL engine
     on series as the daemon exports them: the launches and sync waits of a server's child
     (vLLM V1's EngineCore, where the model runs) count for its engine; a process of no
-    engine counts for none."""
-    exprs = {title: expr.replace("$__rate_interval", "1m").replace("$engine", ".*")
+    engine counts for none, and a pid on another node is another process."""
+    exprs = {title: all_selected(expr)
              for title, expr in grafana.queries(_models()["ac-gpu-cuda"])
              if title.startswith("vLLM / SGLang")}
-    core = 'pid="101",comm="VLLM::EngineCor"'
+    core = 'node="a",pid="101",comm="VLLM::EngineCor"'
     series = [
-        # 60 launches every 15 s: 4 / s on stream 7; another process 40 / s.
+        # 60 launches every 15 s: 4 / s on stream 7; another process 40 / s, and one of
+        # node b's that has the engine's pid.
         (f'ac_cuda_kernel_launches_total{{{core},stream="7"}}', "0+60x12"),
-        ('ac_cuda_kernel_launches_total{pid="555",comm="other",stream="7"}', "0+600x12"),
+        ('ac_cuda_kernel_launches_total{node="a",pid="555",comm="other",stream="7"}',
+         "0+600x12"),
+        ('ac_cuda_kernel_launches_total{node="b",pid="101",comm="other",stream="7"}',
+         "0+600x12"),
         # Every wait in (0.5, 1] s: the p95 is 0.5 + 0.5 * 0.95.
         (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="0.5"}}', "0x12"),
         (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="1.0"}}', "0+20x12"),
         (f'ac_cuda_sync_wait_seconds_bucket{{{core},api="stream",le="+Inf"}}', "0+20x12"),
-        ('ac_engine_process{engine="vllm-100",kind="vllm",pid="100",role="server"}', "1x12"),
-        ('ac_engine_process{engine="vllm-100",kind="vllm",pid="101",role="child"}', "1x12"),
+        ('ac_engine_process{node="a",engine="vllm-100",kind="vllm",pid="100",role="server"}',
+         "1x12"),
+        ('ac_engine_process{node="a",engine="vllm-100",kind="vllm",pid="101",role="child"}',
+         "1x12"),
     ]
     tests = {"rule_files": [], "evaluation_interval": "15s", "tests": [{
         "interval": "15s",
@@ -620,11 +703,11 @@ def test_ebpf_series_join_a_discovered_engine_through_its_processes(tmp_path):
         "promql_expr_test": [
             {"expr": exprs["vLLM / SGLang processes: kernel launches / s per stream"],
              "eval_time": "2m",
-             "exp_samples": [{"labels": '{engine="vllm-100",kind="vllm",stream="7"}',
+             "exp_samples": [{"labels": '{engine="vllm-100",kind="vllm",node="a",stream="7"}',
                               "value": 4}]},
             {"expr": exprs["vLLM / SGLang processes: sync wait p95"] + " == bool 975000000",
              "eval_time": "2m",
-             "exp_samples": [{"labels": '{api="stream",engine="vllm-100",kind="vllm"}',
+             "exp_samples": [{"labels": '{api="stream",engine="vllm-100",kind="vllm",node="a"}',
                               "value": 1}]},
         ]}]}
     (tmp_path / "join.test.yml").write_text(yaml.safe_dump(tests))

@@ -125,7 +125,9 @@ def test_misses_by_reason_and_hit_rates_by_skeleton(tmp_path):
         return {tuple(sorted(s["labels"].items())): s["mean"]
                 for s in daemon.query(metric, 600, labels, now=now)["series"]}
 
-    base = (("engine", "e1"), ("kind", "ac-observe"), ("model", "m1"))
+    # (the daemon's node, first on every series it answers, sorts among them here)
+    base = (("engine", "e1"), ("kind", "ac-observe"), ("model", "m1"),
+            ("node", daemon.config.node_name))
     for skeleton, rate in ((t1, 100 * 6 / 22), (t2, 0.0), (t1b, 60.0)):
         got = answer("kv_cache_hit_rate", skeleton=skeleton)
         assert got == {base + (("skeleton", skeleton),): pytest.approx(rate)}, skeleton

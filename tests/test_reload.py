@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from support.servers import wait_for
+from support.servers import sample_value, wait_for
 
 ONE_RULE = """\
 rules:
@@ -31,8 +31,9 @@ def _rules(daemon) -> set[str]:
 
 def _reload_gauges(daemon) -> tuple[float, float]:
     metrics = daemon.metrics()
-    return (metrics["ac_config_last_reload_successful", frozenset()],
-            metrics["ac_config_last_reload_success_timestamp_seconds", frozenset()])
+    # (the daemon's own series: no label but its node)
+    return (sample_value(metrics, "ac_config_last_reload_successful"),
+            sample_value(metrics, "ac_config_last_reload_success_timestamp_seconds"))
 
 
 def test_sighup_reloads_the_alerting_file_and_a_broken_one_keeps_the_old_rules(

@@ -37,10 +37,13 @@ def replays():
         replay.close()
 
 
+NODE = "gpu-node-1"
+
+
 def _daemon(tmp_path, endpoints, collectors=(), timeout=1.0) -> Daemon:
     config = DaemonConfig(telemetry_root=tmp_path / "telemetry", collectors=collectors,
                           history=False, engine_endpoints=tuple(endpoints),
-                          collector_timeout_seconds=timeout)
+                          collector_timeout_seconds=timeout, node_name=NODE)
     return Daemon(config)
 
 
@@ -74,8 +77,8 @@ def test_a_vllm_v1_replay_answers_ttft_hit_rate_and_running_exactly(tmp_path, re
         # 0.5 + 0.25 * 5/10 = 0.625 s. (The mean of each interval's p95, 0.398 s, and the
         # contract's own edges, (0.504, 0.635], give other figures.)
         assert math.isclose(ttft["p95"], 0.625e9, rel_tol=0.01), ttft
-        assert ttft["labels"] == {"engine": "vllm-a", "model": "llama-vllm-single",
-                                  "kind": "vllm"}
+        assert ttft["labels"] == {"node": NODE, "engine": "vllm-a",
+                                  "model": "llama-vllm-single", "kind": "vllm"}
         assert ttft["samples"] == 100
 
         hit = _one(daemon.query("kv_cache_hit_rate", 3600, {}), engine="vllm-a")
@@ -122,7 +125,8 @@ def test_a_vllm_v1_replay_answers_ttft_hit_rate_and_running_exactly(tmp_path, re
         assert {"0.06", "2560.0", "+Inf"} <= edges and "0.16127" not in edges
         up = [s for s in families["ac_engine_up"].samples]
         assert [(s.labels, s.value) for s in up] == [
-            ({"engine": "vllm-a", "model": "llama-vllm-single", "kind": "vllm"}, 1.0)]
+            ({"node": NODE, "engine": "vllm-a", "model": "llama-vllm-single", "kind": "vllm"},
+             1.0)]
     finally:
         daemon.close()
 
@@ -181,8 +185,8 @@ def test_an_ac_observe_engine_and_a_vllm_replay_each_answer_on_their_own_edges(
         engines = {s.labels["engine"] for s in families["ac_inference_latency_seconds"].samples}
         assert engines == {"bundled", "vllm-a"}
         # Every engine series of every kind carries kind: the bundled engine's too.
-        assert ours["labels"] == {"engine": "bundled", "model": "tiny", "stream": "throughput",
-                                  "kind": "ac-observe"}
+        assert ours["labels"] == {"node": NODE, "engine": "bundled", "model": "tiny",
+                                  "stream": "throughput", "kind": "ac-observe"}
         kinds = {(f.name, s.labels["engine"], s.labels.get("kind")) for f in families.values()
                  for s in f.samples if "engine" in s.labels}
         assert {kind for _, _, kind in kinds} == {"ac-observe", "vllm"}, kinds
@@ -240,8 +244,10 @@ def test_a_hostile_endpoint_is_down_with_its_reason_and_harms_no_other(
         collectors = {c["name"]: c for c in daemon.status()["collectors"]}
         assert collectors["scrape"]["up"] is True  # one bad engine is not a bad collector
         text = daemon.render_metrics().decode()
-        assert 'ac_engine_up{engine="bad",model="llama-vllm-single",kind="vllm"} 0.0' in text
-        assert 'engine="bad"' not in text.replace('ac_engine_up{engine="bad"', "")
+        assert (f'ac_engine_up{{node="{NODE}",engine="bad",model="llama-vllm-single",'
+                'kind="vllm"} 0.0') in text
+        assert 'engine="bad"' not in text.replace(f'ac_engine_up{{node="{NODE}",engine="bad"',
+                                                  "")
     finally:
         daemon.close()
 
@@ -393,7 +399,8 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
         hit = cli("kv_cache_hit_rate", "--labels", "kind=vllm")
         assert hit["basis"] == "tokens" and math.isclose(hit["mean"], 40.0, rel_tol=0.01), hit
         rows = prometheus.query(grafana.hit_rate_by_basis(("engine", "kind"))
-                                  .replace("$__rate_interval", "5m").replace("$engine", ".*"))
+                                  .replace("$__rate_interval", "5m").replace("$engine", ".*")
+                                  .replace("$node", ".*"))
         (row,) = [r for r in rows if r["metric"]["engine"] == "vllm-a"]
         assert row["metric"]["basis"] == "tokens", row
         assert math.isclose(float(row["value"][1]), hit["mean"], rel_tol=0.01), (row, hit)
@@ -577,7 +584,8 @@ def test_discovery_finds_vllm_and_sglang_processes_and_drops_one_that_exits(tmp_
         (picked,) = daemon.query("requests_running", 3600, {"pid": str(pids[2])})["series"]
         assert picked["labels"]["engine"] == f"sglang-{pids[2]}"
         text = daemon.render_metrics().decode()
-        assert f'ac_engine_up{{engine="sglang-{pids[2]}",model=' in text
+        assert (f'ac_engine_up{{node="{daemon.config.node_name}",'
+                f'engine="sglang-{pids[2]}",model=') in text
         assert f'kind="sglang",pid="{pids[2]}"}} 1.0' in text
         assert f'pid="{pids[0]}"' in text.split("ac_inference_latency_seconds_bucket", 1)[1]
         # The join table: each server's pid and its child's (where vLLM V1 and SGLang run

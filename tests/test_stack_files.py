@@ -128,6 +128,44 @@ def test_kubernetes_manifests_validate_for_their_version(tmp_path):
     (daemon,) = [c for c in daemonset["containers"] if c["name"] == "daemon"]
     assert "--discover-engines" in daemon["args"]
     assert "SYS_PTRACE" in daemon["securityContext"]["capabilities"]["add"]
+    # Every series carries the Kubernetes node's name, set by the daemon (downward API),
+    # and the ServiceMonitor honours it: no relabelling writes `node`, which the operator
+    # would otherwise turn into `exported_node` on the daemon's series.
+    (node,) = [e for e in daemon["env"] if e["name"] == "AC_OBSERVE_NODE_NAME"]
+    assert node["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    for endpoint in monitor["endpoints"]:
+        assert endpoint["honorLabels"] is True
+        assert all(r.get("targetLabel") != "node" for r in
+                   endpoint.get("relabelings", []) + endpoint.get("metricRelabelings", []))
+
+
+def test_the_global_prometheus_federates_every_recording_rule_and_keeps_labels():
+    """dashboards/prometheus/global.yml passes promtool, keeps the cluster's labels
+    (`node` above all) and its match[] selects every shipped recording rule and every
+    family the Fleet board reads, and no bucket."""
+    import re
+
+    from ac_observe.dashboards import generate
+    path = REPO / "dashboards" / "prometheus" / "global.yml"
+    check = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    (job,) = yaml.safe_load(path.read_text())["scrape_configs"]
+    assert job["metrics_path"] == "/federate" and job["honor_labels"] is True
+    patterns = [re.fullmatch(r'\{__name__=~"(.*)"\}', m).group(1)
+                for m in job["params"]["match[]"]]
+
+    def federated(name: str) -> bool:
+        return any(re.fullmatch(p, name) for p in patterns)
+    records = [rule["record"] for group in generate.recording_rules()["groups"]
+               for rule in group["rules"]]
+    assert records and all(federated(name) for name in records)
+    fleet = json.loads((REPO / "dashboards" / "grafana" / "dashboards" /
+                        "ac-fleet.json").read_text())
+    read = {name for panel in fleet["panels"] for t in panel.get("targets") or []
+            for name in re.findall(r"\b(ac_[a-z0-9_]+)", t["expr"])}
+    assert read and all(federated(name) for name in read), read
+    assert not federated("ac_inference_latency_seconds_bucket")
 
 
 def test_the_vllm_override_discovers_the_server_it_adds(tmp_path):

@@ -523,7 +523,7 @@ def test_the_daemon_delivers_and_exports_its_outbox(tmp_path, receiver):
 
     daemon = Daemon(DaemonConfig(telemetry_root=tmp_path / "t", collectors=("engine",),
                                  alerting_file=_alerting_file(tmp_path, receiver.url),
-                                 state_dir=tmp_path / "state"))
+                                 state_dir=tmp_path / "state", node_name="n1"))
     receiver.mode = "500"
     daemon.start()
     try:
@@ -541,14 +541,16 @@ def test_the_daemon_delivers_and_exports_its_outbox(tmp_path, receiver):
 
         metrics = metrics_once("retried", depth=1)
         assert metrics["ac_webhook_deliveries_total", frozenset(
-            {"receiver": "ops", "outcome": "retried"}.items())] >= 1
-        assert metrics["ac_webhook_queue_depth", frozenset({"receiver": "ops"}.items())] == 1
+            {"node": "n1", "receiver": "ops", "outcome": "retried"}.items())] >= 1
+        assert metrics["ac_webhook_queue_depth", frozenset(
+            {"node": "n1", "receiver": "ops"}.items())] == 1
         receiver.mode = "ok"
         metrics = metrics_once("delivered", depth=0)
         text = daemon.render_metrics().decode()
-        assert 'ac_webhook_deliveries_total{receiver="ops",outcome="delivered"} 1.0' in text
-        assert 'ac_webhook_queue_depth{receiver="ops"} 0.0' in text
-        assert 'ac_webhook_oldest_pending_seconds{receiver="ops"} 0.0' in text
+        assert ('ac_webhook_deliveries_total{node="n1",receiver="ops",outcome="delivered"} '
+                '1.0') in text
+        assert 'ac_webhook_queue_depth{node="n1",receiver="ops"} 0.0' in text
+        assert 'ac_webhook_oldest_pending_seconds{node="n1",receiver="ops"} 0.0' in text
     finally:
         daemon.close()
     assert {h["webhook-id"] for h, _ in receiver.requests} == {delivery_id}

@@ -86,13 +86,21 @@ def daemon(
         show_envvar=True, help="The kubelet's pod-resources socket, for per-process series' "
         "namespace, pod and container ('' to switch it off; without it: container id and "
         "pod UID from the cgroup)."),
+    node_name: str = typer.Option(None, envvar="AC_OBSERVE_NODE_NAME", show_envvar=True,
+                                  help="The node label on every series (default the host "
+                                       "name; a DaemonSet gives spec.nodeName)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the daemon: collectors, /metrics, the query API, drift alerts and webhooks."""
     from sqlalchemy.exc import SQLAlchemyError
 
     from ac_observe.daemon import sd_notify
-    from ac_observe.daemon.config import DaemonConfig, is_loopback, parse_endpoint
+    from ac_observe.daemon.config import (
+        DaemonConfig,
+        default_node_name,
+        is_loopback,
+        parse_endpoint,
+    )
     from ac_observe.daemon.http_api import make_server
     from ac_observe.daemon.reload import ConfigReloader, ReloadFailed
     from ac_observe.daemon.service import Daemon, tune_interpreter
@@ -123,6 +131,7 @@ def daemon(
             engine_discovery=discover_engines,
             pod_resources_socket=Path(pod_resources_socket) if pod_resources_socket else None,
             web_config_file=web_config_file,
+            node_name=default_node_name() if node_name is None else node_name,
             grafana_token=read_token(os.environ.get("GRAFANA_TOKEN") or None,
                                       grafana_token_file) if grafana_url else None)
         # Read before the daemon opens its store: a bad field is told at once.

@@ -32,7 +32,8 @@ def show_status(obj: dict, as_json: bool) -> int:
     if as_json:
         print(json.dumps(status))
         return EXIT_OK
-    console.print(f"ac-observe daemon {status['version']} at {obj['url']}  "
+    node = f"  node {escape(status['node'])}" if status.get("node") else ""
+    console.print(f"ac-observe daemon {status['version']} at {obj['url']}{node}  "
                   f"interval {status['interval_seconds']:g}s  window {status['window_seconds']:g}s")
     # Names and addresses whole on one line (what a user types next); reasons wrap.
     table = Table(title="collectors", title_justify="left", box=box.SIMPLE_HEAD)

@@ -52,15 +52,16 @@ class Prometheus(_Process):
     daemon and Alertmanager put in for the compose service names, the daemon's token in a
     file of its own for the compose secret's, and plain HTTP for the stack's TLS."""
 
-    def __init__(self, base: Path, daemon_target: str, alertmanager_target: str | None,
-                 token: str, data: Path | None = None):
+    def __init__(self, base: Path, daemon_target: str | list[str],
+                 alertmanager_target: str | None, token: str, data: Path | None = None):
         base.mkdir(parents=True, exist_ok=True)
         shutil.copytree(SHIPPED / "prometheus", base / "etc", dirs_exist_ok=True)
         config = yaml.safe_load((base / "etc" / "prometheus.yml").read_text())
         (base / "etc" / "daemon.token").write_text(token + "\n")
         for job in config["scrape_configs"]:
             if job["job_name"] == "ac-observe":
-                job["static_configs"] = [{"targets": [daemon_target]}]
+                job["static_configs"] = [{"targets": [daemon_target] if isinstance(
+                    daemon_target, str) else list(daemon_target)}]
                 # (the compose secret's file, in the container)
                 assert job["authorization"]["credentials_file"] == \
                     "/run/secrets/ac_observe_token"
@@ -113,6 +114,28 @@ class Prometheus(_Process):
         answer = httpx.get(self.url + "/api/v1/targets", timeout=10).json()
         return all(t["health"] == "up" for t in answer["data"]["activeTargets"]) and \
             bool(answer["data"]["activeTargets"])
+
+
+class GlobalPrometheus(Prometheus):
+    """The shipped global.yml (docs/fleet.md): a Prometheus federating the recording rules
+    and the Fleet board's gauges from `sources` (cluster Prometheus servers' addresses),
+    every `interval`."""
+
+    def __init__(self, base: Path, sources: list[str], interval: str = "5s"):
+        base.mkdir(parents=True, exist_ok=True)
+        config = yaml.safe_load((SHIPPED / "prometheus" / "global.yml").read_text())
+        config["global"].update(scrape_interval=interval, evaluation_interval=interval,
+                                scrape_timeout=interval)
+        (job,) = config["scrape_configs"]
+        job["static_configs"] = [{"targets": list(sources)}]
+        (base / "global.yml").write_text(yaml.safe_dump(config))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        _Process.__init__(self, ["prometheus", f"--config.file={base / 'global.yml'}",
+                                 f"--storage.tsdb.path={base / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{self.port}"],
+                          base / "prometheus.log")
+        self.wait_ready(self.url + "/-/ready")
 
 
 class Alertmanager(_Process):
