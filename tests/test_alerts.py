@@ -289,7 +289,8 @@ def test_no_data_changes_nothing(tmp_path):
     ("  - {name: a, metric: inference_latency_ns, window: 1m, comparison: above, threshold: 1,"
      " match: {strem: low_latency}}\n",
      "rules[0] (a).match: inference_latency_ns's series have no label 'strem' (labels: node, "
-     "engine, model, stream, kind, pid, upstream)"),
+     "engine, model, stream, kind, pid, container_id, pod_uid, namespace, pod, container, "
+     "upstream)"),
     ("  - {name: a, metric: inference_latency_ns, window: 1m, comparison: above, threshold: 1,"
      " match: {stream: ''}}\n", "rules[0] (a).match.stream: give a label value"),
 ])
