@@ -39,7 +39,7 @@ import numpy as np
 
 from ac_observe.daemon.store import StoreUnavailable
 from ac_observe.daemon.windows import NAN, Columns, Frame, SeriesKey, WindowView, grown
-from ac_observe.metrics import FRIENDLY
+from ac_observe.friendly import FRIENDLY
 
 log = logging.getLogger("ac_observe.daemon.history")
 

@@ -32,7 +32,7 @@ from ac_observe.daemon.service import Daemon, HistoryUnavailable, WindowTooLong
 from ac_observe.daemon.store import StoreUnavailable
 from ac_observe.daemon.tls import WebSettings, WebSnapshot
 from ac_observe.durations import parse_duration, parse_instant
-from ac_observe.metrics import FRIENDLY, query_labels
+from ac_observe.friendly import FRIENDLY, query_labels
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ALLOWED_METHODS = "GET, HEAD"

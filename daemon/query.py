@@ -13,7 +13,8 @@ import time
 
 from ac_observe.daemon.history import HistoryView
 from ac_observe.daemon.windows import Windows, WindowView
-from ac_observe.metrics import FRIENDLY, Friendly, exposed_labels
+from ac_observe.friendly import FRIENDLY, Friendly
+from ac_observe.metrics import exposed_labels
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 

@@ -31,6 +31,7 @@ from ac_observe.daemon.reload import alerting_setup
 from ac_observe.daemon.runner import CollectorRunner
 from ac_observe.daemon.series_budget import SeriesBudget
 from ac_observe.daemon.windows import Frame, Windows
+from ac_observe.friendly import FRIENDLY, Friendly, query_labels, watched_families
 
 if TYPE_CHECKING:  # imported when the daemon has alerts, history or a store
     from ac_observe.daemon.alerting.evaluator import Evaluator
@@ -111,7 +112,7 @@ class Daemon:
         self.attribution = Attribution(socket_path=config.pod_resources_socket)
         self.windows = Windows(max(2, round(config.window_seconds / config.interval_seconds)))
         self.queries = QueryEngine(self.windows, config.interval_seconds)
-        self._watched = m.watched_families()
+        self._watched = watched_families()
         self._lock = threading.Lock()
         self._snapshot: list[Metric] = []
         self._generation = 0
@@ -412,7 +413,7 @@ class Daemon:
 
         NOTE: the view is copied under the lock the cycle appends under, so an answer
         reads one state; the answer is computed after the lock is released."""
-        friendly = m.FRIENDLY[metric]
+        friendly = FRIENDLY[metric]
         until = time.time() if now is None else now
         since = until - window_seconds
         names = friendly.sample_names()
@@ -435,7 +436,7 @@ class Daemon:
             answer["not_exported"] = missing
         return answer
 
-    def _not_exported(self, friendly: m.Friendly, answer: dict,
+    def _not_exported(self, friendly: Friendly, answer: dict,
                       labels: dict[str, str]) -> list[dict]:
         """The scraped engines that have no series of the name because their kind never
         exports it (a vLLM's stream utilisation), each with that said, so the CLI shows
@@ -458,7 +459,7 @@ class Daemon:
                             "reason": f"not exported by {KIND_TITLES[kind]}"})
         return out
 
-    def _add_fallbacks(self, answer: dict, friendly: m.Friendly, window_seconds: float,
+    def _add_fallbacks(self, answer: dict, friendly: Friendly, window_seconds: float,
                        labels: dict[str, str], now: float | None,
                        shares: dict[str, float] | None, source: str) -> None:
         """An engine with no series of the name (a vLLM has no block counts) answered by
@@ -469,8 +470,8 @@ class Daemon:
             series["basis"] = primary
         answered = {s["labels"].get("engine") for s in answer["series"]}
         for basis, name in friendly.fallbacks:
-            other = m.FRIENDLY[name]
-            if not set(labels) <= set(m.query_labels(other)):
+            other = FRIENDLY[name]
+            if not set(labels) <= set(query_labels(other)):
                 continue  # filtered on a label it lacks (a skeleton): nothing of its own
             extra = self._query(name, window_seconds, labels, now, shares, source)
             for series in extra["series"]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ac_observe import metrics as m
 from ac_observe.dashboards import promql
 from ac_observe.dashboards.grafana import Board, Panel, gauge_by, sel
-from ac_observe.metrics import FRIENDLY
+from ac_observe.friendly import FRIENDLY
 
 FLEET_UID = "ac-fleet"
 # A GPU counts as busy while NVML's utilisation is above this (a sampling driver reads a

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ac_observe import metrics as m
 from ac_observe.collectors.scrape.table import KIND_TITLES, TARGETS
 from ac_observe.dashboards import promql
-from ac_observe.metrics import FRIENDLY
+from ac_observe.friendly import FRIENDLY
 
 DATASOURCE_UID = "ac-prometheus"
 HOME_UID = "ac-overview"

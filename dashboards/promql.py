@@ -35,7 +35,8 @@ import re
 
 from ac_observe.daemon.alerting.rules import SAME_HOUR_SPAN_SECONDS, TEMPLATE
 from ac_observe.dashboards.edges import le_at_or_below
-from ac_observe.metrics import FRIENDLY, Friendly, MetricSpec, exposed_labels
+from ac_observe.friendly import FRIENDLY, Friendly
+from ac_observe.metrics import MetricSpec, exposed_labels
 
 # The daemon resolves an alert at the second evaluation in a row without its condition (one
 # odd sample never resolves it); Prometheus at the first, unless told to keep firing.

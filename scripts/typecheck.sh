@@ -12,4 +12,4 @@ cd "$outside"
 "$repo/.venv/bin/mypy" --python-executable "$repo/.venv/bin/python" \
     --config-file "$repo/pyproject.toml" --cache-dir "$repo/.mypy_cache" \
     -p ac_observe.daemon -p ac_observe.collectors -p ac_observe.gateway -p ac_observe.metrics \
-    -p ac_observe.telemetry_format -p ac_observe.auth "$@"
+    -p ac_observe.friendly -p ac_observe.telemetry_format -p ac_observe.auth "$@"

@@ -637,7 +637,7 @@ def test_whole_number_histograms_read_the_same_in_promql_as_in_the_daemon():
     """skeleton_complexity's p50 and shares are observed depths in the daemon (the bucket
     edge a rank falls on; a bound floored to a whole depth): so in PromQL too."""
     from ac_observe.dashboards.promql import statistic_expr
-    from ac_observe.metrics import FRIENDLY
+    from ac_observe.friendly import FRIENDLY
     depth = FRIENDLY["skeleton_complexity"]
     assert statistic_expr(depth, "p50", "5m").startswith("ceil(histogram_quantile(0.5, ")
     share = statistic_expr(depth, "share_below", "5m", share_threshold=2.5)

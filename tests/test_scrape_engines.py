@@ -18,6 +18,7 @@ from ac_observe import metrics as m
 from ac_observe.daemon.alerting.state import FIRING
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.service import Daemon
+from ac_observe.friendly import FRIENDLY
 from support.engine_replay import EngineReplay
 from support.servers import run_cli, wait_for
 
@@ -365,7 +366,7 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
         vllm.set("vllm:num_requests_running", 7)
         daemon.wait_cycles(2)
         prometheus.wait_scrape_and_rules("ac-observe", time.time())
-        friendly = m.FRIENDLY["inference_latency_ns"]
+        friendly = FRIENDLY["inference_latency_ns"]
         env = {"AC_OBSERVE_TOKEN": token}
         for statistic in ("p50", "p95"):
             out = run_cli("--daemon", daemon.url, "--metric", "inference_latency_ns",
@@ -405,7 +406,7 @@ def test_prometheus_reads_each_engine_on_its_own_edges_as_the_daemon_does(
         assert row["metric"]["basis"] == "tokens", row
         assert math.isclose(float(row["value"][1]), hit["mean"], rel_tol=0.01), (row, hit)
         running = cli("requests_running")
-        expr = promql.statistic_expr(m.FRIENDLY["requests_running"], "last", "5m",
+        expr = promql.statistic_expr(FRIENDLY["requests_running"], "last", "5m",
                                      by=("engine",))
         (row,) = [r for r in prometheus.query(expr) if r["metric"]["engine"] == "vllm-a"]
         assert float(row["value"][1]) == running["last"] == 7.0, (row, running)

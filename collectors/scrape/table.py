@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ac_observe import metrics as m
+from ac_observe.friendly import FRIENDLY, Friendly
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +89,10 @@ KIND_TITLES = {m.KIND_VLLM: "vLLM", m.KIND_SGLANG: "SGLang"}
 _COMPUTED_FROM = {m.STREAM_UTILIZATION.name: m.STREAM_BUSY.name}
 
 
-def exports(kind: str, friendly: m.Friendly) -> bool:
+def exports(kind: str, friendly: Friendly) -> bool:
     """Whether servers of this kind export what a friendly name reads (any of its
     fallbacks will do: a vLLM's token hit rate answers kv_cache_hit_rate)."""
     names = [_COMPUTED_FROM.get(spec.name, spec.name) for spec in friendly.families()]
     if all(name in TARGETS[kind] for name in names):
         return True
-    return any(exports(kind, m.FRIENDLY[other]) for _, other in friendly.fallbacks)
+    return any(exports(kind, FRIENDLY[other]) for _, other in friendly.fallbacks)

@@ -24,7 +24,7 @@ from ac_observe.daemon.alerting.state import (
     observe,
 )
 from ac_observe.daemon.store import SavedAlert, Store, StoreUnavailable, Transition
-from ac_observe.metrics import FRIENDLY
+from ac_observe.friendly import FRIENDLY
 
 log = logging.getLogger("ac_observe.daemon.alerting")
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from ac_observe.daemon.alerting.baselines import SeriesSource
 from ac_observe.daemon.alerting.rules import SAME_HOUR_SPAN_SECONDS, Rule, figure
-from ac_observe.metrics import FRIENDLY, MISS_REASONS, NO_SKELETON, query_labels
+from ac_observe.friendly import FRIENDLY, query_labels
+from ac_observe.metrics import MISS_REASONS, NO_SKELETON
 
 # Labels that name an alert's series (its engine and lane): a figure is read for those of
 # them its series carry; a device figure (NVML, eBPF) carries none and is node-wide.

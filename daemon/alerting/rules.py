@@ -37,7 +37,7 @@ from ac_observe.daemon.alerting.spec import (
     string_map,
 )
 from ac_observe.durations import parse_duration
-from ac_observe.metrics import FRIENDLY, Friendly, query_labels
+from ac_observe.friendly import FRIENDLY, Friendly, query_labels
 
 STATISTICS = ("mean", "p50", "p95", "p99", "last", "max", "min", "rate", "share_below:<v>")
 # What each kind of metric can answer (a histogram keeps no exact extremes; a rate of a

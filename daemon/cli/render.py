@@ -156,7 +156,7 @@ def metric_table(result: dict, width: int) -> Text:
 
 def _alert_unit(entry: dict) -> str:
     """The unit of an alert's value and baseline: its statistic's, in its metric's unit."""
-    from ac_observe.metrics import FRIENDLY
+    from ac_observe.friendly import FRIENDLY
     friendly = FRIENDLY.get(entry.get("metric", ""))
     return friendly.statistic_unit(entry.get("statistic", "")) if friendly else ""
 
