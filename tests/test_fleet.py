@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from ac_observe import metrics as m
-from ac_observe.dashboards import fleet, generate, grafana
+from ac_observe.dashboards import boards, fleet, generate, grafana
 from ac_observe.engine.telemetry import TelemetryWriter
 from support.servers import DaemonProcess, wait_for
 from support.stack import GlobalPrometheus, Prometheus
@@ -166,7 +166,7 @@ def test_twenty_nodes_stay_apart_on_the_scraping_and_the_federating_prometheus(f
         assert math.isclose(own_hit, hit_blocks(i), rel_tol=0.01), (name, own_hit)
     # The Overview on the first: any query answered for one node is answered for every
     # node alike, save those whose title says they go across nodes.
-    for title, expr in grafana.queries(grafana.build(grafana.overview())):
+    for title, expr in grafana.queries(grafana.build(boards.overview())):
         rows = first.query(as_sent(expr))
         if not rows or "across nodes" in title:
             continue
