@@ -379,7 +379,7 @@ def test_a_cycle_renders_ahead_only_when_a_scrape_is_due(tmp_path):
     ahead in the two cycles before a scrape is due, not in all 15: every scrape still
     finds its snapshot rendered (nothing made on demand), and a daemon no one scrapes
     renders nothing."""
-    from ac_observe.daemon import service
+    from ac_observe.daemon.scrape_pace import RENDER_AHEAD_SECONDS, ScrapePace
     daemon = Daemon(DaemonConfig(telemetry_root=tmp_path, collectors=("engine",)))
     renders = []
     real = daemon._renderer.render
@@ -401,13 +401,13 @@ def test_a_cycle_renders_ahead_only_when_a_scrape_is_due(tmp_path):
         assert len(generations) == 6  # two cycles before each of the last three scrapes
         assert all((g - 5) % 15 in (14, 0) for g in generations), generations
         assert on_demand == 1  # the first scrape only
-        pace = service.ScrapePace()
+        pace = ScrapePace()
         for cycle in (3, 18, 33):
             pace.scraped(cycle)
         assert [c for c in range(34, 50) if pace.due(c)] == [47, 48, 49]
-        pace._last -= service.RENDER_AHEAD_SECONDS
+        pace._last -= RENDER_AHEAD_SECONDS
         assert not pace.due(48)  # no scrape for five minutes: nobody to render for
-        two = service.ScrapePace()  # two scrapers at 15 cycles, 3 apart: gaps 3, 12, 3, 12
+        two = ScrapePace()  # two scrapers at 15 cycles, 3 apart: gaps 3, 12, 3, 12
         for cycle in (0, 3, 15, 18, 30):
             two.scraped(cycle)
         assert two.due(32)  # due by the closer pair's gap, not a median's 12
