@@ -19,7 +19,7 @@ from enum import Enum
 
 from ac_observe.auth import bearer_token
 
-REMEMBERED_MAX = 1024  # verified (user, password) pairs kept; past it the memory starts anew
+REMEMBERED_MAX = 1024  # verified (user, password) pairs kept; past it the oldest leaves
 
 
 class Verdict(Enum):
@@ -35,7 +35,7 @@ class BasicUsers:
     def __init__(self, users: dict[str, str]):
         self.users = {name.encode("utf-8"): hashed.encode("ascii")
                       for name, hashed in users.items()}
-        self._remembered: dict[bytes, bool] = {}
+        self._remembered: dict[bytes, None] = {}  # verified keys, oldest first
         self._lock = threading.Lock()
         self._decoy: bytes | None = None
 
@@ -47,9 +47,8 @@ class BasicUsers:
         user, password = pair
         hashed = self.users.get(user)
         key = hashlib.sha256(b"\0".join((user, password, hashed or b""))).digest()
-        known = self._remembered.get(key)
-        if known is not None:
-            return Verdict.ADMIT if known else Verdict.BAD
+        if key in self._remembered:
+            return Verdict.ADMIT
         if not may_hash:
             return Verdict.NEEDS_HASH
         import bcrypt
@@ -58,11 +57,13 @@ class BasicUsers:
             ok = False
         else:
             ok = self._check(bcrypt, password, hashed)
+        if not ok:  # never remembered: wrong guesses cannot push out the scrapers' logins
+            return Verdict.BAD
         with self._lock:
-            if len(self._remembered) >= REMEMBERED_MAX:
-                self._remembered.clear()
-            self._remembered[key] = ok
-        return Verdict.ADMIT if ok else Verdict.BAD
+            while len(self._remembered) >= REMEMBERED_MAX:
+                self._remembered.pop(next(iter(self._remembered)))
+            self._remembered[key] = None
+        return Verdict.ADMIT
 
     @staticmethod
     def _check(bcrypt, password: bytes, hashed: bytes) -> bool:

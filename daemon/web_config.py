@@ -17,6 +17,7 @@ OpenSSL does not know, more than one curve, `rate_limit`.
 """
 from __future__ import annotations
 
+import re
 import ssl
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ TLS13_SUITES = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384",
                 "TLS_CHACHA20_POLY1305_SHA256")
 CURVES = {"CurveP256": "prime256v1", "CurveP384": "secp384r1", "CurveP521": "secp521r1",
           "X25519": "X25519"}
-BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
+BCRYPT_HASH = re.compile(r"\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}")
 HEADER_VALUES = {"X-Frame-Options": ("deny", "sameorigin"),
                  "X-Content-Type-Options": ("nosniff",)}
 
@@ -203,8 +204,7 @@ class WebConfig(_Section):
             if not user or ":" in user:
                 raise ValueError(f"user name {user[:60]!r}: a basic-auth user name is "
                                  "non-empty and has no ':'")
-            if not hashed.get_secret_value().startswith(BCRYPT_PREFIXES) or \
-                    len(hashed.get_secret_value()) != 60:
+            if not BCRYPT_HASH.fullmatch(hashed.get_secret_value()):
                 raise ValueError(f"{user[:60]!r}: not a bcrypt hash (htpasswd -nBC 10 \"\" "
                                  "makes one)")
         return value
