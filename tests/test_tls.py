@@ -137,6 +137,9 @@ BAD_FILES = [
      "(ca.crt)"),
     ({"basic_auth_users": {"scraper": "plain-text"}}, "basic_auth_users: 'scraper': not a "
                                                       "bcrypt hash"),
+    # the form of one (prefix, length) with a cost that is no number
+    ({"basic_auth_users": {"scraper": "$2y$xx$" + "a" * 53}},
+     "basic_auth_users: 'scraper': not a bcrypt hash"),
     ({"http_server_config": {"headers": {"X-Frame-Options": "allow"}}},
      "http_server_config.headers.X-Frame-Options: 'allow' is not one of"),
 ]
@@ -183,7 +186,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(start_daemon, tmp_pat
              "the rotated certificate served")
 
     # A broken key keeps the certificate in force, says why, and a reload fails loudly.
-    key = first.key.read_bytes()
+    key = second.key.read_bytes()
     (tmp_path / "ca" / "server.key").write_text("not a key\n")
 
     def logged() -> bool:  # (files are looked at when a connection opens)
@@ -192,9 +195,12 @@ def test_a_rotated_certificate_is_served_without_a_restart(start_daemon, tmp_pat
     wait_for(logged, 20, "the failed read logged")
     answer = httpx.post(daemon.url + "/-/reload", verify=daemon.verify, timeout=10)
     assert answer.status_code == 400 and "tls_server_config.cert_file" in answer.text
-    (tmp_path / "ca" / "server.key").write_bytes(key)  # the first key, not the second's
+    (tmp_path / "ca" / "server.key").write_bytes(key)  # the key mended: SIGHUP takes it
+    reloads = daemon.log_path.read_text().count("configuration reloaded")
     daemon.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: "reload failed" in daemon.log_path.read_text(), 20, "SIGHUP's refusal")
+    wait_for(lambda: daemon.log_path.read_text().count("configuration reloaded") > reloads,
+             20, "SIGHUP's reload")
+    assert served_serial("127.0.0.1", daemon.port, ca) == second.serial
 
     third = ca.server()
     answer = httpx.post(daemon.url + "/-/reload", verify=daemon.verify, timeout=10)
@@ -380,6 +386,8 @@ def test_bcrypt_never_runs_on_the_event_loop_and_a_verified_password_is_remember
     assert credentials.verdict(good, users, may_hash=False) is Verdict.ADMIT
     assert credentials.verdict(bad, users, may_hash=False) is Verdict.NEEDS_HASH
     assert credentials.verdict(bad, users) is Verdict.BAD
+    # a failure is never remembered: wrong guesses cannot push out the scrapers' logins
+    assert credentials.verdict(bad, users, may_hash=False) is Verdict.NEEDS_HASH
     assert credentials.verdict(basic("other", "pw"), users) is Verdict.BAD
     assert credentials.verdict("Basic !!not-base64", users) is Verdict.BAD
     assert credentials.verdict(basic("scraper", "x" * 100), users) is Verdict.BAD  # > 72 B
