@@ -33,6 +33,17 @@ FORMS = [  # (/proc/PID/cgroup line, container id, runtime, pod uid)
 ]
 
 
+def test_cgroups_a_container_makes_below_its_own_cannot_claim_another():
+    """A process that may make cgroups (delegated cgroup v2) names one below its own after
+    another container and pod: the outer names, which it cannot change, are the ones."""
+    victim, other_uid = "f" * 64, "11111111-2222-3333-4444-555555555555"
+    line = (f"0::/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{ID}.scope/"
+            f"kubepods-pod{other_uid.replace('-', '_')}.slice/docker-{victim}.scope")
+    identity = parse_cgroup(line + "\n")
+    assert (identity.container_id, identity.runtime, identity.pod_uid) == \
+        (ID, "containerd", UID)
+
+
 @pytest.mark.parametrize("line, container_id, runtime, pod_uid", FORMS)
 def test_each_runtimes_cgroup_path_names_its_container(line, container_id, runtime, pod_uid):
     identity = parse_cgroup(f"9:name=systemd:/\n{line}\n1:cpuset:/\n")
@@ -339,6 +350,47 @@ def test_a_gpu_two_pods_share_names_neither(tmp_path):
         assert family.samples[0].labels["pod"] == "one"
     finally:
         kubelet.stop()
+
+
+def test_a_failed_list_keeps_the_last_names_a_while(tmp_path):
+    """One List() that fails (a busy kubelet's timeout) keeps the names its last answer
+    gave for keep_seconds, said in status: labels that came and went would make new
+    series each time. Past keep_seconds, or with the socket gone, the names go."""
+    import socket
+
+    from support.kubelet import PodResourcesServer
+    cid = "a" * 64
+    _fake_process(tmp_path, 50, 1, f"0::/kubepods/pod{UID}/{cid}\n")
+    (tmp_path / "self").symlink_to("50")
+    socket_path = tmp_path / "kubelet.sock"
+    kubelet = PodResourcesServer(socket_path, [("a", "one", [("c", [GPU0])])])
+    attribution = Attribution(proc=tmp_path, socket_path=socket_path)
+    attribution.kubelet.timeout_seconds = 0.5
+
+    def labelled() -> dict:
+        family = GaugeMetricFamily("ac_gpu_process_memory_bytes", "x",
+                                   labels=["gpu", "uuid", "pid"])
+        family.add_metric(["0", GPU0, "50"], 1.0)
+        attribution.label([family])
+        return family.samples[0].labels
+
+    assert labelled()["pod"] == "one"
+    kubelet.stop()
+    silent = socket.socket(socket.AF_UNIX)
+    try:
+        socket_path.unlink(missing_ok=True)
+        silent.bind(str(socket_path))  # the socket is there, List() fails
+        attribution.kubelet._listed_at = -float("inf")
+        assert labelled()["pod"] == "one"
+        status = attribution.status()
+        assert status["source"] == "pod-resources"
+        assert status["reason"].startswith(f"pod-resources List() on {socket_path} failed")
+        attribution.kubelet._good_at -= attribution.kubelet.keep_seconds
+        attribution.kubelet._listed_at = -float("inf")
+        assert "pod" not in labelled()
+        assert attribution.status()["source"] == "cgroup"
+    finally:
+        silent.close()
 
 
 def test_a_socket_that_is_not_the_kubelets_is_a_reason_not_an_error(tmp_path):

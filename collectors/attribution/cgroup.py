@@ -57,10 +57,14 @@ NOBODY = CgroupIdentity()
 def _from_path(path: str) -> CgroupIdentity:
     parts = [p for p in path.split("/") if p]
     container_id = runtime = pod_uid = ""
+    # The outermost match wins: a process that may make cgroups (delegated v2, privileged)
+    # can name one below its own anything, never rename the ones above it.
     for i, part in enumerate(parts):
         pod = _POD_SLICE.match(part) or _POD_DIR.match(part)
         if pod:
-            pod_uid = pod.group(1).replace("_", "-")
+            pod_uid = pod_uid or pod.group(1).replace("_", "-")
+            continue
+        if container_id:
             continue
         for name, pattern in _CONTAINER_COMPONENTS:
             found = pattern.match(part)

@@ -44,17 +44,26 @@ def _device(device_id: str) -> str:
 
 
 class PodResources:
-    """`List()` on the kubelet's socket, remembered for `max_age_seconds`."""
+    """`List()` on the kubelet's socket, remembered for `max_age_seconds`; a failed call
+    keeps the last good list for `keep_seconds` (a busy kubelet's one timeout must not
+    take every series' pod labels away and bring them back: new series each time)."""
 
     def __init__(self, socket_path: Path, timeout_seconds: float = 2.0,
-                 max_age_seconds: float = 60.0):
+                 max_age_seconds: float = 60.0, keep_seconds: float = 300.0):
         self.socket_path = Path(socket_path)
         self.timeout_seconds = timeout_seconds
         self.max_age_seconds = max_age_seconds
+        self.keep_seconds = keep_seconds
         self.reason = "not asked yet"
         self.ok = False
         self._containers: list[PodContainer] = []
         self._listed_at = -float("inf")
+        self._good_at = -float("inf")  # the last List() that answered
+
+    def usable(self) -> bool:
+        """Whether the names to go by are the kubelet's: its last List() answered, or a
+        later one failed within keep_seconds of one that did, the socket still there."""
+        return self.ok or time.monotonic() - self._good_at < self.keep_seconds
 
     def present(self) -> bool:
         try:
@@ -69,6 +78,7 @@ class PodResources:
             self.ok = False
             self.reason = f"no kubelet pod-resources socket at {self.socket_path}"
             self._containers, self._listed_at = [], -float("inf")
+            self._good_at = -float("inf")
             return self._containers
         limit = self.max_age_seconds if fresh_within is None else fresh_within
         if time.monotonic() - self._listed_at < limit:
@@ -81,7 +91,7 @@ class PodResources:
             detail = getattr(exc, "details", lambda: None)() or type(exc).__name__
             self.reason = f"pod-resources List() on {self.socket_path} failed: {detail}"[:300]
             return self._containers
-        self.ok, self.reason = True, ""
+        self.ok, self.reason, self._good_at = True, "", time.monotonic()
         return self._containers
 
     def _list(self) -> list[PodContainer]:

@@ -101,7 +101,7 @@ class Attribution:
         gpus = _gpus_of(families)
         unnamed = [pid for pid in gpus if self._unnamed(pid)]
         listed = self.kubelet.containers(MISS_REFRESH_SECONDS if unnamed else None)
-        if not self.kubelet.ok:
+        if not self.kubelet.usable():
             self._containers, self._pods = {}, {}
             return
         holders: dict[str, list[PodContainer]] = {}
@@ -147,21 +147,22 @@ class Attribution:
         """Which source names processes now, and why a better one is missing."""
         reasons = []
         if self.kubelet is not None:
-            if self.kubelet.ok:
+            if self.kubelet.usable():
                 source = SOURCE_POD_RESOURCES
-            else:
+            if not self.kubelet.ok:  # failing, its last answer kept a while, or gone
                 reasons.append(self.kubelet.reason)
         else:
             reasons.append("the kubelet's pod-resources socket is switched off")
-        if self.kubelet is None or not self.kubelet.ok:
+        if self.kubelet is None or not self.kubelet.usable():
             readable = os.access(self.proc / "self" / "cgroup", os.R_OK)
             source = SOURCE_CGROUP if readable else SOURCE_NONE
             if not readable:
                 reasons.append(f"{self.proc}/self/cgroup does not read: no cgroups")
+        entries = list(self._cache.values())  # the cycle's thread changes the cache
         return {"source": source, "reason": "; ".join(r for r in reasons if r),
                 "socket": str(self.kubelet.socket_path) if self.kubelet else None,
-                "processes": len(self._cache),
-                "containers": len({e.identity.container_id for e in self._cache.values()
+                "processes": len(entries),
+                "containers": len({e.identity.container_id for e in entries
                                    if e.identity.container_id}),
                 "named_containers": len(self._containers)}
 
