@@ -87,6 +87,7 @@ class _Device:
     handle_address: int = 0
     mig: list = field(default_factory=list)  # (MIG UUID, GPU instance, compute instance)
     process_utilization: bool = True  # until the device says it cannot
+    process_seen: int = 0  # the newest process sample's timeStamp read (NVML's µs clock)
     gpm_values: dict = field(default_factory=dict)
 
 
@@ -211,13 +212,14 @@ class NvmlCollector(Collector):
             family.add_sample(family.name, series, proc.usedGpuMemory)
 
     def _process_utilization(self, device: _Device, labels: list[str], gauges: list) -> None:
-        """Each process's newest sample since NVML's last sampling period began (a process
-        idle since then has none: NVML keeps samples only while it runs work)."""
+        """Each process's newest sample since the last cycle's newest (NVML hands back every
+        sample still in its buffer unless told the last one seen: an idle process would
+        keep showing its last figures); a process with none since has no series."""
         if not device.process_utilization:
             return
         nv = self.nv
         try:
-            samples = nv.nvmlDeviceGetProcessUtilization(device.handle, 0)
+            samples = nv.nvmlDeviceGetProcessUtilization(device.handle, device.process_seen)
         except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound):
             device.process_utilization = False
             return
@@ -227,6 +229,8 @@ class NvmlCollector(Collector):
         for sample in samples:
             if sample.pid not in newest or sample.timeStamp > newest[sample.pid].timeStamp:
                 newest[sample.pid] = sample
+        device.process_seen = max([device.process_seen,
+                                   *(sample.timeStamp for sample in newest.values())])
         for pid, sample in sorted(newest.items()):
             for gauge, name in zip(gauges, PROCESS_UTILIZATION_FIELDS, strict=True):
                 gauge.add_metric(labels + [str(pid)], getattr(sample, name) * 0.01)

@@ -13,7 +13,8 @@
 #include <time.h>
 
 typedef int nvmlReturn_t;
-enum { OK = 0, INVALID_ARGUMENT = 2, NOT_SUPPORTED = 3, INSUFFICIENT_SIZE = 7, TIMEOUT = 10 };
+enum { OK = 0, INVALID_ARGUMENT = 2, NOT_SUPPORTED = 3, NOT_FOUND = 6, INSUFFICIENT_SIZE = 7,
+       TIMEOUT = 10 };
 
 typedef struct { int index; } device_t;
 /* 0, 1: the GPUs; 2, 3: GPU 1's MIG devices (GPU instances 1 and 2). */
@@ -134,17 +135,21 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(device_t *d, unsigned int *
 typedef struct { unsigned int pid; unsigned long long timeStamp;
                  unsigned int smUtil, memUtil, encUtil, decUtil; } process_sample_t;
 
+/* As NVML: the samples newer than `since` (each call samples anew: later timeStamps),
+   NOT_FOUND when there are none. */
 nvmlReturn_t nvmlDeviceGetProcessUtilization(device_t *d, process_sample_t *samples,
                                              unsigned int *count, unsigned long long since) {
+    static unsigned long long sampled_at = 1000000ULL;
     unsigned int pids[8];
     unsigned int have;
-    (void)since;
     if (d->index != 0) return NOT_SUPPORTED;
     have = standin_pids(pids);
     if (samples == NULL || *count < have) { *count = have; return INSUFFICIENT_SIZE; }
+    sampled_at += 1000;
+    if (sampled_at <= since) return NOT_FOUND;
     for (unsigned int i = 0; i < have; i++) {
         samples[i].pid = pids[i];
-        samples[i].timeStamp = 1000000ULL + i;
+        samples[i].timeStamp = sampled_at + i;
         samples[i].smUtil = 30 + i;
         samples[i].memUtil = 20 + i;
         samples[i].encUtil = i;
