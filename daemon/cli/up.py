@@ -40,12 +40,19 @@ def up(
                        f"such as 150s,90s ({exc})", err=True)
             raise typer.Exit(EXIT_USAGE) from None
         schedule = (calm, slowed)
+    tls = False
     if web_config_file is not None:
         if demo_drift:
             typer.echo("error: --demo-drift follows the daemon's alerts over plain HTTP: "
                        "leave --web-config-file out for the demo", err=True)
             raise typer.Exit(EXIT_USAGE)
+        from ac_observe.daemon.web_config import WebConfigError, read_web_config
+        try:  # a file of basic-auth users only serves plain HTTP
+            tls = read_web_config(web_config_file).tls
+        except WebConfigError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_USAGE) from None
         daemon_arg = [*daemon_arg, "--web-config-file", str(web_config_file.resolve())]
     raise typer.Exit(run_up(engine_port, daemon_port, model, demo_load, telemetry_root,
                             engine_arg, daemon_arg, schedule,
-                            daemon_scheme="https" if web_config_file else "http"))
+                            daemon_scheme="https" if tls else "http"))
