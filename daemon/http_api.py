@@ -244,11 +244,13 @@ def make_server(daemon: Daemon, host: str, port: int, token: str | None,
     TLS with the context in force when it opens. Refusals are counted in the daemon's
     `http_refusals`, which its cycle exports."""
     refusals = daemon.http_refusals
-    tls = None
-    if web is not None and web.tls:
-        def tls():
-            snapshot = web.current()
-            assert snapshot.context is not None  # TLS stays on until a restart
-            return snapshot.context, snapshot.allowed_sans
+
+    def tls_in_force():
+        assert web is not None
+        snapshot = web.current()
+        assert snapshot.context is not None  # TLS stays on until a restart
+        return snapshot.context, snapshot.allowed_sans
     return HttpServer(make_handler(daemon, token, reloader, web, refusals), host, port,
-                      max_requests=max_requests, tls=tls, refusals=refusals)
+                      max_requests=max_requests,
+                      tls=tls_in_force if web is not None and web.tls else None,
+                      refusals=refusals)

@@ -200,10 +200,7 @@ def test_nvml_series_of_a_containers_process_carry_its_container(start_daemon,
         assert not any(("container_id", f"{tag}{ID[8:]}") in labels
                        for (name, labels) in metrics
                        if ("pid", str(outside.pid)) in labels)
-        status = daemon.status() if hasattr(daemon, "status") else None
-        if status is None:
-            import httpx
-            status = httpx.get(daemon.url + "/api/v1/status", timeout=10).json()
+        status = daemon.status()
         assert status["attribution"]["source"] == "cgroup"
         assert "switched off" in status["attribution"]["reason"]
         assert status["attribution"]["containers"] == 1

@@ -372,6 +372,7 @@ def verdict(out: dict) -> str:
     among those that move that part."""
     stat = out["statistic"]
     head = f"{TITLES.get(out['metric'], out['metric'])} {stat['name']}"
+
     def as_shown(value):  # nanoseconds read as milliseconds
         return show(value / 1e6, "ms") if stat["unit"] == "ns" else show(value, stat["unit"])
 
