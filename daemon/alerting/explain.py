@@ -158,13 +158,11 @@ class Reader:
 
     def value(self, metric: str, span: Span, combine: str, extra: dict | None = None):
         """One figure of the name over the span, or None (no series, no observations)."""
-        found = [s for s in self.answer(metric, span, extra) if _finite(s.get("mean"))]
+        found = self._finite(metric, span, extra)
         if not found:
             return None
         if combine == "mean":  # a histogram: by its observations
-            count = sum(s.get("samples") or 0 for s in found)
-            return (sum(s["mean"] * (s.get("samples") or 0) for s in found) / count
-                    if count else None)
+            return _by_observations(found)[0]
         means = [s["mean"] for s in found]
         if combine == "sum":  # rates of several series (statuses, GPUs); a step's
             return sum(means)  # kernel classes, whose times add up
@@ -172,12 +170,20 @@ class Reader:
 
     def histogram(self, metric: str, span: Span) -> tuple[float | None, int]:
         """(the mean in seconds, observations) of a time histogram over the span."""
-        found = [s for s in self.answer(metric, span) if _finite(s.get("mean"))]
-        count = sum(s.get("samples") or 0 for s in found)
-        if not count:
-            return None, 0
-        scale = FRIENDLY[metric].scale
-        return sum(s["mean"] * (s.get("samples") or 0) for s in found) / count / scale, count
+        mean, count = _by_observations(self._finite(metric, span))
+        return (None, 0) if mean is None else (mean / FRIENDLY[metric].scale, count)
+
+    def _finite(self, metric: str, span: Span, extra: dict | None = None) -> list[dict]:
+        return [s for s in self.answer(metric, span, extra) if _finite(s.get("mean"))]
+
+
+def _by_observations(series: list[dict]) -> tuple[float | None, int]:
+    """(the series' means weighted by their observations, the observations); (None, 0)
+    when none were made."""
+    count = sum(s.get("samples") or 0 for s in series)
+    if not count:
+        return None, 0
+    return sum(s["mean"] * (s.get("samples") or 0) for s in series) / count, count
 
 
 def _finite(value) -> bool:
