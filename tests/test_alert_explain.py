@@ -403,3 +403,18 @@ def test_notifications_carry_the_verdict_where_a_person_reads_them():
                   annotations={"summary": "TTFT p95 up", "explanation": "queue time it is"})
     assert grafana_annotation([alert])["text"] == "FIRING: TTFT p95 up\nwhy: queue time it is"
     assert slack_body([alert])["text"].endswith("TTFT p95 up\nwhy: queue time it is")
+
+
+def test_a_mean_over_several_series_weighs_each_by_its_observations():
+    """An alert's series may span several (its labels pin fewer than a name's series
+    carry): their means join by observations, not one vote a series."""
+    from ac_observe.daemon.alerting.explain import Reader, Span
+
+    class Series:
+        def query(self, metric, window_seconds, labels, now=None):
+            return {"series": [{"mean": 10e6, "samples": 3}, {"mean": 40e6, "samples": 1},
+                               {"mean": float("nan"), "samples": 0}]}
+    reader = Reader(Series(), {"engine": "e1"})
+    span = Span(T0, T0 + 10)
+    assert reader.value("queue_time_ns", span, "mean") == pytest.approx(17.5e6)
+    assert reader.histogram("queue_time_ns", span) == (pytest.approx(0.0175), 4)
