@@ -269,6 +269,7 @@ def _status(daemon) -> dict:
     return httpx.get(daemon.url + "/api/v1/status", timeout=10).json()
 
 
+@pytest.mark.slow
 def test_the_kubelets_socket_names_namespace_pod_and_container(start_daemon, tmp_path,
                                                                tmp_path_factory):
     if not _writable(V2_ROOT):

@@ -123,6 +123,7 @@ def test_metrics_pass_promtool_and_labels_stay_bounded(start_daemon, tmp_path):
     assert len(skeletons) == 21 and "other" in skeletons  # top 20 + other
 
 
+@pytest.mark.slow
 def test_off_loopback_needs_a_token_and_the_token_guards_the_api(tmp_path):
     refused = subprocess.run([AC_OBSERVE, "daemon", "--host", "0.0.0.0",
                               "--telemetry-root", str(tmp_path)], capture_output=True, text=True,
@@ -225,6 +226,7 @@ def _engine_ok(url):
         return False
 
 
+@pytest.mark.slow
 def test_cli_explains_an_unreachable_daemon_and_an_unknown_metric(start_daemon):
     port = free_port()
     out = subprocess.run([AC_OBSERVE, "--daemon",

@@ -19,6 +19,7 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.slow
 def test_300_concurrent_scrapes_and_500_idle_connections(start_daemon):
     daemon = start_daemon(None, "--collectors", "engine")
 
@@ -50,6 +51,7 @@ def test_300_concurrent_scrapes_and_500_idle_connections(start_daemon):
     wait_for(lambda: _fds(daemon.proc.pid) <= baseline, 10, "descriptors back to baseline")
 
 
+@pytest.mark.slow
 def test_methods_heads_and_absurd_queries_get_clear_answers(start_daemon):
     daemon = start_daemon(None, "--collectors", "engine")
     post = httpx.post(daemon.url + "/metrics", content=b"")
@@ -94,6 +96,7 @@ def test_methods_heads_and_absurd_queries_get_clear_answers(start_daemon):
     assert httpx.get(daemon.url + "/healthz").status_code == 200  # still serving
 
 
+@pytest.mark.slow
 def test_bearer_tokens_per_rfc_and_from_file_or_environment(tmp_path, start_daemon):
     token = "s3cret-ünïcode"
     token_file = tmp_path / "token"

@@ -604,6 +604,7 @@ def test_every_panel_query_returns_data(stack):
 
 # ----- dashboards push ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_dashboards_push_uploads_every_board_into_its_folder_pointed_at_a_datasource():
     grafana_api = Grafana("glsa_test")
     try:

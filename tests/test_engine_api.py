@@ -518,6 +518,7 @@ def test_seed_out_of_range_is_a_400_and_a_failing_sampler_fails_only_its_request
         stop()
 
 
+@pytest.mark.slow
 def test_the_engine_server_moves_its_start_up_heap_out_of_the_collectors_sight():
     """Once loaded, what start-up made (the model, the tokenizer) is frozen out of the
     cyclic collector's sight, as vLLM does: a full collection that walked it all paused

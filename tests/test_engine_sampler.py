@@ -75,6 +75,7 @@ def test_greedy_and_degenerate_rows_beside_sampled_ones():
     assert 0 <= tokens[3].item() < len(LOGITS)  # not finite: its greedy choice, no error
 
 
+@pytest.mark.slow
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
     params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=42,
                             ignore_eos=True)

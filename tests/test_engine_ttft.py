@@ -52,6 +52,7 @@ def _trace_of(events: str) -> dict:
     raise AssertionError(f"no message_delta in {events[:300]!r}")
 
 
+@pytest.mark.slow
 def test_the_clock_starts_when_the_request_arrives(engine_server):
     """Sequential requests on one connection, timed from the send to the recv that brings
     the first event: the engine's TTFT (from the request's first byte to the first token)
@@ -217,6 +218,7 @@ def test_first_visible_text_is_timed_apart_from_the_first_token(engine_server):
     assert added("ac_time_to_first_text_seconds", "ac_time_to_first_text_seconds_count") == 5
 
 
+@pytest.mark.slow
 def test_ignore_eos_min_tokens_and_stop_token_ids_are_honoured(engine_server):
     chat = engine_server.url + "/v1/chat/completions"
     base = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],

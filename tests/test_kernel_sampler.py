@@ -326,6 +326,7 @@ print("samples", engine.kernel_sampler.num_samples)  # delivered came before it 
 """
 
 
+@pytest.mark.slow
 def test_the_engine_servers_kernel_samples_write_nothing_to_stderr():
     """The server builds its engine on a worker thread and samples on the engine's own;
     kineto, whose client was registered on the thread that imported torch, would write

@@ -46,6 +46,7 @@ def test_the_default_node_is_the_host_name(tmp_path):
         "gpu-é.zone-a"
 
 
+@pytest.mark.slow
 def test_every_series_and_answer_carries_the_node(tmp_path, start_daemon):
     root = tmp_path / "telemetry"
     writer = write_engine(root / "e1", "e1", random.Random(1))

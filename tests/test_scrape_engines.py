@@ -281,6 +281,7 @@ def test_an_endpoint_url_with_a_password_is_refused_without_echoing_it():
     assert "user:password@" in out.stderr and "s3cret" not in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_the_daemon_cli_reads_an_engine_endpoint_and_status_says_why_one_is_down(
         start_daemon, replays):
     vllm = replays("vllm_v1_0.10.prom")
