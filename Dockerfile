@@ -51,8 +51,9 @@ RUN case "$PIP_CERT" in ""|docker/?*) ;; *) \
  && python3 -m venv /opt/build \
  && /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels /src
 
-# The daemon: no torch. It runs as root for eBPF (and NVML's device nodes); with
-# AC_OBSERVE_COLLECTORS leaving ebpf out it runs as any user (--user 65534).
+# The daemon: no torch. It runs as root for eBPF; with AC_OBSERVE_COLLECTORS leaving ebpf
+# out it runs as any user: --user 10001:10001 to read the engine image's telemetry as its
+# owner (dashboards/kubernetes/unprivileged/daemon.yaml), 65534 otherwise.
 FROM python AS daemon
 ARG PIP_CERT=
 ARG DAEMON_EXTRAS=postgres
