@@ -51,8 +51,9 @@ RUN case "$PIP_CERT" in ""|docker/?*) ;; *) \
  && python3 -m venv /opt/build \
  && /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels /src
 
-# The daemon: no torch. It runs as root for eBPF (and NVML's device nodes); with
-# AC_OBSERVE_COLLECTORS leaving ebpf out it runs as any user (--user 65534).
+# The daemon: no torch. It runs as root for eBPF; with AC_OBSERVE_COLLECTORS leaving ebpf
+# out it runs as any user: --user 10001:10001 to read the engine image's telemetry as its
+# owner (dashboards/kubernetes/unprivileged/daemon.yaml), 65534 otherwise.
 FROM python AS daemon
 ARG PIP_CERT=
 ARG DAEMON_EXTRAS=postgres
@@ -89,7 +90,7 @@ EXPOSE 9410
 ENTRYPOINT ["ac-observe"]
 CMD ["daemon", "--help"]
 
-# The engine (and every other command): torch, the engine extra.
+# The engine (and every other command): torch, the engine extra; run as uid 10001.
 FROM python AS engine
 ARG PIP_CERT=
 ARG TORCH_SPEC=torch==2.13.0
@@ -105,6 +106,16 @@ RUN export PIP_CERT="${PIP_CERT:+/tmp/build/${PIP_CERT#docker/}}" \
       "$(ls /tmp/wheels/ac_observe-*.whl)[${EXTRAS}]" \
  && rm -rf /tmp/build /tmp/wheels \
  && ac-observe --version
+# The engine runs as a fixed non-root user, uid and gid 10001, which owns /telemetry (a
+# new volume there takes its owner from the image): a root daemon reads that uid's
+# telemetry when told it (--telemetry-owner 10001, AC_OBSERVE_TELEMETRY_OWNER; see
+# docker-compose.yml and docs/fleet.md). Numeric, so Kubernetes' runAsNonRoot can check it.
+ARG ENGINE_UID=10001
+RUN groupadd --system --gid "$ENGINE_UID" ac-engine \
+ && useradd --system --uid "$ENGINE_UID" --gid "$ENGINE_UID" --create-home \
+      --home-dir /home/ac-engine --shell /usr/sbin/nologin ac-engine \
+ && install -d -o "$ENGINE_UID" -g "$ENGINE_UID" -m 0755 /telemetry /var/lib/ac-observe
+USER 10001:10001
 VOLUME ["/telemetry"]
 EXPOSE 8000 9410
 ENTRYPOINT ["ac-observe"]

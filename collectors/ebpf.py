@@ -112,6 +112,7 @@ class EbpfCollector(Collector):
         except re.error as exc:
             raise ValueError(f"--ebpf-comm {comm!r}: {exc}") from None
         self.telemetry_root = Path(config.telemetry_root)
+        self.telemetry_owner: int | None = getattr(config, "telemetry_owner", None)
         self.bpf: Any = None  # bcc.BPF once loaded (bcc has no type information)
         self.libraries: dict[tuple, _Library] = {}
         self.targets: dict[int, _Target] = {}
@@ -285,7 +286,8 @@ class EbpfCollector(Collector):
         """{(pid, stream handle): lane} of the bundled engines (engine.json)."""
         names: dict[tuple, str] = {}
         try:
-            root_fd = open_trusted_dir(self.telemetry_root, "telemetry root")
+            root_fd = open_trusted_dir(self.telemetry_root, "telemetry root",
+                                       owner=self.telemetry_owner)
         except OSError:
             return names
         try:

@@ -290,6 +290,10 @@ def unsafe_reason(info: os.stat_result, trusted_uids: set[int]) -> str | None:
     if not stat.S_ISDIR(info.st_mode):
         return "is not a directory"
     if info.st_uid not in trusted_uids:
+        owners = sorted(trusted_uids - {0, os.geteuid()})
+        if owners:
+            return (f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()}), root "
+                    f"or the telemetry owner (uid {owners[0]})")
         return f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()}) or root"
     if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
         return (f"is writable by other users (mode {stat.S_IMODE(info.st_mode):04o}): "
@@ -312,21 +316,23 @@ def _trusted_symlink(name: str, dir_fd: int, trusted: set[int], where: str) -> b
 
 
 def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
-                     create: bool = False) -> int:
+                     create: bool = False, owner: int | None = None) -> int:
     """A descriptor of directory `path`, reached from / one component at a time with
     O_NOFOLLOW (as systemd's chase() does), so nothing can be swapped in along the way:
     every directory passed is owned by root or by us and no other user can replace its
     entries (OpenSSH's StrictModes), and a symlink is followed only when root or we own
     it. With `create`, missing directories are made (0700), only ever inside trusted ones.
-    Else UnsafeDirectory naming the culprit."""
+    `owner` (a daemon's --telemetry-owner) may own the last directory, `path` itself,
+    never one above it nor a symlink. Else UnsafeDirectory naming the culprit."""
     trusted = {0, os.geteuid()}
+    last_trusted = trusted if owner is None else trusted | {owner}
     pending = [part for part in str(os.path.abspath(path)).split("/") if part]
     walked = Path("/")
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     hops = 0
     try:
         while True:
-            reason = unsafe_reason(os.fstat(fd), trusted)
+            reason = unsafe_reason(os.fstat(fd), trusted if pending else last_trusted)
             if reason:
                 raise UnsafeDirectory(f"{what} {path}: {walked} {reason}")
             if not pending:

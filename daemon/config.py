@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import pwd
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,24 @@ def check_node_name(name: str) -> str:
         raise ValueError(f"the node name {name[:100]!r} holds a control character "
                          "(--node-name, AC_OBSERVE_NODE_NAME)")
     return name
+
+
+def parse_owner(text: str | None) -> int | None:
+    """--telemetry-owner: a uid or a user name of this host (None or '': none)."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    if text.isdigit():
+        uid = int(text)
+        if uid > 0xFFFFFFFE:
+            raise ValueError(f"--telemetry-owner {text[:20]}: not a uid")
+        return uid
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise ValueError(f"--telemetry-owner {text[:100]!r}: no such user on this host "
+                         "(give a uid: the daemon's image may not know the engine's "
+                         "user names)") from None
 
 
 def default_node_name() -> str:
@@ -78,6 +97,9 @@ class DaemonConfig:
     collectors: tuple[str, ...] = DEFAULT_COLLECTORS
     collector_timeout_seconds: float = 2.0
     telemetry_root: Path = field(default_factory=default_telemetry_root)
+    # The uid non-root engines run as: beside root and the daemon's own user, it may own
+    # the telemetry root and engine directories (collectors/engine/discovery.py)
+    telemetry_owner: int | None = None
     engine_stale_seconds: float = 5.0     # no heartbeat for this long: the engine is gone
     engine_grace_seconds: float = 30.0    # then its series stay this long before they vanish
     max_series: int = DEFAULT_MAX_SERIES  # past it new series are refused

@@ -1,6 +1,7 @@
 """`docker compose up` for real: a Docker engine (Debian docker.io), the shipped Dockerfile
 and docker-compose.yml driven by Debian's docker-compose with a test override, no image
-registry. The engine, daemon, Prometheus and Alertmanager containers run; Prometheus in
+registry. The engine (as its image's non-root user), daemon, Prometheus and Alertmanager
+containers run; Prometheus in
 its container scrapes the daemon in its container over TLS (the certificates
 scripts/compose-tls.sh makes, with the bearer token from the compose secret); the daemon's
 image holds no torch and its HEALTHCHECK turns healthy; the engine's demo traffic makes
@@ -178,6 +179,12 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
     running = _run(*stack["compose"], "ps", "--services", "--filter", "status=running",
                    cwd=stack["context"], env=stack["env"]).stdout.split()
     assert set(running) == {"engine", "daemon", "prometheus", "alertmanager"}, running
+    # The engine runs as the image's non-root user, which owns its telemetry directory;
+    # the root daemon, told that owner, reads it (the engine-0 series below).
+    ids = _run(*stack["compose"], "exec", "-T", "engine", "sh", "-c",
+               "id -u; id -g; stat -c %u /telemetry/engine-0", cwd=stack["context"],
+               env=stack["env"]).stdout.split()
+    assert ids == ["10001", "10001", "10001"], ids
 
     # The four headline metrics, through the CLI against the published port.
     for metric in ("inference_latency_ns", "kv_cache_hit_rate", "skeleton_complexity",

@@ -96,12 +96,19 @@ def test_compose_wiring():
 @pytest.mark.slow
 def test_kubernetes_manifests_validate_for_their_version(tmp_path):
     manifests = sorted((REPO / "dashboards" / "kubernetes").glob("*.yaml"))
+    # (the unprivileged daemon: in place of daemon.yaml, validated alike)
+    variants = sorted((REPO / "dashboards" / "kubernetes" / "unprivileged").glob("*.yaml"))
+    assert variants
     assert KUBERNETES_VERSION.rsplit(".", 1)[0] in \
         (REPO / "dashboards" / "kubernetes" / "README.md").read_text()
     validate = str(Path(sys.executable).with_name("kubernetes-validate"))
     out = subprocess.run([validate, "-k", KUBERNETES_VERSION, "--strict",
-                          *map(str, manifests)], capture_output=True, text=True)
+                          *map(str, manifests + variants)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+    for path in variants:  # every resource of theirs passed, none went unchecked
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert f"passed for resource {doc['kind'].lower()}/{doc['metadata']['name']}" \
+                in out.stdout + out.stderr, (path, doc["kind"])
     kinds = {}
     for path in manifests:
         for doc in yaml.safe_load_all(path.read_text()):
@@ -230,3 +237,75 @@ def test_the_alertmanager_entrypoint_writes_a_checked_url_into_its_config(tmp_pa
     config = yaml.safe_load((tmp_path / "out.yml").read_text())
     (hook,) = config["receivers"][0]["webhook_configs"]
     assert hook["url"] == url
+
+
+def _documents(path: Path) -> dict[str, dict]:
+    return {f"{doc['kind']}/{doc['metadata']['name']}": doc
+            for doc in yaml.safe_load_all(path.read_text())}
+
+
+def _container(daemonset: dict, name: str) -> dict:
+    (container,) = [c for c in daemonset["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == name]
+    return container
+
+
+def test_the_engines_run_as_the_user_the_root_daemon_reads():
+    kubernetes = REPO / "dashboards" / "kubernetes"
+    engine = _documents(kubernetes / "engine.yaml")["Deployment/ac-observe-engine"]
+    pod = engine["spec"]["template"]["spec"]
+    for container in pod["containers"]:  # the engine and the gateway
+        context = container["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001, container
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"] == {"drop": ["ALL"]}
+    # Their directories under the node's root-owned telemetry root, made theirs first.
+    (init,) = pod["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert "chown 10001:10001" in " ".join(init["args"])
+    daemon = _documents(kubernetes / "daemon.yaml")["DaemonSet/ac-observe-daemon"]
+    env = {e["name"]: e.get("value") for e in _container(daemon, "daemon")["env"]}
+    assert env["AC_OBSERVE_TELEMETRY_OWNER"] == "10001"
+    # And compose: the engine image's user (Dockerfile), the daemon told it.
+    assert "USER 10001:10001" in (REPO / "Dockerfile").read_text().split(
+        "AS engine")[1]
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    assert compose["daemon"]["environment"]["AC_OBSERVE_TELEMETRY_OWNER"] == "10001"
+
+
+def test_the_unprivileged_daemon_needs_no_root_and_matches_the_privileged_one():
+    kubernetes = REPO / "dashboards" / "kubernetes"
+    privileged = _documents(kubernetes / "daemon.yaml")
+    unprivileged = _documents(kubernetes / "unprivileged" / "daemon.yaml")
+    assert set(unprivileged) == set(privileged)
+    # In place of daemon.yaml: its ConfigMaps and Service the same, applied either way.
+    for name, doc in unprivileged.items():
+        if not name.startswith("DaemonSet/"):
+            assert doc == privileged[name], name
+    pod = unprivileged["DaemonSet/ac-observe-daemon"]["spec"]["template"]["spec"]
+    daemon = _container(unprivileged["DaemonSet/ac-observe-daemon"], "daemon")
+    env = {e["name"]: e.get("value") for e in daemon["env"]}
+    assert "ebpf" not in env["AC_OBSERVE_COLLECTORS"].split(",")
+    assert env["AC_OBSERVE_POD_RESOURCES_SOCKET"] == ""  # root's socket: not asked
+    context = daemon["securityContext"]
+    assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["allowPrivilegeEscalation"] is False and not context.get("privileged")
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert "--discover-engines" not in daemon["args"]  # SYS_PTRACE: not for a non-root
+    for container in pod["containers"]:
+        assert container["securityContext"]["runAsNonRoot"] is True, container["name"]
+    # Root only to hand the state directory to the daemon's user, with CAP_CHOWN alone.
+    for init in pod.get("initContainers", []):
+        assert init["securityContext"]["capabilities"] == {"drop": ["ALL"],
+                                                           "add": ["CHOWN"]}
+    mounted = {v["name"] for v in pod["volumes"]}
+    assert not mounted & {"debugfs", "tracefs", "modules", "usr-src", "pod-resources"}
+    # The key is readable by the daemon's group (fsGroup), not by everyone.
+    (tls,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert tls["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10001
+    # Everything else as the privileged daemon runs it.
+    theirs = _container(privileged["DaemonSet/ac-observe-daemon"], "daemon")
+    assert [a for a in theirs["args"] if a != "--discover-engines"] == daemon["args"]
+    for key in ("image", "ports", "readinessProbe", "livenessProbe"):
+        assert daemon[key] == theirs[key], key

@@ -51,6 +51,9 @@ class _EngineDirectory:
 class EngineCollector(Collector):
     def __init__(self, config):
         self.root = Path(config.telemetry_root)
+        # The uid non-root engines run as: it may own the root and engine directories.
+        self.owner: int | None = getattr(config, "telemetry_owner", None)
+        self._refused: dict[str, str] = {}  # directory -> why, as logged (once)
         self.stale_seconds = config.engine_stale_seconds
         self.grace_seconds = config.engine_grace_seconds
         self.engines: dict[str, EngineState] = {}
@@ -102,14 +105,15 @@ class EngineCollector(Collector):
         try:
             # The daemon may run as root and removes gone engines' files: it reads a root
             # no other user can redirect (see open_trusted_dir), never one it was lured to.
-            root_fd = open_trusted_dir(self.root, "telemetry root")
+            root_fd = open_trusted_dir(self.root, "telemetry root", owner=self.owner)
         except FileNotFoundError:
             self.engines, self._directories = {}, {}
             self._note_new_engines({}, {}, now)
             return []
         except UnsafeDirectory as exc:
             raise CollectorUnavailable(f"{exc}; point --telemetry-root at a directory "
-                                       "owned by root or this user") from None
+                                       "owned by root or this user (or name its owner "
+                                       "with --telemetry-owner)") from None
         try:
             root_owner = os.fstat(root_fd).st_uid
             families: dict[str, EngineFamily] = {}
@@ -126,7 +130,12 @@ class EngineCollector(Collector):
                 except BadEngine as exc:
                     seen[name] = EngineState(name, {}, False, 0.0, str(exc), "",
                                              directory.restarts)
+                    if self._refused.get(name) != str(exc):  # once a directory and reason
+                        log.warning("engine directory %s is not read: %s",
+                                    self.root / name, exc)
+                        self._refused[name] = str(exc)
                     continue
+                self._refused.pop(name, None)
                 if read is None:
                     continue
                 state, values = read
@@ -142,6 +151,7 @@ class EngineCollector(Collector):
             self.engines = seen
             self._note_new_engines(served, seen, now)
             self._directories = {n: r for n, r in self._directories.items() if n in seen}
+            self._refused = {n: r for n, r in self._refused.items() if n in seen}
             restarts = new_counter(ENGINE_RESTARTS)
             for state in seen.values():
                 if state.info and not state.error:
@@ -160,7 +170,7 @@ class EngineCollector(Collector):
         if dir_fd is None:
             return None
         try:
-            info_stat = engine_info_stat(dir_fd, root_owner)
+            info_stat = engine_info_stat(dir_fd, root_owner, self.owner)
             if info_stat is None:
                 return None  # not an engine directory (no engine.json)
             heartbeat = info_stat.st_mtime

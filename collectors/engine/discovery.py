@@ -78,13 +78,21 @@ def open_engine_dir(root: Path, root_fd: int, name: str) -> int | None:
         raise BadEngine(f"cannot open: {exc.strerror}") from None
 
 
-def engine_info_stat(dir_fd: int, root_owner: int) -> os.stat_result | None:
+def engine_info_stat(dir_fd: int, root_owner: int,
+                     telemetry_owner: int | None = None) -> os.stat_result | None:
     """The stat of the directory's engine.json (its mtime is the heartbeat), once the
-    directory is found safe to read; None when it has no engine.json (not an engine's)."""
+    directory is found safe to read; None when it has no engine.json (not an engine's).
+
+    Safe: owned by the telemetry root's owner, by this daemon's user or by the telemetry
+    owner it was given (--telemetry-owner: the uid non-root engines run as), and writable
+    by no one else."""
     info = os.fstat(dir_fd)
-    if info.st_uid not in (root_owner, os.geteuid()):
-        raise BadEngine(f"is owned by uid {info.st_uid}; the telemetry root belongs to "
-                        f"uid {root_owner}")
+    if info.st_uid not in (root_owner, os.geteuid(), telemetry_owner):
+        owner = "" if telemetry_owner is None else \
+            f" nor to the telemetry owner (uid {telemetry_owner})"
+        raise BadEngine(f"is owned by uid {info.st_uid}; it belongs neither to the "
+                        f"telemetry root's owner (uid {root_owner}), to this daemon's user "
+                        f"(uid {os.geteuid()}){owner}")
     if info.st_mode & 0o022:
         raise BadEngine(f"is writable by other users (mode "
                         f"{stat.S_IMODE(info.st_mode):04o}): chmod go-w it")

@@ -42,6 +42,11 @@ def daemon(
     collector_timeout: str = typer.Option("2s", help="A collector slower than this is down."),
     telemetry_root: str = typer.Option("", help="Where engines write telemetry "
                                                 "(default $AC_OBSERVE_TELEMETRY_DIR)."),
+    telemetry_owner: str = typer.Option(
+        None, envvar="AC_OBSERVE_TELEMETRY_OWNER", show_envvar=True,
+        help="The user (uid or name) non-root engines run as: their telemetry root and "
+             "directories are read too (beside root's and this user's). Directories "
+             "anyone else owns, or others can write, stay refused."),
     engine_stale: str = typer.Option("5s", help="Heartbeat age after which an engine is gone."),
     engine_grace: str = typer.Option("30s", help="How long a gone engine's series remain."),
     max_series: int = typer.Option(DEFAULT_MAX_SERIES,
@@ -100,6 +105,7 @@ def daemon(
         default_node_name,
         is_loopback,
         parse_endpoint,
+        parse_owner,
     )
     from ac_observe.daemon.http_api import make_server
     from ac_observe.daemon.reload import ConfigReloader, ReloadFailed
@@ -114,12 +120,14 @@ def daemon(
         endpoints = tuple(parse_endpoint(text) for text in [
             *(engine_endpoint or []),
             *_names(os.environ.get("AC_OBSERVE_ENGINE_ENDPOINTS", ""))])
+        owner = parse_owner(telemetry_owner)
         config = DaemonConfig(
             host=host, port=port, token=read_token(token, token_file),
             interval_seconds=parse_duration(interval), window_seconds=parse_duration(window),
             collectors=tuple(c.strip() for c in collectors.split(",") if c.strip()),
             collector_timeout_seconds=parse_duration(collector_timeout),
             telemetry_root=Path(telemetry_root) if telemetry_root else default_telemetry_root(),
+            telemetry_owner=owner,
             engine_stale_seconds=parse_duration(engine_stale),
             engine_grace_seconds=parse_duration(engine_grace), max_series=max_series,
             ebpf_probes=_names(ebpf_probes), ebpf_comm=ebpf_comm,
