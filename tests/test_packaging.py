@@ -189,7 +189,7 @@ STACK_FILES = ("grafana/dashboards/ac-overview.json", "grafana/dashboards/ac-kv-
                "ac-observe/alerting.yaml", "kubernetes/namespace.yaml",
                "kubernetes/daemon.yaml", "kubernetes/engine.yaml",
                "kubernetes/servicemonitor.yaml", "kubernetes/prometheusrule.yaml",
-               "kubernetes/README.md")
+               "kubernetes/unprivileged/daemon.yaml", "kubernetes/README.md")
 
 
 def test_the_wheel_carries_the_stack_files_and_the_license(wheel):
