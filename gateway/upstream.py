@@ -22,23 +22,32 @@ MAX_BUFFERED = 1 << 20
 
 
 class UpstreamError(Exception):
-    """Base: the upstream could not be reached or answered wrongly."""
+    """Base: the upstream could not be reached or answered wrongly. `reason` is the
+    failure's name in `ac_gateway_upstream_failures_total` (metrics.UPSTREAM_FAILURE_REASONS)."""
+    reason = "bad_response"
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        if reason:
+            self.reason = reason
 
 
 class PoolFull(UpstreamError):
-    pass
+    reason = "pool_full"
 
 
 class ConnectFailed(UpstreamError):
-    pass
+    """Not connected: `unreachable` (refused, no route, no such host), `connect_timeout`
+    or `tls` (the handshake failed or the certificate was not trusted)."""
+    reason = "unreachable"
 
 
 class ReadTimedOut(UpstreamError):
-    pass
+    reason = "read_timeout"
 
 
 class BadResponse(UpstreamError):
-    pass
+    reason = "bad_response"
 
 
 class _Connection(asyncio.Protocol):
@@ -279,7 +288,13 @@ class UpstreamPool:
                 _Connection, self.host, self.port, ssl=self._ssl,
                 server_hostname=self.host if self._ssl else None), self.connect_timeout)
         except asyncio.TimeoutError:
-            raise ConnectFailed("connect timed out") from None
+            raise ConnectFailed("connect timed out", "connect_timeout") from None
+        except ssl.SSLCertVerificationError as exc:
+            raise ConnectFailed(f"its TLS certificate is not trusted ({exc.verify_message})",
+                                "tls") from None
+        except ssl.SSLError as exc:
+            raise ConnectFailed(f"the TLS handshake failed ({exc.reason or exc})", "tls") \
+                from None
         except OSError as exc:
             raise ConnectFailed(exc.strerror or type(exc).__name__) from None
         return connection
@@ -288,3 +303,4 @@ class UpstreamPool:
         for connection in self._idle:
             connection.close()
         self._idle.clear()
+

@@ -7,6 +7,7 @@ server on a loopback port, in a thread. The request's `x-bad` header picks the f
 - `stall`: a stream's head and first event, then silence for 3 s
 - `5xx`: a 500 with an OpenAI error body (`ERROR_500`)
 - `garbage`: bytes that are no HTTP response, then the connection closed
+- `error_event`: a 200 event stream with one content event, then an error event
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import threading
 ERROR_500 = json.dumps({"error": {"message": "boom", "type": "server_error", "param": None,
                                   "code": None}}).encode()
 CONTENT_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
+ERROR_EVENT = b'data: {"error":{"message":"overloaded","type":"server_error"}}\n\n'
 MALFORMED_STREAM = [b"data: {not json\n\n", b"data: " + b"x" * (2 << 20), b"\n\n",
                     b": a comment\n\ndata: [1, 2]\n\n", CONTENT_EVENT, b"data: [DONE]\n\n"]
 
@@ -74,6 +76,9 @@ class BadUpstream:
                 await writer.drain()
             await asyncio.sleep(3)
             return False
+        elif fault == "error_event":
+            writer.write(stream_head + _chunk(CONTENT_EVENT) + _chunk(ERROR_EVENT)
+                         + b"0\r\n\r\n")
         elif fault == "5xx":
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
                          b"application/json\r\ncontent-length: "
