@@ -8,6 +8,8 @@ server on a loopback port, in a thread. The request's `x-bad` header picks the f
 - `5xx`: a 500 with an OpenAI error body (`ERROR_500`)
 - `garbage`: bytes that are no HTTP response, then the connection closed
 - `error_event`: a 200 event stream with one content event, then an error event
+- `paced`: a well-formed 200 event stream, its content events apart by `PACED_GAPS_S` (each
+  event a chunk of its own), then [DONE]
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ ERROR_500 = json.dumps({"error": {"message": "boom", "type": "server_error", "pa
                                   "code": None}}).encode()
 CONTENT_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
 ERROR_EVENT = b'data: {"error":{"message":"overloaded","type":"server_error"}}\n\n'
+# Distinct gaps between content events (three latency buckets or more apart).
+PACED_GAPS_S = (0.005, 0.025, 0.08) * 4
 MALFORMED_STREAM = [b"data: {not json\n\n", b"data: " + b"x" * (2 << 20), b"\n\n",
                     b": a comment\n\ndata: [1, 2]\n\n", CONTENT_EVENT, b"data: [DONE]\n\n"]
 
@@ -76,8 +80,14 @@ class BadUpstream:
                 await writer.drain()
             await asyncio.sleep(3)
             return False
-        elif fault == "error_event":
-            writer.write(stream_head + _chunk(CONTENT_EVENT) + _chunk(ERROR_EVENT)
+        elif fault in ("paced", "error_event"):
+            writer.write(stream_head + _chunk(CONTENT_EVENT))
+            await writer.drain()
+            for gap in PACED_GAPS_S if fault == "paced" else ():
+                await asyncio.sleep(gap)
+                writer.write(_chunk(CONTENT_EVENT))
+                await writer.drain()
+            writer.write(_chunk(ERROR_EVENT if fault == "error_event" else b"data: [DONE]\n\n")
                          + b"0\r\n\r\n")
         elif fault == "5xx":
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
