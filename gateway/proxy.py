@@ -65,6 +65,7 @@ class GatewayConfig:
     read_timeout: float = 600.0
     max_connections: int = 256
     pool_timeout: float = 1.0
+    upstream_ca_file: str | None = None  # PEM: the CAs an https upstream is verified with
 
 
 class _Refused(Exception):
@@ -100,7 +101,7 @@ class Gateway:
         self.stats = stats
         self.pool = UpstreamPool(config.upstream, config.max_connections,
                                  config.connect_timeout, config.read_timeout,
-                                 config.pool_timeout)
+                                 config.pool_timeout, config.upstream_ca_file)
 
     async def aclose(self) -> None:
         self.pool.close()

@@ -206,7 +206,7 @@ class UpstreamPool:
     """At most `max_connections` connections to one upstream, idle ones kept alive."""
 
     def __init__(self, base_url: str, max_connections: int, connect_timeout: float,
-                 read_timeout: float, pool_timeout: float):
+                 read_timeout: float, pool_timeout: float, ca_file: str | None = None):
         parts = urlsplit(base_url)
         self.https = parts.scheme == "https"
         self.host: str = parts.hostname or ""  # serve.check_upstream: there is one
@@ -218,7 +218,7 @@ class UpstreamPool:
         self.max_connections = max_connections
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.pool_timeout = pool_timeout
-        self._ssl = ssl.create_default_context() if self.https else None
+        self._ssl = tls_context(ca_file) if self.https else None
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
 
@@ -290,8 +290,8 @@ class UpstreamPool:
         except asyncio.TimeoutError:
             raise ConnectFailed("connect timed out", "connect_timeout") from None
         except ssl.SSLCertVerificationError as exc:
-            raise ConnectFailed(f"its TLS certificate is not trusted ({exc.verify_message})",
-                                "tls") from None
+            raise ConnectFailed(f"its TLS certificate is not trusted ({exc.verify_message}; "
+                                f"--upstream-ca-file names the CAs to trust)", "tls") from None
         except ssl.SSLError as exc:
             raise ConnectFailed(f"the TLS handshake failed ({exc.reason or exc})", "tls") \
                 from None
@@ -304,3 +304,17 @@ class UpstreamPool:
             connection.close()
         self._idle.clear()
 
+
+def tls_context(ca_file: str | None = None) -> ssl.SSLContext:
+    """The context an https upstream is verified with: the system's CAs, or only those in
+    `ca_file` (PEM) when given. Raises ValueError when that file is unreadable or holds no
+    certificate."""
+    if ca_file is None:
+        return ssl.create_default_context()
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except ssl.SSLError:  # before OSError: it is one
+        why = "no CA certificate could be read from it (PEM expected)"
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+    raise ValueError(f"--upstream-ca-file {ca_file}: {why}")

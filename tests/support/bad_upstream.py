@@ -10,11 +10,14 @@ server on a loopback port, in a thread. The request's `x-bad` header picks the f
 - `error_event`: a 200 event stream with one content event, then an error event
 - `paced`: a well-formed 200 event stream, its content events apart by `PACED_GAPS_S` (each
   event a chunk of its own), then [DONE]
+
+With `tls` (a server context), it serves https.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 
 ERROR_500 = json.dumps({"error": {"message": "boom", "type": "server_error", "param": None,
@@ -32,19 +35,20 @@ def _chunk(data: bytes) -> bytes:
 
 
 class BadUpstream:
-    def __init__(self):
+    def __init__(self, tls: ssl.SSLContext | None = None):
+        self.tls = tls
         self.loop = asyncio.new_event_loop()
         self.server = None
         ready = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self.thread.start()
         ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self.server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", 0))
+            asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls))
         self.port = self.server.sockets[0].getsockname()[1]
         ready.set()
         self.loop.run_forever()
@@ -59,7 +63,7 @@ class BadUpstream:
                 await reader.readexactly(int(headers.get("content-length", "0")))
                 if not await self._answer(headers.get("x-bad", ""), writer):
                     break
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
             pass
         finally:
             writer.close()
