@@ -62,6 +62,7 @@ from ac_observe.metrics import (
     SKELETON_COMPLEXITY,
     SKELETON_REQUESTS,
     STREAM_UTILIZATION,
+    UPSTREAM_FAILURES,
     UPSTREAM_LABEL,
     MetricSpec,
     exposed_labels,
@@ -190,6 +191,10 @@ FRIENDLY = {f.name: f for f in (
              "Cached blocks evicted per second."),
     Friendly("skeleton_request_rate", RATE_KIND, SKELETON_REQUESTS, "req/s", 1.0,
              "Requests per second per prompt skeleton."),
+    Friendly("upstream_failure_rate", RATE_KIND, UPSTREAM_FAILURES, "req/s", 1.0,
+             "Requests a gateway's upstream failed per second, by reason (unreachable, "
+             "connect_timeout, tls, pool_full, read_timeout, bad_response, upstream_5xx, "
+             "error_event, malformed_sse)."),
     Friendly("engine_restart_rate", RATE_KIND, ENGINE_RESTARTS, "1/s", 1.0,
              "New engine processes taking over an engine's telemetry, per second."),
     Friendly("gpu_xid_error_rate", RATE_KIND, GPU_XID_ERRORS, "1/s", 1.0,

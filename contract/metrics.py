@@ -28,6 +28,14 @@ NO_SKELETON = "none"  # requests sent as token ids carry no text, so no skeleton
 # Why a looked-up prefix block missed (docs/engine.md, "Cache-miss attribution").
 MISS_EVICTED, MISS_COLD, MISS_DIVERGED = MISS_REASONS = ("evicted", "cold", "diverged")
 PHASE_PREFILL, PHASE_DECODE = PHASES = ("prefill", "decode")
+# Why a gateway's upstream failed a request (docs/gateway.md, "Limits and failures"):
+# unreachable (refused, no route, no such host), connect_timeout, tls (the handshake or
+# the certificate), pool_full (every upstream connection busy), read_timeout, bad_response
+# (no valid HTTP answer, or it broke off), upstream_5xx, error_event (an error event in a
+# stream), malformed_sse (events that could not be read; the stream is relayed as it is).
+UPSTREAM_FAILURE_REASONS = ("unreachable", "connect_timeout", "tls", "pool_full",
+                            "read_timeout", "bad_response", "upstream_5xx", "error_event",
+                            "malformed_sse")
 # Sampled kernel time: every profiled op or kernel lands in one of these classes, decided
 # by its name (docs/engine.md, "Sampled kernel time"); kernel names never become labels.
 KERNEL_CLASSES = ("attention", "gemm", "norm", "rope", "activation", "sampling", "memcpy",
@@ -215,6 +223,10 @@ KERNEL_SECONDS = _engine("ac_kernel_seconds", HISTOGRAM,
                          "Device time of one kernel class in one sampled step (CUDA kernel "
                          "time on a GPU, operator self time on CPU), by lane and phase.",
                          PHASE_LABELS + ("class",), "seconds", KERNEL_BUCKETS_SECONDS)
+UPSTREAM_FAILURES = _engine("ac_gateway_upstream_failures_total", COUNTER,
+                            "Requests a gateway's upstream failed, by reason (one reason a "
+                            "request: the first failure), whatever the path.",
+                            ENGINE_LABELS + ("reason",), "requests")
 
 ENGINE_METRICS = (
     INFERENCE_LATENCY, FRONTEND, QUEUE_TIME, FIRST_TEXT, FIRST_TOKEN_SENT, DELIVERY_LAG,
@@ -224,7 +236,7 @@ ENGINE_METRICS = (
     KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_MISS_BLOCKS, KV_MISS_TOKENS, KV_EVICTION_AGE, KV_USAGE,
     KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS, REQUESTS_RUNNING, REQUESTS_WAITING,
     SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY, ENGINE_STEPS, KERNEL_SAMPLED_STEPS,
-    KERNEL_SECONDS, KV_REPORTED_HIT, REQUEST_PREFILL, REQUEST_DECODE,
+    KERNEL_SECONDS, KV_REPORTED_HIT, REQUEST_PREFILL, REQUEST_DECODE, UPSTREAM_FAILURES,
 )
 # What a gateway (ac_observe.gateway) measures of the requests it relays: the client-side
 # figures (its time to first token goes into both INFERENCE_LATENCY and FIRST_TOKEN_SENT,
@@ -232,7 +244,13 @@ ENGINE_METRICS = (
 GATEWAY_METRICS = (
     INFERENCE_LATENCY, FIRST_TOKEN_SENT, INTER_TOKEN_LATENCY, E2E_LATENCY, REQUESTS,
     PROMPT_TOKENS, GENERATION_TOKENS, SKELETON_COMPLEXITY, SKELETON_REQUESTS,
+    UPSTREAM_FAILURES,
 )
+# What only a gateway writes: the bundled engine's writer leaves them out (a figure an
+# engine does not have is missing, never a zero).
+GATEWAY_ONLY_METRICS = (UPSTREAM_FAILURES,)
+BUNDLED_ENGINE_METRICS = tuple(spec for spec in ENGINE_METRICS
+                               if spec not in GATEWAY_ONLY_METRICS)
 # Every engine series carries `kind` beside `engine` and `model`: which engine wrote it
 # (the bundled one, through its files; vLLM and SGLang, scraped by collectors/scrape/), so
 # a query may filter on it and a quantile never mixes two engines' bucket layouts. It is
@@ -256,6 +274,13 @@ UPSTREAM_LABEL = "upstream"
 # them, the daemon refuses any other).
 LABEL_VALUES = {"stream": LANES, "status": REQUEST_STATUSES, "reason": MISS_REASONS,
                 "phase": PHASES, "class": KERNEL_CLASSES}
+# A family whose label takes another closed set than LABEL_VALUES gives that label.
+FAMILY_LABEL_VALUES = {(UPSTREAM_FAILURES.name, "reason"): UPSTREAM_FAILURE_REASONS}
+
+
+def label_values(spec: MetricSpec, label: str) -> tuple[str, ...] | None:
+    """The closed set of values `label` takes in `spec`'s series (None: not closed)."""
+    return FAMILY_LABEL_VALUES.get((spec.name, label), LABEL_VALUES.get(label))
 
 GPU_LABELS = ("gpu", "uuid")
 # Per-process series (those with `pid`) get these on export, where the process's cgroup

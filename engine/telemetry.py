@@ -25,13 +25,13 @@ import threading
 import time
 
 from ac_observe.metrics import (
+    BUNDLED_ENGINE_METRICS,
     COUNTER,
-    ENGINE_METRICS,
     GAUGE,
     HISTOGRAM,
-    LABEL_VALUES,
     OTHER_SKELETON,
     MetricSpec,
+    label_values,
 )
 from ac_observe.telemetry_format import (
     ENGINE_INFO_FILE,
@@ -62,8 +62,8 @@ class TelemetryWriter:
     engine writes there, and no daemon removes it."""
 
     def __init__(self, directory: str | os.PathLike, info: dict, engine: str, model: str,
-                 specs: tuple[MetricSpec, ...] = ENGINE_METRICS, heartbeat_seconds: float = 1.0,
-                 buffered: bool = False):
+                 specs: tuple[MetricSpec, ...] = BUNDLED_ENGINE_METRICS,
+                 heartbeat_seconds: float = 1.0, buffered: bool = False):
         self.directory = directory
         self._dir_fd = open_engine_dir(directory)
         self._reap_dead_predecessor()
@@ -134,8 +134,8 @@ class TelemetryWriter:
             extra = [label for label in spec.labels if label not in self._base]
             if "class" in extra:
                 continue
-            choices = [(OTHER_SKELETON,) if label == "skeleton" else LABEL_VALUES[label]
-                       for label in extra]
+            choices = [(OTHER_SKELETON,) if label == "skeleton"
+                       else label_values(spec, label) or () for label in extra]
             for values in itertools.product(*choices):
                 self._touch(spec, **dict(zip(extra, values, strict=False)))
 

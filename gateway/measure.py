@@ -8,7 +8,8 @@ handed to the writer's thread, which computes the prompt's skeleton and writes t
 
 Outcomes map onto `ac_requests_total{status}` as the engine counts its own: ok → ok,
 client_gone → aborted, upstream_error and timeout → error (the log and the gateway's
-`outcomes` count them apart).
+`outcomes` count them apart, and `ac_gateway_upstream_failures_total{reason}` says why
+the upstream failed: `RequestFigures.failure`).
 """
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ class RequestFigures:
     outcome: str = OK
     reader: EventReader | None = None
     usage: Usage | None = None
+    failure: str = ""            # why the upstream failed it (metrics.UPSTREAM_FAILURE_REASONS)
+
+    def fail(self, reason: str) -> None:
+        """The upstream failed this request: the first reason is the one counted."""
+        if reason and not self.failure:
+            self.failure = reason
 
     def content_sent(self, events: int, now_ns: int) -> None:
         """A chunk that completed `events` content events was handed to the socket."""
@@ -100,7 +107,7 @@ class GatewayStats:
         if figures.outcome != OK:
             log.info("%s %s: %s (status %d)", figures.path, figures.lane, figures.outcome,
                      figures.status)
-        if self.writer is not None and figures.path in GENERATION_PATHS:
+        if self.writer is not None and (figures.path in GENERATION_PATHS or figures.failure):
             self._queue.put((figures, end_ns))
 
     def _drain(self) -> None:
@@ -109,8 +116,8 @@ class GatewayStats:
         while (item := self._queue.get()) is not None:
             figures, end_ns = item
             try:
-                skeleton = skeleton_of_body(figures.path, figures.body) if figures.body \
-                    else None
+                skeleton = skeleton_of_body(figures.path, figures.body) \
+                    if figures.body and figures.path in GENERATION_PATHS else None
                 self._write(self.writer, figures, end_ns, skeleton)
                 if self._queue.empty():
                     self.writer.flush()
@@ -119,6 +126,10 @@ class GatewayStats:
 
     def _write(self, writer: TelemetryWriter, figures: RequestFigures, end_ns: int,
                skeleton: Skeleton | None) -> None:
+        if figures.failure:  # any path's: an unreachable upstream fails /v1/models too
+            writer.inc(m.UPSTREAM_FAILURES, reason=figures.failure)
+        if figures.path not in GENERATION_PATHS:
+            return
         lane = figures.lane
         if skeleton is not None:
             label = self.skeleton_labels.label(skeleton.skeleton_id)

@@ -7,9 +7,12 @@
   answer of at most `max_whole_bytes` is sent whole with `x-ac-gateway-ttft-ns`.
 - The client's hang-up cancels the relay at once: the upstream connection is closed, which
   is how an OpenAI or Anthropic server learns to abort the request.
-- Failures answer in the API's own error shape: 502 (upstream unreachable, broken answer),
-  503 (every upstream connection busy past `pool_timeout`), 504 (no answer within
-  `read_timeout`). A stream already under way that fails is ended where it stopped.
+- Failures answer in the API's own error shape: 502 (upstream unreachable, TLS refused,
+  broken answer), 503 (every upstream connection busy past `pool_timeout`), 504 (no answer
+  within `read_timeout`). A stream already under way that fails is ended where it stopped.
+  Each request the upstream failed carries the failure's reason into
+  `ac_gateway_upstream_failures_total{reason}` (UpstreamError.reason, or the answer's own:
+  upstream_5xx, error_event, malformed_sse).
 """
 from __future__ import annotations
 
@@ -62,12 +65,14 @@ class GatewayConfig:
     read_timeout: float = 600.0
     max_connections: int = 256
     pool_timeout: float = 1.0
+    upstream_ca_file: str | None = None  # PEM: the CAs an https upstream is verified with
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, message: str, outcome: str):
+    def __init__(self, status: int, message: str, outcome: str, failure: str = ""):
         super().__init__(message)
         self.status, self.message, self.outcome = status, message, outcome
+        self.failure = failure  # the upstream's failure reason, if it was the upstream's
 
 
 def _drop_hop_by_hop(headers) -> list[tuple[bytes, bytes]]:
@@ -96,7 +101,7 @@ class Gateway:
         self.stats = stats
         self.pool = UpstreamPool(config.upstream, config.max_connections,
                                  config.connect_timeout, config.read_timeout,
-                                 config.pool_timeout)
+                                 config.pool_timeout, config.upstream_ca_file)
 
     async def aclose(self) -> None:
         self.pool.close()
@@ -131,6 +136,7 @@ class Gateway:
             await self._relay_until_gone(scope, headers, figures, answer_headers, receive, send)
         except _Refused as refused:
             figures.outcome, figures.status = refused.outcome, refused.status
+            figures.fail(refused.failure)
             await self._error(send, path, refused.status, refused.message, answer_headers)
         except _ClientGone:
             figures.outcome = CLIENT_GONE
@@ -185,6 +191,7 @@ class Gateway:
             figures.status = response.status_code
             if response.status_code >= 500:
                 figures.outcome = UPSTREAM_ERROR
+                figures.fail("upstream_5xx")
             out_headers = [(n.lower(), v) for n, v in _drop_hop_by_hop(response.headers)
                            if n.lower() != TRACE_ID_HEADER] + answer_headers
             content_type = response.header(b"content-type") or b""
@@ -202,15 +209,16 @@ class Gateway:
         try:
             return await self.pool.request(method, target, headers, body)
         except PoolFull as exc:
-            raise _Refused(503, str(exc), UPSTREAM_ERROR) from None
+            raise _Refused(503, str(exc), UPSTREAM_ERROR, exc.reason) from None
         except ConnectFailed as exc:
-            raise _Refused(502, f"upstream unreachable: {exc}", UPSTREAM_ERROR) from None
-        except ReadTimedOut:
+            what = "upstream refused" if exc.reason == "tls" else "upstream unreachable"
+            raise _Refused(502, f"{what}: {exc}", UPSTREAM_ERROR, exc.reason) from None
+        except ReadTimedOut as exc:
             raise _Refused(504, f"upstream gave no answer within "
-                           f"{self.config.read_timeout:g} s", TIMEOUT) from None
+                           f"{self.config.read_timeout:g} s", TIMEOUT, exc.reason) from None
         except BadResponse as exc:
             raise _Refused(502, f"upstream answered with no valid HTTP response: {exc}",
-                           UPSTREAM_ERROR) from None
+                           UPSTREAM_ERROR, exc.reason) from None
 
     async def _stream(self, response: UpstreamResponse, out_headers,
                       figures: RequestFigures, send, reader: EventReader | None) -> None:
@@ -223,14 +231,19 @@ class Gateway:
                 sent = now_ns()
                 if reader is not None:
                     figures.content_sent(reader.feed(chunk), sent)
-        except ReadTimedOut:
+        except ReadTimedOut as exc:
             figures.outcome = TIMEOUT
-        except UpstreamError:
+            figures.fail(exc.reason)
+        except UpstreamError as exc:
             figures.outcome = UPSTREAM_ERROR
+            figures.fail(exc.reason)
         if reader is not None:
             figures.usage = reader.usage
             if reader.errors and figures.outcome == OK:
                 figures.outcome = UPSTREAM_ERROR
+                figures.fail("error_event")
+            if reader.malformed:  # relayed as it came; the outcome stays the stream's
+                figures.fail("malformed_sse")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _whole(self, response: UpstreamResponse, out_headers,
@@ -254,14 +267,16 @@ class Gateway:
                     figures.content_sent(1, ready)
                     self.stats.whole_usage(figures, body)
                 return
-        except ReadTimedOut:
+        except ReadTimedOut as exc:
             raise _Refused(504, f"upstream's answer stalled past {self.config.read_timeout:g} s",
-                           TIMEOUT) from None
+                           TIMEOUT, exc.reason) from None
         except UpstreamError as exc:
-            raise _Refused(502, f"upstream's answer broke off: {exc}", UPSTREAM_ERROR) from None
-        await self._stream_rest(response.status_code, out_headers, parts, chunks, send)
+            raise _Refused(502, f"upstream's answer broke off: {exc}", UPSTREAM_ERROR,
+                           exc.reason) from None
+        await self._stream_rest(response.status_code, out_headers, parts, chunks, figures, send)
 
-    async def _stream_rest(self, status, out_headers, parts, chunks, send) -> None:
+    async def _stream_rest(self, status, out_headers, parts, chunks, figures: RequestFigures,
+                           send) -> None:
         """An answer too large to hold: what was read, then the rest as it comes."""
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
         for part in parts:
@@ -269,8 +284,8 @@ class Gateway:
         try:
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except UpstreamError:
-            pass
+        except UpstreamError as exc:
+            figures.fail(exc.reason)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _error(self, send, path: str, status: int, message: str, answer_headers) -> None:

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
 from ac_observe.gateway.measure import GatewayStats
 from ac_observe.gateway.proxy import Gateway, GatewayConfig
+from ac_observe.gateway.upstream import tls_context
 from ac_observe.metrics import GATEWAY_METRICS, KIND_GATEWAY
 from ac_observe.telemetry_format import (
     ENGINE_INFO_FILE,
@@ -30,6 +31,17 @@ def check_upstream(url: str) -> str:
     if parts.query or parts.fragment:
         raise ValueError(f"--upstream {url!r}: no query or fragment")
     return url.rstrip("/")
+
+
+def check_ca_file(ca_file: str | None, url: str) -> str | None:
+    """The CA file an https upstream is verified with, checked now (readable PEM holding
+    a certificate) so a bad one stops the gateway at start, never a request later."""
+    if not ca_file:
+        return None
+    if urlsplit(url).scheme != "https":
+        raise ValueError(f"--upstream-ca-file: the upstream {url!r} is not https")
+    tls_context(ca_file)  # ValueError with the reason
+    return ca_file
 
 
 def upstream_label(url: str, telemetry_root: Path) -> str:

@@ -22,23 +22,32 @@ MAX_BUFFERED = 1 << 20
 
 
 class UpstreamError(Exception):
-    """Base: the upstream could not be reached or answered wrongly."""
+    """Base: the upstream could not be reached or answered wrongly. `reason` is the
+    failure's name in `ac_gateway_upstream_failures_total` (metrics.UPSTREAM_FAILURE_REASONS)."""
+    reason = "bad_response"
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        if reason:
+            self.reason = reason
 
 
 class PoolFull(UpstreamError):
-    pass
+    reason = "pool_full"
 
 
 class ConnectFailed(UpstreamError):
-    pass
+    """Not connected: `unreachable` (refused, no route, no such host), `connect_timeout`
+    or `tls` (the handshake failed or the certificate was not trusted)."""
+    reason = "unreachable"
 
 
 class ReadTimedOut(UpstreamError):
-    pass
+    reason = "read_timeout"
 
 
 class BadResponse(UpstreamError):
-    pass
+    reason = "bad_response"
 
 
 class _Connection(asyncio.Protocol):
@@ -197,7 +206,7 @@ class UpstreamPool:
     """At most `max_connections` connections to one upstream, idle ones kept alive."""
 
     def __init__(self, base_url: str, max_connections: int, connect_timeout: float,
-                 read_timeout: float, pool_timeout: float):
+                 read_timeout: float, pool_timeout: float, ca_file: str | None = None):
         parts = urlsplit(base_url)
         self.https = parts.scheme == "https"
         self.host: str = parts.hostname or ""  # serve.check_upstream: there is one
@@ -209,7 +218,7 @@ class UpstreamPool:
         self.max_connections = max_connections
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.pool_timeout = pool_timeout
-        self._ssl = ssl.create_default_context() if self.https else None
+        self._ssl = tls_context(ca_file) if self.https else None
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
 
@@ -279,7 +288,13 @@ class UpstreamPool:
                 _Connection, self.host, self.port, ssl=self._ssl,
                 server_hostname=self.host if self._ssl else None), self.connect_timeout)
         except asyncio.TimeoutError:
-            raise ConnectFailed("connect timed out") from None
+            raise ConnectFailed("connect timed out", "connect_timeout") from None
+        except ssl.SSLCertVerificationError as exc:
+            raise ConnectFailed(f"its TLS certificate is not trusted ({exc.verify_message}; "
+                                f"--upstream-ca-file names the CAs to trust)", "tls") from None
+        except ssl.SSLError as exc:
+            raise ConnectFailed(f"the TLS handshake failed ({exc.reason or exc})", "tls") \
+                from None
         except OSError as exc:
             raise ConnectFailed(exc.strerror or type(exc).__name__) from None
         return connection
@@ -288,3 +303,18 @@ class UpstreamPool:
         for connection in self._idle:
             connection.close()
         self._idle.clear()
+
+
+def tls_context(ca_file: str | None = None) -> ssl.SSLContext:
+    """The context an https upstream is verified with: the system's CAs, or only those in
+    `ca_file` (PEM) when given. Raises ValueError when that file is unreadable or holds no
+    certificate."""
+    if ca_file is None:
+        return ssl.create_default_context()
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except ssl.SSLError:  # before OSError: it is one
+        why = "no CA certificate could be read from it (PEM expected)"
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+    raise ValueError(f"--upstream-ca-file {ca_file}: {why}")

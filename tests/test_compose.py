@@ -6,7 +6,9 @@ its container scrapes the daemon in its container over TLS (the certificates
 scripts/compose-tls.sh makes, with the bearer token from the compose secret); the daemon's
 image holds no torch and its HEALTHCHECK turns healthy; the engine's demo traffic makes
 the four headline metrics non-empty through
-`ac-observe --metric` against the published daemon port; an alert Prometheus fires
+`ac-observe --metric` against the published daemon port; the gateway (its compose
+profile) relays a request to the engine and its telemetry reaches the daemon with
+`kind="gateway"` and `upstream="engine-0"`; an alert Prometheus fires
 (CollectorDown: no GPU for NVML in a container here) reaches a webhook receiver on the
 host through Alertmanager with the shipped configuration.
 
@@ -122,7 +124,8 @@ def stack(dockerd, tmp_path_factory):
     _base_image(tmp)
     context = _context(tmp)
     hook = WebhookReceiver(host=_gateway())
-    ports = {name: free_port() for name in ("ENGINE", "DAEMON", "PROMETHEUS", "ALERTMANAGER")}
+    ports = {name: free_port() for name in ("ENGINE", "DAEMON", "PROMETHEUS", "ALERTMANAGER",
+                                            "GATEWAY")}
     env = {**os.environ, "AC_BASE_IMAGE": BASE, "AC_OBSERVE_IMAGE": IMAGE,
            "AC_OBSERVE_DAEMON_IMAGE": DAEMON_IMAGE,
            "AC_TORCH_SPEC": "torch==2.13.0+cpu", "AC_TORCH_INDEX_URL": "https://pypi.org/simple",
@@ -141,12 +144,14 @@ def stack(dockerd, tmp_path_factory):
                                          "/usr/bin/prometheus-alertmanager"},
                          "extra_hosts": ["host.docker.internal:host-gateway"]},
     }}))
-    compose = ["docker-compose", "-p", PROJECT, "-f", "docker-compose.yml",
-               "-f", "docker-compose.test.yml"]
+    # The gateway's profile on, so that up, ps, logs and down all see its service (it runs
+    # the daemon's image: nothing more to build).
+    compose = ["docker-compose", "-p", PROJECT, "--profile", "gateway", "-f",
+               "docker-compose.yml", "-f", "docker-compose.test.yml"]
     try:
-        _run(*compose, "build", cwd=context, env=env, timeout=1200)
+        _run(*compose, "build", "engine", "daemon", cwd=context, env=env, timeout=1200)
         _run(*compose, "up", "-d", "engine", "daemon", "prometheus", "alertmanager",
-             cwd=context, env=env, timeout=600)
+             "gateway", cwd=context, env=env, timeout=600)
         yield {"context": context, "ports": ports, "hook": hook, "compose": compose,
                "env": env, "token": context / "secrets" / "ac-observe.token",
                "ca": context / "secrets" / "tls" / "ca.crt"}
@@ -178,7 +183,8 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
         assert probe.stdout.strip() == str(has_torch), (image, probe.stdout, probe.stderr)
     running = _run(*stack["compose"], "ps", "--services", "--filter", "status=running",
                    cwd=stack["context"], env=stack["env"]).stdout.split()
-    assert set(running) == {"engine", "daemon", "prometheus", "alertmanager"}, running
+    assert set(running) == {"engine", "daemon", "prometheus", "alertmanager", "gateway"}, \
+        running
     # The engine runs as the image's non-root user, which owns its telemetry directory;
     # the root daemon, told that owner, reads it (the engine-0 series below).
     ids = _run(*stack["compose"], "exec", "-T", "engine", "sh", "-c",
@@ -197,6 +203,24 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
             return out.returncode == 0 and json.loads(out.stdout)["series"]
         series = wait_for(answered, 240, f"{metric} from the demo traffic")
         assert {s["labels"]["engine"] for s in series} == {"engine-0"}
+
+    # A request through the gateway's published port reaches the engine, and the gateway's
+    # telemetry (its volume shared with the daemon) answers as an engine of kind gateway.
+    gateway = f"http://127.0.0.1:{ports['GATEWAY']}"
+    relayed = httpx.post(gateway + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert relayed.status_code == 200 and relayed.json()["choices"], relayed.text[:500]
+    assert relayed.headers["x-ac-trace-id"] and int(relayed.headers["x-ac-gateway-ttft-ns"]) > 0
+
+    def through_gateway():
+        out = subprocess.run([AC_OBSERVE, "--daemon", daemon, "--token-file", str(token),
+                              "--cacert", str(ca), "--metric", "inference_latency_ns",
+                              "--window", "60s", "--labels", "kind=gateway", "--json"],
+                             capture_output=True, text=True, timeout=60)
+        return out.returncode == 0 and json.loads(out.stdout)["series"]
+    series = wait_for(through_gateway, 60, "the gateway's TTFT through the daemon")
+    assert [(s["labels"]["engine"], s["labels"]["upstream"]) for s in series] == \
+        [("gateway-0", "engine-0")]
 
     # Prometheus, in its container, scrapes the daemon in its container (token and all).
     prometheus = f"http://127.0.0.1:{ports['PROMETHEUS']}"

@@ -238,7 +238,7 @@ def test_every_engine_family_by_value(tmp_path):  # noqa: C901 - one check a fam
     assert _value(final, "ac_engine_up", engine="e1") == 1  # the daemon's, from the heartbeat
     exported = {name for name, _ in final} - {"ac_engine_restarts_total", "ac_engine_up"}
     contract = set()
-    for spec in m.ENGINE_METRICS:
+    for spec in m.BUNDLED_ENGINE_METRICS:
         contract |= ({f"{spec.family}_{s}" for s in ("bucket", "sum", "count")}
                      if spec.type == m.HISTOGRAM else {spec.name})
     assert exported == contract

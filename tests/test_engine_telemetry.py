@@ -6,7 +6,7 @@ import random
 
 from ac_observe.engine.config import EngineConfig
 from ac_observe.engine.llm_engine import Engine, QueueFullError, SamplingParams
-from ac_observe.metrics import COUNTER, ENGINE_METRICS
+from ac_observe.metrics import BUNDLED_ENGINE_METRICS, COUNTER
 from support.telemetry import family_value as _value
 from support.telemetry import read_with_multiprocess_collector as _read_in_other_process
 
@@ -62,7 +62,7 @@ def test_telemetry_files_hold_every_engine_metric_with_type_and_labels(tmp_path)
     assert info["engine"] == "e1" and info["model"] == "tiny-test"
     assert {"pid", "api_address", "started_at", "engine_id"} <= set(info)
     families = _read_in_other_process(tmp_path)
-    for spec in ENGINE_METRICS:
+    for spec in BUNDLED_ENGINE_METRICS:
         family = spec.name[:-6] if spec.type == COUNTER else spec.name
         assert family in families, spec.name
         fam = families[family]

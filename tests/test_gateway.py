@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from ac_observe.metrics import UPSTREAM_FAILURE_REASONS
 from support.bad_upstream import ERROR_500, MALFORMED_STREAM, BadUpstream
 from support.servers import EngineServer, GatewayServer, free_port, run_cli, wait_for
 from support.sse_streams import run_streams
@@ -166,10 +167,25 @@ def _requests_by_status(directory) -> dict:
     return found
 
 
+def _failures(directory) -> dict:
+    """{reason: count} of the gateway's ac_gateway_upstream_failures_total, every reason."""
+    families = read_with_multiprocess_collector(directory)
+    found = dict.fromkeys(UPSTREAM_FAILURE_REASONS, 0.0)
+    for _, labels, value in families["ac_gateway_upstream_failures"]["samples"]:
+        found[labels["reason"]] += value
+    return found
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {reason: after[reason] - before[reason] for reason in after
+            if after[reason] != before[reason]}
+
+
 @pytest.mark.slow
 def test_upstream_faults_answer_in_the_apis_shape_and_are_counted(bad):
     upstream, gateway = bad
     before = _requests_by_status(gateway.telemetry_dir)
+    failures_before = _failures(gateway.telemetry_dir)
     post = lambda path, fault: httpx.post(gateway.url + path, json=CHAT,  # noqa: E731
                                           headers={"x-bad": fault}, timeout=10)
     malformed = post("/v1/chat/completions", "malformed")
@@ -183,11 +199,17 @@ def test_upstream_faults_answer_in_the_apis_shape_and_are_counted(bad):
     assert garbage.status_code == 502 and "upstream" in garbage.json()["error"]["message"]
     stalled = post("/v1/chat/completions", "stall")  # ends where the upstream stopped
     assert stalled.status_code == 200 and stalled.content.startswith(b"data: {")
+    in_stream = post("/v1/chat/completions", "error_event")
+    assert in_stream.status_code == 200 and b'"error"' in in_stream.content
     wait_for(lambda: sum(_requests_by_status(gateway.telemetry_dir).values())
-             - sum(before.values()) >= 5, 10, "the five outcomes")
+             - sum(before.values()) >= 6, 10, "the six outcomes")
     after = _requests_by_status(gateway.telemetry_dir)
     assert after["ok"] - before["ok"] == 1  # the malformed stream, relayed whole
-    assert after["error"] - before["error"] == 4  # 5xx, timeout, garbage, stall
+    assert after["error"] - before["error"] == 5  # 5xx, timeout, garbage, stall, error event
+    # Why each failed, one reason a request: the stall's silence is a read timeout too.
+    assert _delta(_failures(gateway.telemetry_dir), failures_before) == {
+        "malformed_sse": 1, "upstream_5xx": 1, "read_timeout": 2, "bad_response": 1,
+        "error_event": 1}
     # The gateway's TTFT of the malformed stream: its one valid content event.
     families = read_with_multiprocess_collector(gateway.telemetry_dir)
     assert families["ac_first_token_sent_seconds"]["samples"]
@@ -195,7 +217,8 @@ def test_upstream_faults_answer_in_the_apis_shape_and_are_counted(bad):
 
 def test_an_unreachable_upstream_is_a_502_in_each_apis_shape(tmp_path):
     (tmp_path / "t").mkdir(mode=0o700)
-    gateway = GatewayServer(f"http://127.0.0.1:{free_port()}", tmp_path / "t" / "g")
+    address = f"127.0.0.1:{free_port()}"
+    gateway = GatewayServer(f"http://{address}", tmp_path / "t" / "g")
     try:
         wait_for(lambda: _answers(gateway.url), 60, "the gateway")
         chat = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT)
@@ -206,6 +229,15 @@ def test_an_unreachable_upstream_is_a_502_in_each_apis_shape(tmp_path):
         too_big = httpx.post(gateway.url + "/v1/messages", content=b"x" * (9 << 20))
         assert too_big.status_code == 413
         assert too_big.json()["error"]["type"] == "request_too_large"
+        assert httpx.get(gateway.url + "/v1/models").status_code == 502  # any path's counts
+        # Four requests the upstream failed (the readiness probe's GET / too; the 413 was
+        # the client's); the daemon exports the count with the gateway's labels.
+        failed = lambda: {  # noqa: E731
+            dict(labels)["reason"]: (value, dict(labels)["kind"], dict(labels)["upstream"])
+            for (name, labels), value in read_as_daemon(tmp_path / "t").items()
+            if name == "ac_gateway_upstream_failures_total" and value}
+        wait_for(lambda: failed().get("unreachable", (0,))[0] >= 4, 10, "four failures")
+        assert failed() == {"unreachable": (4.0, "gateway", address)}
     finally:
         gateway.stop()
 
@@ -310,5 +342,7 @@ def test_a_full_upstream_pool_is_a_clear_503(bad, tmp_path):
             held.join()
         assert refused.status_code == 503
         assert refused.json()["error"]["message"] == "all 1 upstream connections are busy"
+        wait_for(lambda: _failures(gateway.telemetry_dir)["pool_full"] == 1, 10,
+                 "the refusal counted as pool_full")
     finally:
         gateway.stop()

@@ -18,15 +18,16 @@ from ac_observe.metrics import (
     HISTOGRAM,
     KIND_AC_OBSERVE,
     KIND_LABEL,
-    LABEL_VALUES,
     UPSTREAM_LABEL,
     MetricSpec,
+    label_values,
 )
 from ac_observe.telemetry_format import parse_sample_key
 
 MAX_LABEL_VALUE_CHARS = 256
 SPECS = {spec.family: spec for spec in ENGINE_METRICS}
-_ALLOWED_VALUES = {label: frozenset(values) for label, values in LABEL_VALUES.items()}
+_ALLOWED_VALUES = {(spec.family, label): frozenset(values) for spec in ENGINE_METRICS
+                   for label in spec.labels if (values := label_values(spec, label))}
 
 # A series' key in the daemon's windows (daemon.windows.SeriesKey): (sample name,
 # ((label, value), ...)) with the labels in the exposition's order. A plain tuple.
@@ -64,7 +65,7 @@ def _labels_problem(family: str, spec: MetricSpec, labels: dict[str, str],
     if set(labels) != set(spec.labels):
         return f"{family}: labels {sorted(labels)[:8]} are not {list(spec.labels)}"
     for label, value in labels.items():
-        allowed = _ALLOWED_VALUES.get(label)
+        allowed = _ALLOWED_VALUES.get((spec.family, label))
         if label in expected and value != expected[label]:
             return f"{family}: {label}={value[:40]!r}, engine.json says {expected[label]!r}"
         if (allowed is not None and value not in allowed) or \

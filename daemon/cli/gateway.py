@@ -31,13 +31,17 @@ def gateway(
                                                   "kept alive)."),
     pool_timeout: float = typer.Option(1.0, help="Seconds a request waits for a free "
                                                  "upstream connection (503 beyond)."),
+    upstream_ca_file: str = typer.Option(
+        None, envvar="AC_OBSERVE_UPSTREAM_CA_FILE", show_envvar=True,
+        help="PEM file of the CA certificates an https upstream's certificate is checked "
+             "against (default: the system's)."),
     telemetry_dir: str = typer.Option("", help="Telemetry directory (default: "
                                                "<telemetry root>/NAME)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Relay an OpenAI/Anthropic API unchanged and measure it as clients see it."""
     from ac_observe.gateway.proxy import GatewayConfig
-    from ac_observe.gateway.serve import build, check_upstream, serve
+    from ac_observe.gateway.serve import build, check_ca_file, check_upstream, serve
     from ac_observe.telemetry_format import default_telemetry_root, open_engine_dir
 
     configure_logging(log_level)
@@ -52,7 +56,8 @@ def gateway(
             raise ValueError("--upstream-name: at most 256 printable characters")
         config = GatewayConfig(check_upstream(upstream), max_body_bytes=max_body_mb << 20,
                                connect_timeout=connect_timeout, read_timeout=read_timeout,
-                               max_connections=max_connections, pool_timeout=pool_timeout)
+                               max_connections=max_connections, pool_timeout=pool_timeout,
+                               upstream_ca_file=check_ca_file(upstream_ca_file, upstream))
         os.close(open_engine_dir(telemetry, wait_seconds=2))  # refuse unsafe or taken dirs
         app_ = build(config, label, model_name, telemetry, root, f"http://{host}:{port}",
                      upstream_name)

@@ -7,16 +7,25 @@ server on a loopback port, in a thread. The request's `x-bad` header picks the f
 - `stall`: a stream's head and first event, then silence for 3 s
 - `5xx`: a 500 with an OpenAI error body (`ERROR_500`)
 - `garbage`: bytes that are no HTTP response, then the connection closed
+- `error_event`: a 200 event stream with one content event, then an error event
+- `paced`: a well-formed 200 event stream, its content events apart by `PACED_GAPS_S` (each
+  event a chunk of its own), then [DONE]
+
+With `tls` (a server context), it serves https.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 
 ERROR_500 = json.dumps({"error": {"message": "boom", "type": "server_error", "param": None,
                                   "code": None}}).encode()
 CONTENT_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
+ERROR_EVENT = b'data: {"error":{"message":"overloaded","type":"server_error"}}\n\n'
+# Distinct gaps between content events (three latency buckets or more apart).
+PACED_GAPS_S = (0.005, 0.025, 0.08) * 4
 MALFORMED_STREAM = [b"data: {not json\n\n", b"data: " + b"x" * (2 << 20), b"\n\n",
                     b": a comment\n\ndata: [1, 2]\n\n", CONTENT_EVENT, b"data: [DONE]\n\n"]
 
@@ -26,19 +35,20 @@ def _chunk(data: bytes) -> bytes:
 
 
 class BadUpstream:
-    def __init__(self):
+    def __init__(self, tls: ssl.SSLContext | None = None):
+        self.tls = tls
         self.loop = asyncio.new_event_loop()
         self.server = None
         ready = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self.thread.start()
         ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self.server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", 0))
+            asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls))
         self.port = self.server.sockets[0].getsockname()[1]
         ready.set()
         self.loop.run_forever()
@@ -53,7 +63,7 @@ class BadUpstream:
                 await reader.readexactly(int(headers.get("content-length", "0")))
                 if not await self._answer(headers.get("x-bad", ""), writer):
                     break
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
             pass
         finally:
             writer.close()
@@ -74,6 +84,15 @@ class BadUpstream:
                 await writer.drain()
             await asyncio.sleep(3)
             return False
+        elif fault in ("paced", "error_event"):
+            writer.write(stream_head + _chunk(CONTENT_EVENT))
+            await writer.drain()
+            for gap in PACED_GAPS_S if fault == "paced" else ():
+                await asyncio.sleep(gap)
+                writer.write(_chunk(CONTENT_EVENT))
+                await writer.drain()
+            writer.write(_chunk(ERROR_EVENT if fault == "error_event" else b"data: [DONE]\n\n")
+                         + b"0\r\n\r\n")
         elif fault == "5xx":
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
                          b"application/json\r\ncontent-length: "

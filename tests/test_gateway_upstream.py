@@ -1,0 +1,200 @@
+"""The gateway against an upstream whose answers are known: a stream paced with distinct
+gaps (the gateway's inter-token histogram against the gaps a client saw, gap for gap),
+and an https upstream with a private CA (trusted through --upstream-ca-file, refused
+with a clear 502 and a counted reason under another CA, a bad CA file refused at start)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import time
+from functools import partial
+
+import httpx
+import pytest
+
+from ac_observe.metrics import INTER_TOKEN_LATENCY, UPSTREAM_FAILURE_REASONS
+from support.bad_upstream import CONTENT_EVENT, PACED_GAPS_S, BadUpstream
+from support.certs import TestCA
+from support.servers import GatewayServer, run_cli, wait_for
+from support.telemetry import read_with_multiprocess_collector
+
+CHAT = {"model": "tiny", "max_tokens": 12, "stream": True,
+        "messages": [{"role": "user", "content": "hi"}]}
+EVENT_END = CONTENT_EVENT[-8:]  # `}}]}\n\n`: ends a content event and nothing else here
+ITL = INTER_TOKEN_LATENCY.name
+
+
+def _started(upstream: str, directory, *args: str) -> GatewayServer:
+    gateway = GatewayServer(upstream, directory, *args)
+
+    def answers() -> bool:
+        if gateway.proc.poll() is not None:
+            raise AssertionError(gateway.log_path.read_text()[-2000:])
+        try:
+            httpx.get(gateway.url + "/", headers={"x-bad": "5xx"}, timeout=2)
+            return True
+        except httpx.HTTPError:
+            return False
+    wait_for(answers, 60, "the gateway")
+    return gateway
+
+
+def _client_gaps(port: int) -> list[float]:
+    """One paced stream read through the gateway on a bare socket: the gaps between the
+    `recv`s that completed successive content events (0 for events completed by the same
+    `recv`: the bytes came together)."""
+    body = json.dumps(CHAT).encode()
+    stamps: list[float] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-bad: paced\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        received = b""
+        while b"[DONE]" not in received:
+            chunk = sock.recv(65536)
+            now = time.perf_counter()
+            assert chunk, "the gateway closed the stream early"
+            received += chunk
+            stamps += [now] * (received.count(EVENT_END) - len(stamps))
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+def _itl(directory) -> dict:
+    """The gateway's inter-token histogram: {"sum", "count", le: cumulative count}."""
+    found: dict = {}
+    families = read_with_multiprocess_collector(directory)
+    for name, labels, value in families[ITL]["samples"]:
+        key = float(labels["le"]) if name.endswith("_bucket") else name.rsplit("_", 1)[1]
+        found[key] = found.get(key, 0.0) + value
+    return found
+
+
+def _requests(directory) -> float:
+    families = read_with_multiprocess_collector(directory)
+    return sum(v for _, _, v in families["ac_requests"]["samples"])
+
+
+def test_the_gateways_inter_token_histogram_matches_the_clients_gaps(tmp_path):
+    """The upstream paces content events 5, 25 and 80 ms apart; what the gateway recorded
+    is compared with what the client saw, never with those constants: the same number of
+    gaps (none for the first event), the same total (the first and last events' stamps
+    aside), and as many gaps on each side of two bucket bounds that fall between the
+    paces (a slack of two for a loaded 2-core machine's scheduling)."""
+    upstream = BadUpstream()
+    (tmp_path / "t").mkdir(mode=0o700)
+    gateway = _started(upstream.url, tmp_path / "t" / "g")
+    try:
+        streams = 3
+        client: list[float] = []
+        for _ in range(streams):
+            client += _client_gaps(gateway.port)
+        wait_for(lambda: _requests(gateway.telemetry_dir) == streams, 10, "the streams written")
+        recorded = _itl(gateway.telemetry_dir)
+    finally:
+        gateway.stop()
+        upstream.stop()
+    assert len(client) == streams * len(PACED_GAPS_S)
+    assert recorded["count"] == len(client)
+    assert recorded["sum"] == pytest.approx(sum(client), rel=0.1, abs=0.03), \
+        (recorded["sum"], sum(client))
+    bounds = INTER_TOKEN_LATENCY.buckets
+    for between in (0.012, 0.045):  # 5 | 25 ms, 25 | 80 ms
+        bound = min(b for b in bounds if b >= between)
+        seen = sum(1 for gap in client if gap <= bound)
+        assert abs(recorded[bound] - seen) <= 2, (bound, recorded[bound], sorted(client))
+
+
+@pytest.fixture(scope="module")
+def https_upstream(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    ca = TestCA(folder / "ca")
+    server = ca.server()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(server.cert), str(server.key))
+    upstream = BadUpstream(tls=context)
+    yield upstream, ca, folder
+    upstream.stop()
+
+
+def _failures(directory) -> dict:
+    families = read_with_multiprocess_collector(directory)
+    found = dict.fromkeys(UPSTREAM_FAILURE_REASONS, 0.0)
+    for _, labels, value in families["ac_gateway_upstream_failures"]["samples"]:
+        found[labels["reason"]] += value
+    return found
+
+
+def test_an_https_upstream_is_reached_through_its_private_ca(https_upstream, tmp_path):
+    upstream, ca, _ = https_upstream
+    assert upstream.url.startswith("https://")
+    (tmp_path / "t").mkdir(mode=0o700)
+    gateway = _started(upstream.url, tmp_path / "t" / "g", "--upstream-ca-file", str(ca.path))
+    try:
+        answer = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT,
+                            headers={"x-bad": "paced"}, timeout=30)
+        assert answer.status_code == 200
+        assert answer.content.count(CONTENT_EVENT) == len(PACED_GAPS_S) + 1
+        assert answer.content.endswith(b"data: [DONE]\n\n")
+        assert _failures(gateway.telemetry_dir)["tls"] == 0
+    finally:
+        gateway.stop()
+
+
+def test_an_untrusted_upstream_certificate_is_a_clear_502_counted_as_tls(https_upstream,
+                                                                         tmp_path):
+    upstream, _, folder = https_upstream
+    other = TestCA(folder / "other", name="another CA")
+    (tmp_path / "t").mkdir(mode=0o700)
+    # The system's CAs do not know the test CA either: both ways the handshake is refused.
+    for args in (("--upstream-ca-file", str(other.path)), ()):
+        gateway = GatewayServer(upstream.url, tmp_path / "t" / f"g{len(args)}", *args)
+        try:
+            wait_for(partial(_answers, gateway), 60, "the gateway")
+            for path, shape in (("/v1/messages", "type"), ("/v1/chat/completions", "error")):
+                refused = httpx.post(gateway.url + path, json=CHAT, timeout=30)
+                assert refused.status_code == 502 and shape in refused.json()
+                message = json.dumps(refused.json())
+                assert "certificate is not trusted" in message, message
+            assert gateway.proc.poll() is None  # still up
+            wait_for(partial(_tls_failures, gateway.telemetry_dir, 3), 10,
+                     "three TLS failures")  # the two above and the readiness probe's
+            assert sum(_failures(gateway.telemetry_dir).values()) == 3
+        finally:
+            gateway.stop()
+
+
+def _tls_failures(directory, count: int) -> bool:
+    return _failures(directory)["tls"] == count
+
+
+def _answers(gateway: GatewayServer) -> bool:
+    try:
+        httpx.get(gateway.url + "/", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_bad_upstream_ca_file_is_refused_at_start(tmp_path):
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all\n")
+    missing = tmp_path / "missing.pem"
+    (tmp_path / "t").mkdir(mode=0o700)
+    for ca_file, env in ((garbage, {}), (missing, {}), (None, {
+            "AC_OBSERVE_UPSTREAM_CA_FILE": str(garbage)})):
+        args = ["gateway", "--upstream", "https://127.0.0.1:9", "--telemetry-dir",
+                str(tmp_path / "t" / "g")]
+        if ca_file is not None:
+            args += ["--upstream-ca-file", str(ca_file)]
+        out = run_cli(*args, env={**os.environ, **env}, timeout=60)
+        assert out.returncode == 2, out.stdout + out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --upstream-ca-file "), lines
+        assert str(ca_file or garbage) in lines[0]
+    # ... and on a plain http upstream it is a mistake said as such.
+    out = run_cli("gateway", "--upstream", "http://127.0.0.1:9", "--upstream-ca-file",
+                  str(garbage), "--telemetry-dir", str(tmp_path / "t" / "g"))
+    assert out.returncode == 2 and "is not https" in out.stderr
