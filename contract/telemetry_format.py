@@ -132,6 +132,14 @@ def value_at(data: FileBytes, offset: int) -> float:
     return _DOUBLE.unpack_from(data, offset)[0]
 
 
+# An engine's directory and files: its group may read them (metrics alone, never prompt
+# text), so a daemon of another uid in that group reads them (the unprivileged DaemonSet,
+# dashboards/kubernetes/unprivileged/daemon.yaml); no one else, and no one but the engine
+# may write.
+TELEMETRY_DIR_MODE = 0o750
+TELEMETRY_FILE_MODE = 0o640
+
+
 class ValueFile:
     """Writer of one `.db` file (prometheus_client's MmapedDict layout). Not thread-safe.
 
@@ -139,12 +147,14 @@ class ValueFile:
     """
 
     def __init__(self, dir_fd: int, name: str):
-        self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                           dir_fd=dir_fd)
+        self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           TELEMETRY_FILE_MODE, dir_fd=dir_fd)
         info = os.fstat(self._fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(self._fd)
             raise ValueError(f"{name} is not a regular file")
+        if stat.S_IMODE(info.st_mode) != TELEMETRY_FILE_MODE and info.st_uid == os.geteuid():
+            os.fchmod(self._fd, TELEMETRY_FILE_MODE)  # whatever the umask or an older engine
         self._capacity = info.st_size
         if self._capacity == 0:
             self._capacity = _INITIAL_DB_BYTES
@@ -379,9 +389,10 @@ def _try_lock(fd: int) -> bool:
 
 
 def open_engine_dir(path: str | os.PathLike, wait_seconds: float = 5.0) -> int:
-    """A descriptor of the engine's own telemetry directory, created 0700 if missing and
-    locked (flock) for as long as it stays open: one engine per directory, and the daemon
-    never removes a directory an engine holds.
+    """A descriptor of the engine's own telemetry directory, created if missing, made
+    TELEMETRY_DIR_MODE (its group may read it) and locked (flock) for as long as it stays
+    open: one engine per directory, and the daemon never removes a directory an engine
+    holds.
 
     Refuses (UnsafeDirectory) a directory another user owns or could tamper with, one that
     another live engine holds, and one holding files that are not ac-observe telemetry.
@@ -391,9 +402,12 @@ def open_engine_dir(path: str | os.PathLike, wait_seconds: float = 5.0) -> int:
     while True:
         fd = open_trusted_dir(path, create=True)
         try:
-            reason = unsafe_reason(os.fstat(fd), {os.geteuid()})
+            info = os.fstat(fd)
+            reason = unsafe_reason(info, {os.geteuid()})
             if reason:
                 raise UnsafeDirectory(f"telemetry directory {path} {reason}")
+            if stat.S_IMODE(info.st_mode) != TELEMETRY_DIR_MODE:
+                os.fchmod(fd, TELEMETRY_DIR_MODE)  # made 0700, or by an older engine
             locked = _try_lock(fd)
             if locked and os.fstat(fd).st_nlink > 0:
                 foreign = sorted(name for name in os.listdir(fd) if not is_format_file(name))

@@ -262,7 +262,8 @@ def test_the_engines_run_as_the_user_the_root_daemon_reads():
     # Their directories under the node's root-owned telemetry root, made theirs first.
     (init,) = pod["initContainers"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
-    assert "chown 10001:10001" in " ".join(init["args"])
+    # All of them: a reused name may hold an older release's root-owned files.
+    assert "chown -R -h 10001:10001" in " ".join(init["args"])
     daemon = _documents(kubernetes / "daemon.yaml")["DaemonSet/ac-observe-daemon"]
     env = {e["name"]: e.get("value") for e in _container(daemon, "daemon")["env"]}
     assert env["AC_OBSERVE_TELEMETRY_OWNER"] == "10001"
@@ -287,8 +288,20 @@ def test_the_unprivileged_daemon_needs_no_root_and_matches_the_privileged_one():
     env = {e["name"]: e.get("value") for e in daemon["env"]}
     assert "ebpf" not in env["AC_OBSERVE_COLLECTORS"].split(",")
     assert env["AC_OBSERVE_POD_RESOURCES_SOCKET"] == ""  # root's socket: not asked
+    # Never the network-facing engines' uid (10001, engine.yaml) under hostPID: they could
+    # read its environ and root (token, TLS key). It reads their telemetry through their
+    # group, as their directories' owner told it.
     context = daemon["securityContext"]
-    assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001
+    engine = _documents(kubernetes / "engine.yaml")["Deployment/ac-observe-engine"]
+    engine_uids = {c["securityContext"]["runAsUser"]
+                   for c in engine["spec"]["template"]["spec"]["containers"]}
+    assert engine_uids == {10001}
+    assert context["runAsNonRoot"] is True and context["runAsUser"] not in engine_uids
+    assert context["runAsGroup"] == context["runAsUser"] == 10002
+    assert pod["securityContext"]["supplementalGroups"] == [10001]
+    assert env["AC_OBSERVE_TELEMETRY_OWNER"] == "10001"
+    (state_owner,) = pod["initContainers"]
+    assert state_owner["command"][-2] == "10002:10002"
     assert context["readOnlyRootFilesystem"] is True
     assert context["allowPrivilegeEscalation"] is False and not context.get("privileged")
     assert context["capabilities"] == {"drop": ["ALL"]}
@@ -301,9 +314,9 @@ def test_the_unprivileged_daemon_needs_no_root_and_matches_the_privileged_one():
                                                            "add": ["CHOWN"]}
     mounted = {v["name"] for v in pod["volumes"]}
     assert not mounted & {"debugfs", "tracefs", "modules", "usr-src", "pod-resources"}
-    # The key is readable by the daemon's group (fsGroup), not by everyone.
+    # The key is readable by the daemon's own group (fsGroup), not the engines' nor others.
     (tls,) = [v for v in pod["volumes"] if v["name"] == "tls"]
-    assert tls["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10001
+    assert tls["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10002
     # Everything else as the privileged daemon runs it.
     theirs = _container(privileged["DaemonSet/ac-observe-daemon"], "daemon")
     assert [a for a in theirs["args"] if a != "--discover-engines"] == daemon["args"]

@@ -4,10 +4,14 @@ when told that user, and still refuses directories anyone else owns or others ca
 and anything reached through a symlink of that user's."""
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -193,5 +197,107 @@ def test_the_daemon_reads_the_owners_engine_named_in_its_environment(start_daemo
                               env={"AC_OBSERVE_TELEMETRY_OWNER": str(ENGINE_UID)})
         wait_for(lambda: sample_value(daemon.metrics(), "ac_kv_cache_blocks",
                                       engine="ours") == 64, 20, "the engine user's engine")
+    finally:
+        writer.close()
+
+
+def _as_user(uid: int, groups: list[int], body, *args) -> tuple[int, int, int]:
+    """A forked child that drops to `uid` (its group `uid` and `groups`) and runs
+    body(*args, write): (pid, the end to read what it writes, the end that ends it when
+    closed). (A fork, not a new interpreter: this one's may be in a directory only root
+    can enter.)"""
+    out_r, out_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            os.close(out_r)
+            os.close(stop_w)
+            os.setgroups(groups)
+            os.setgid(uid)
+            os.setuid(uid)
+            os.umask(0o077)  # the most private: the engine sets its modes itself
+            body(*args, lambda text: os.write(out_w, text.encode() + b"\n"))
+            os.read(stop_r, 1)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(out_w)
+    os.close(stop_r)
+    return pid, out_r, stop_w
+
+
+def _run_engine(directory: Path, write) -> None:
+    writer = TelemetryWriter(directory, {"started_at": time.time()}, engine="e0",
+                             model="m", heartbeat_seconds=0.5)
+    writer.set(m.KV_BLOCKS, 64)
+    write("ready")
+
+
+def _run_collector(root: Path, write) -> None:
+    collector = _collector(root, ENGINE_UID)
+    write(json.dumps({"read": sorted(_engines_read(collector)),
+                      "errors": [e["error"] for e in collector.status()]}))
+
+
+def _output_of(uid: int, groups: list[int], body, *args) -> str:
+    pid, out, stop = _as_user(uid, groups, body, *args)
+    try:
+        with os.fdopen(out) as lines:
+            return lines.readline()
+    finally:
+        os.close(stop)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+@needs_root
+def test_a_daemon_of_its_own_uid_in_the_engines_group_reads_the_engines_telemetry():
+    """The unprivileged DaemonSet: the daemon is not the engine's uid (10001) but its own
+    (10002), with the engine's group as a supplementary one; the engine makes its
+    directory and files group-readable (whatever its umask), nothing more."""
+    base = Path(tempfile.mkdtemp(prefix="ac-observe-trust-", dir="/tmp"))
+    engine = None
+    try:
+        base.chmod(0o755)
+        root = base / "telemetry"
+        root.mkdir(mode=0o755)
+        os.chown(root, ENGINE_UID, ENGINE_UID)
+        engine = _as_user(ENGINE_UID, [], _run_engine, root / "e0")
+        with os.fdopen(engine[1]) as lines:
+            assert lines.readline() == "ready\n"
+        directory = root / "e0"
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o750
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()}
+        assert modes and set(modes.values()) == {0o640}, modes
+        assert json.loads(_output_of(OTHER_UID, [ENGINE_UID], _run_collector, root)) == \
+            {"read": ["e0"], "errors": [""]}
+        # Outside the engine's group: nothing to read.
+        outside = json.loads(_output_of(OTHER_UID, [], _run_collector, root))
+        assert outside["read"] == [] and "Permission denied" in outside["errors"][0], outside
+    finally:
+        if engine is not None:
+            os.close(engine[2])
+            _, status = os.waitpid(engine[0], 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+        shutil.rmtree(base)
+
+
+@needs_root
+def test_an_older_engines_private_directory_is_made_group_readable_and_root_reads_both(
+        tmp_path):
+    root = tmp_path / "telemetry"
+    writer = _engine(root / "old", "old", uid=None)
+    writer.close()
+    (root / "old").chmod(0o700)  # as older engines made them
+    for path in (root / "old").iterdir():
+        path.chmod(0o600)
+    assert _engines_read(_collector(root, None)) == {"old"}  # root reads them as they are
+    writer = _engine(root / "old", "old", uid=None)
+    try:
+        assert stat.S_IMODE((root / "old").stat().st_mode) == 0o750
+        assert {stat.S_IMODE(p.stat().st_mode) for p in (root / "old").iterdir()} == {0o640}
+        assert _engines_read(_collector(root, None)) == {"old"}
     finally:
         writer.close()
