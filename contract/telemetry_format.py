@@ -293,22 +293,62 @@ def default_telemetry_root() -> Path:
     return base / "telemetry"
 
 
-def unsafe_reason(info: os.stat_result, trusted_uids: set[int]) -> str | None:
-    """Why a directory (lstat result) is not safe to write into, or None."""
+def unsafe_reason(info: os.stat_result, trusted_uids: set[int], owner: int | None = None,
+                  sticky_ok: bool = False) -> str | None:
+    """Why a directory (lstat result) is not safe to read or write in, or None: it must be
+    a real directory, owned by one of `trusted_uids` or by `owner` (a daemon's
+    --telemetry-owner), and writable by no group or other user (`sticky_ok`: unless its
+    sticky bit keeps others from replacing entries, as /tmp's does: for directories passed
+    on the way, never for the one read)."""
     if stat.S_ISLNK(info.st_mode):
         return "is a symlink"
     if not stat.S_ISDIR(info.st_mode):
         return "is not a directory"
-    if info.st_uid not in trusted_uids:
-        owners = sorted(trusted_uids - {0, os.geteuid()})
-        if owners:
-            return (f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()}), root "
-                    f"or the telemetry owner (uid {owners[0]})")
-        return f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()}) or root"
-    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+    if info.st_uid not in trusted_uids and info.st_uid != owner:
+        euid = os.geteuid()
+        allowed = [f"you (uid {euid})"] if euid in trusted_uids else []
+        allowed += ["root"] if 0 in trusted_uids and euid != 0 else []
+        allowed += [] if owner is None else [f"the telemetry owner (uid {owner})"]
+        listed = allowed[0] if len(allowed) == 1 else \
+            f"{', '.join(allowed[:-1])} or {allowed[-1]}"
+        return f"is owned by uid {info.st_uid}, not by {listed}"
+    if info.st_mode & 0o022 and not (sticky_ok and info.st_mode & stat.S_ISVTX):
         return (f"is writable by other users (mode {stat.S_IMODE(info.st_mode):04o}): "
                 "chmod go-w it")
     return None
+
+
+MAX_ENGINE_DIRS = 1024  # engines read under one telemetry root (more are not read)
+
+
+def open_engine_dir_at(root_fd: int, name: str, owner: int | None) -> int | None:
+    """A descriptor of engine directory `name` under the telemetry root `root_fd` that is
+    safe to read: a real directory (never through a symlink) owned by root, this process's
+    user or the telemetry `owner`, writable by no group or other user. None when it is not
+    a directory (or is gone); UnsafeDirectory saying why when it is not safe. The one rule
+    for every reader of engine directories (the engine and eBPF collectors)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+    except (NotADirectoryError, FileNotFoundError):
+        return None
+    except OSError as exc:
+        try:
+            info = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+        except OSError:
+            info = None
+        if info is not None and stat.S_ISLNK(info.st_mode):
+            raise UnsafeDirectory("is a symlink; engine directories must be real "
+                                  "directories") from None
+        raise UnsafeDirectory(f"cannot open: {exc.strerror}") from None
+    try:
+        reason = unsafe_reason(os.fstat(fd), {0, os.geteuid()}, owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    if reason:
+        os.close(fd)
+        raise UnsafeDirectory(reason)
+    return fd
 
 
 MAX_SYMLINK_HOPS = 40
@@ -325,6 +365,19 @@ def _trusted_symlink(name: str, dir_fd: int, trusted: set[int], where: str) -> b
     return True
 
 
+def _walk_reason(info: os.stat_result, trusted: set[int], owner: int | None, what: str,
+                 last: bool) -> str | None:
+    """unsafe_reason of a directory open_trusted_dir passes: the owner may own the last
+    alone, and only one on the way may be sticky and world-writable (as /tmp)."""
+    if last:
+        return unsafe_reason(info, trusted, owner)
+    reason = unsafe_reason(info, trusted, sticky_ok=True)
+    if reason and owner is not None and info.st_uid == owner:
+        return (f"is owned by the telemetry owner (uid {owner}), who may own the {what} "
+                "itself but no directory above it")
+    return reason
+
+
 def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
                      create: bool = False, owner: int | None = None) -> int:
     """A descriptor of directory `path`, reached from / one component at a time with
@@ -335,14 +388,13 @@ def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
     `owner` (a daemon's --telemetry-owner) may own the last directory, `path` itself,
     never one above it nor a symlink. Else UnsafeDirectory naming the culprit."""
     trusted = {0, os.geteuid()}
-    last_trusted = trusted if owner is None else trusted | {owner}
     pending = [part for part in str(os.path.abspath(path)).split("/") if part]
     walked = Path("/")
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     hops = 0
     try:
         while True:
-            reason = unsafe_reason(os.fstat(fd), trusted if pending else last_trusted)
+            reason = _walk_reason(os.fstat(fd), trusted, owner, what, last=not pending)
             if reason:
                 raise UnsafeDirectory(f"{what} {path}: {walked} {reason}")
             if not pending:

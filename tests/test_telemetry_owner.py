@@ -139,8 +139,11 @@ def test_the_owner_may_own_the_root_itself_but_nothing_above_it(tmp_path):
         above.mkdir()
         (root).rename(above / "telemetry")
         os.chown(above, ENGINE_UID, ENGINE_UID)
-        with pytest.raises(CollectorUnavailable, match="owned by uid 10001"):
+        with pytest.raises(CollectorUnavailable) as refused:
             _collector(above / "telemetry", ENGINE_UID).collect()
+        assert f"{above} is owned by the telemetry owner (uid 10001), who may own the " \
+            "telemetry root itself but no directory above it" in str(refused.value)
+        assert "--telemetry-owner" not in str(refused.value)  # it was given
     finally:
         writer.close()
 

@@ -32,11 +32,9 @@ from ac_observe.collectors.engine.families import EngineFamily, EngineValues
 from ac_observe.collectors.engine.files import EngineFiles
 from ac_observe.collectors.engine.process import EngineProcesses
 from ac_observe.metrics import ENGINE_RESTARTS, KIND_AC_OBSERVE
-from ac_observe.telemetry_format import UnsafeDirectory, open_trusted_dir
+from ac_observe.telemetry_format import MAX_ENGINE_DIRS, UnsafeDirectory, open_trusted_dir
 
 log = logging.getLogger("ac_observe.collectors.engine")
-
-MAX_ENGINE_DIRS = 1024
 
 
 @dataclass(slots=True)
@@ -52,7 +50,7 @@ class EngineCollector(Collector):
     def __init__(self, config):
         self.root = Path(config.telemetry_root)
         # The uid non-root engines run as: it may own the root and engine directories.
-        self.owner: int | None = getattr(config, "telemetry_owner", None)
+        self.owner: int | None = config.telemetry_owner
         self._refused: dict[str, str] = {}  # directory -> why, as logged (once)
         self.stale_seconds = config.engine_stale_seconds
         self.grace_seconds = config.engine_grace_seconds
@@ -111,11 +109,12 @@ class EngineCollector(Collector):
             self._note_new_engines({}, {}, now)
             return []
         except UnsafeDirectory as exc:
+            hint = ("owned by root or this user (or name its owner with --telemetry-owner)"
+                    if self.owner is None else "owned by root, this user or the telemetry "
+                    "owner, inside directories of root's or this user's")
             raise CollectorUnavailable(f"{exc}; point --telemetry-root at a directory "
-                                       "owned by root or this user (or name its owner "
-                                       "with --telemetry-owner)") from None
+                                       f"{hint}") from None
         try:
-            root_owner = os.fstat(root_fd).st_uid
             families: dict[str, EngineFamily] = {}
             seen: dict[str, EngineState] = {}
             served: dict[str, str] = {}  # engine label -> directory serving it
@@ -126,7 +125,7 @@ class EngineCollector(Collector):
                     break
                 directory = self._directories.setdefault(name, _EngineDirectory())
                 try:
-                    read = self._read_engine(root_fd, root_owner, name, directory, now)
+                    read = self._read_engine(root_fd, name, directory, now)
                 except BadEngine as exc:
                     seen[name] = EngineState(name, {}, False, 0.0, str(exc), "",
                                              directory.restarts)
@@ -162,15 +161,14 @@ class EngineCollector(Collector):
         finally:
             os.close(root_fd)
 
-    def _read_engine(self, root_fd: int, root_owner: int, name: str,
-                     directory: _EngineDirectory,
+    def _read_engine(self, root_fd: int, name: str, directory: _EngineDirectory,
                      now: float) -> tuple[EngineState, EngineValues] | None:
         """(state, this cycle's values) of one engine directory; None when it is not one."""
-        dir_fd = open_engine_dir(self.root, root_fd, name)
+        dir_fd = open_engine_dir(root_fd, name, self.owner)
         if dir_fd is None:
             return None
         try:
-            info_stat = engine_info_stat(dir_fd, root_owner, self.owner)
+            info_stat = engine_info_stat(dir_fd)
             if info_stat is None:
                 return None  # not an engine directory (no engine.json)
             heartbeat = info_stat.st_mtime

@@ -16,7 +16,6 @@ import logging
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 from prometheus_client.core import Metric
@@ -26,7 +25,8 @@ from ac_observe.metrics import ENGINE_UP, KIND_AC_OBSERVE
 from ac_observe.telemetry_format import (
     ENGINE_INFO_FILE,
     MAX_INFO_BYTES,
-    open_dir_nofollow,
+    UnsafeDirectory,
+    open_engine_dir_at,
     parse_engine_info,
     pid_alive,
     read_regular_file,
@@ -65,37 +65,19 @@ class EngineIdentity(NamedTuple):
         return cls(info.get("engine_id", str(info["pid"])), info["engine"], info["model"])
 
 
-def open_engine_dir(root: Path, root_fd: int, name: str) -> int | None:
-    """A descriptor of directory `name` under the root; None when it is not a directory."""
+def open_engine_dir(root_fd: int, name: str, telemetry_owner: int | None) -> int | None:
+    """A descriptor of directory `name` under the root, once found safe to read
+    (open_engine_dir_at: owned by root, this daemon's user or the telemetry owner it was
+    given, writable by no one else); None when it is not a directory."""
     try:
-        return open_dir_nofollow(name, root_fd)
-    except (NotADirectoryError, FileNotFoundError):
-        return None
-    except OSError as exc:
-        if os.path.islink(os.path.join(root, name)):
-            raise BadEngine("is a symlink; engine directories must be real directories") \
-                from None
-        raise BadEngine(f"cannot open: {exc.strerror}") from None
+        return open_engine_dir_at(root_fd, name, telemetry_owner)
+    except UnsafeDirectory as exc:
+        raise BadEngine(str(exc)) from None
 
 
-def engine_info_stat(dir_fd: int, root_owner: int,
-                     telemetry_owner: int | None = None) -> os.stat_result | None:
-    """The stat of the directory's engine.json (its mtime is the heartbeat), once the
-    directory is found safe to read; None when it has no engine.json (not an engine's).
-
-    Safe: owned by the telemetry root's owner, by this daemon's user or by the telemetry
-    owner it was given (--telemetry-owner: the uid non-root engines run as), and writable
-    by no one else."""
-    info = os.fstat(dir_fd)
-    if info.st_uid not in (root_owner, os.geteuid(), telemetry_owner):
-        owner = "" if telemetry_owner is None else \
-            f" nor to the telemetry owner (uid {telemetry_owner})"
-        raise BadEngine(f"is owned by uid {info.st_uid}; it belongs neither to the "
-                        f"telemetry root's owner (uid {root_owner}), to this daemon's user "
-                        f"(uid {os.geteuid()}){owner}")
-    if info.st_mode & 0o022:
-        raise BadEngine(f"is writable by other users (mode "
-                        f"{stat.S_IMODE(info.st_mode):04o}): chmod go-w it")
+def engine_info_stat(dir_fd: int) -> os.stat_result | None:
+    """The stat of the directory's engine.json (its mtime is the heartbeat); None when it
+    has no engine.json (not an engine's)."""
     try:
         info_stat = os.stat(ENGINE_INFO_FILE, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
