@@ -36,6 +36,8 @@ from ac_observe.telemetry_format import MAX_ENGINE_DIRS, UnsafeDirectory, open_t
 
 log = logging.getLogger("ac_observe.collectors.engine")
 
+MAX_REFUSED_DIRS = 64  # refused directories listed in status and logged, each cycle
+
 
 @dataclass(slots=True)
 class _EngineDirectory:
@@ -52,6 +54,7 @@ class EngineCollector(Collector):
         # The uid non-root engines run as: it may own the root and engine directories.
         self.owner: int | None = config.telemetry_owner
         self._refused: dict[str, str] = {}  # directory -> why, as logged (once)
+        self._warned: frozenset[str] = frozenset()  # conditions warned about, still true
         self.stale_seconds = config.engine_stale_seconds
         self.grace_seconds = config.engine_grace_seconds
         self.engines: dict[str, EngineState] = {}
@@ -118,25 +121,26 @@ class EngineCollector(Collector):
             families: dict[str, EngineFamily] = {}
             seen: dict[str, EngineState] = {}
             served: dict[str, str] = {}  # engine label -> directory serving it
+            read_dirs = refused = 0
+            over_cap = False
             for name in sorted(os.listdir(root_fd)):
-                if len(seen) >= MAX_ENGINE_DIRS:
-                    log.warning("more than %d engine directories: the rest are not read",
-                                MAX_ENGINE_DIRS)
+                if read_dirs >= MAX_ENGINE_DIRS:  # engines alone count: refused ones
+                    over_cap = True               # cannot crowd them out
                     break
                 directory = self._directories.setdefault(name, _EngineDirectory())
                 try:
                     read = self._read_engine(root_fd, name, directory, now)
                 except BadEngine as exc:
-                    seen[name] = EngineState(name, {}, False, 0.0, str(exc), "",
-                                             directory.restarts)
-                    if self._refused.get(name) != str(exc):  # once a directory and reason
-                        log.warning("engine directory %s is not read: %s",
-                                    self.root / name, exc)
-                        self._refused[name] = str(exc)
+                    refused += 1
+                    if refused <= MAX_REFUSED_DIRS:  # listed in status, logged once each
+                        seen[name] = EngineState(name, {}, False, 0.0, str(exc), "",
+                                                 directory.restarts)
+                        self._refuse(name, str(exc))
                     continue
                 self._refused.pop(name, None)
                 if read is None:
                     continue
+                read_dirs += 1
                 state, values = read
                 engine = state.info["engine"]
                 if engine in served:
@@ -147,6 +151,11 @@ class EngineCollector(Collector):
                 served[engine] = name
                 seen[name] = state
                 values.add_to(families)
+            self._warn_once("cap", over_cap, "more than %d engine directories: the rest "
+                            "are not read", MAX_ENGINE_DIRS)
+            self._warn_once("refused", refused > MAX_REFUSED_DIRS, "%d directories under "
+                            "the telemetry root are refused; %d are listed (status), the "
+                            "rest not", refused, MAX_REFUSED_DIRS)
             self.engines = seen
             self._note_new_engines(served, seen, now)
             self._directories = {n: r for n, r in self._directories.items() if n in seen}
@@ -160,6 +169,19 @@ class EngineCollector(Collector):
             return [*families.values(), restarts, self._engine_up.family(seen, now)]
         finally:
             os.close(root_fd)
+
+    def _refuse(self, name: str, reason: str) -> None:
+        if self._refused.get(name) != reason:  # once a directory and reason
+            # (its name by repr: a name is anyone's text, a newline in it no new log line)
+            log.warning("engine directory %r under %s is not read: %s", name, self.root,
+                        reason)
+            self._refused[name] = reason
+
+    def _warn_once(self, what: str, now_true: bool, message: str, *args) -> None:
+        """A warning when a condition begins (again), not every cycle it lasts."""
+        if now_true and what not in self._warned:
+            log.warning(message, *args)
+        self._warned = self._warned | {what} if now_true else self._warned - {what}
 
     def _read_engine(self, root_fd: int, name: str, directory: _EngineDirectory,
                      now: float) -> tuple[EngineState, EngineValues] | None:
