@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
 import yaml
@@ -322,3 +323,18 @@ def test_the_unprivileged_daemon_needs_no_root_and_matches_the_privileged_one():
     assert [a for a in theirs["args"] if a != "--discover-engines"] == daemon["args"]
     for key in ("image", "ports", "readinessProbe", "livenessProbe"):
         assert daemon[key] == theirs[key], key
+
+
+def test_the_unprivileged_daemon_asks_no_pod_resources_socket(start_daemon):
+    """The manifest's setting as the daemon reads it (an empty variable is no value to
+    click): the socket switched off, not the kubelet's default path tried."""
+    kubernetes = REPO / "dashboards" / "kubernetes"
+    daemon = _container(_documents(kubernetes / "unprivileged" / "daemon.yaml")
+                        ["DaemonSet/ac-observe-daemon"], "daemon")
+    env = {e["name"]: e["value"] for e in daemon["env"]
+           if e["name"] == "AC_OBSERVE_POD_RESOURCES_SOCKET"}
+    assert env == {"AC_OBSERVE_POD_RESOURCES_SOCKET": ""}
+    running = start_daemon(None, "--collectors", "engine", env=env)
+    status = httpx.get(running.url + "/api/v1/status", timeout=30).json()
+    assert "pod-resources socket is switched off" in status["attribution"]["reason"], \
+        status["attribution"]
