@@ -378,6 +378,32 @@ def _walk_reason(info: os.stat_result, trusted: set[int], owner: int | None, wha
     return reason
 
 
+def _closed_reason(dir_fd: int, name: str, walked: Path, last: bool) -> str:
+    """Why directory `name` cannot be opened (EACCES): whose it is, and for the directory
+    asked for, how to make it ours (an older release's root-owned directory, say)."""
+    euid = os.geteuid()
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return f"{walked / name} cannot be opened by you (uid {euid})"
+    said = (f"{walked / name} is owned by uid {info.st_uid} (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}): you (uid {euid}) may not open it")
+    if last:
+        said += f"; make it yours with everything in it (chown -R {euid} it) or remove it"
+    return said
+
+
+def _raise_unless_symlink(exc: OSError, name: str, dir_fd: int, trusted: set[int],
+                          where: str, walked: Path, last: bool) -> None:
+    """`name` in `dir_fd` did not open as a directory: return when it is a symlink to
+    follow, else raise (UnsafeDirectory saying whose it is when it was not ours to open)."""
+    if isinstance(exc, PermissionError):
+        raise UnsafeDirectory(f"{where}: {_closed_reason(dir_fd, name, walked, last)}") \
+            from None
+    if not _trusted_symlink(name, dir_fd, trusted, f"{where}: {walked / name}"):
+        raise exc
+
+
 def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
                      create: bool = False, owner: int | None = None) -> int:
     """A descriptor of directory `path`, reached from / one component at a time with
@@ -413,8 +439,8 @@ def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
                 pending.insert(0, name)
                 continue
             except OSError as exc:
-                if not _trusted_symlink(name, fd, trusted, f"{what} {path}: {walked / name}"):
-                    raise exc
+                _raise_unless_symlink(exc, name, fd, trusted, f"{what} {path}", walked,
+                                      last=not pending)
                 hops += 1
                 if hops > MAX_SYMLINK_HOPS:
                     raise UnsafeDirectory(f"{what} {path}: too many symlinks") from None
@@ -440,6 +466,22 @@ def _try_lock(fd: int) -> bool:
         return False
 
 
+def _refuse_others_files(dir_fd: int, path: Path) -> None:
+    """UnsafeDirectory when files of another user are in a non-root engine's directory (an
+    older release's engine ran as root there): it could neither write nor remove them."""
+    euid = os.geteuid()
+    if euid == 0:
+        return  # root writes and removes anyone's
+    for name in os.listdir(dir_fd):
+        with contextlib.suppress(FileNotFoundError):
+            owner = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid
+            if owner != euid:
+                raise UnsafeDirectory(
+                    f"telemetry directory {path} holds {name!r} of uid {owner}, not yours "
+                    f"(uid {euid}): make the directory yours with everything in it "
+                    f"(chown -R {euid} {path}) or remove it")
+
+
 def open_engine_dir(path: str | os.PathLike, wait_seconds: float = 5.0) -> int:
     """A descriptor of the engine's own telemetry directory, created if missing, made
     TELEMETRY_DIR_MODE (its group may read it) and locked (flock) for as long as it stays
@@ -456,12 +498,16 @@ def open_engine_dir(path: str | os.PathLike, wait_seconds: float = 5.0) -> int:
         try:
             info = os.fstat(fd)
             reason = unsafe_reason(info, {os.geteuid()})
+            if reason and info.st_uid != os.geteuid():
+                reason += (f": make it yours with everything in it (chown -R {os.geteuid()} "
+                           "it) or remove it")
             if reason:
                 raise UnsafeDirectory(f"telemetry directory {path} {reason}")
             if stat.S_IMODE(info.st_mode) != TELEMETRY_DIR_MODE:
                 os.fchmod(fd, TELEMETRY_DIR_MODE)  # made 0700, or by an older engine
             locked = _try_lock(fd)
             if locked and os.fstat(fd).st_nlink > 0:
+                _refuse_others_files(fd, path)
                 foreign = sorted(name for name in os.listdir(fd) if not is_format_file(name))
                 if foreign:
                     raise UnsafeDirectory(

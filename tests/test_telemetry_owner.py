@@ -304,3 +304,40 @@ def test_an_older_engines_private_directory_is_made_group_readable_and_root_read
         assert _engines_read(_collector(root, None)) == {"old"}
     finally:
         writer.close()
+
+
+def _start_engine(directory: Path, write) -> None:
+    try:
+        TelemetryWriter(directory, {"started_at": time.time()}, engine="e0", model="m")
+        write("started")
+    except Exception as exc:  # what the engine tells its user
+        write(f"{type(exc).__name__}: {exc}".replace("\n", " "))
+
+
+@needs_root
+def test_an_older_releases_root_owned_directory_says_whose_it_is_and_what_to_do():
+    """Upgrading: engine-0 made by a root engine (0700, files 0600) stays root's after
+    the root is handed to uid 10001; the engine says so, not a bare PermissionError."""
+    base = Path(tempfile.mkdtemp(prefix="ac-observe-trust-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        root = base / "telemetry"
+        writer = TelemetryWriter(root / "engine-0", {"started_at": time.time()},
+                                 engine="e0", model="m")
+        writer.close()
+        (root / "engine-0").chmod(0o700)
+        os.chown(root, ENGINE_UID, ENGINE_UID)  # "chown it to 10001": the top alone
+        said = _output_of(ENGINE_UID, [], _start_engine, root / "engine-0")
+        assert said.startswith("UnsafeDirectory: "), said
+        assert f"{root / 'engine-0'} is owned by uid 0 (mode 0700)" in said, said
+        assert "chown -R 10001 it" in said, said
+        # The directory handed over, its files not: said too.
+        os.chown(root / "engine-0", ENGINE_UID, ENGINE_UID)
+        said = _output_of(ENGINE_UID, [], _start_engine, root / "engine-0")
+        assert said.startswith("UnsafeDirectory: ") and "of uid 0, not yours" in said, said
+        assert f"chown -R 10001 {root / 'engine-0'}" in said, said
+        # chown -R, as the docs say: it starts.
+        _chown_tree(root / "engine-0", ENGINE_UID)
+        assert _output_of(ENGINE_UID, [], _start_engine, root / "engine-0") == "started\n"
+    finally:
+        shutil.rmtree(base)
