@@ -128,3 +128,19 @@ def test_refused_directories_are_logged_by_repr_and_never_crowd_engines_out(
     finally:
         for writer in writers:
             writer.close()
+
+
+@needs_root
+def test_a_refused_directory_names_each_trusted_owner_once(tmp_path):
+    """The root is the telemetry owner's: its uid is said once, as the telemetry owner."""
+    root = tmp_path / "telemetry"
+    writer = _engine(root / "other", "other", 0x1000, OTHER_UID)
+    try:
+        os.chown(root, ENGINE_UID, ENGINE_UID)
+        collector = EngineCollector(_config(root, ENGINE_UID))
+        assert _engines_read(collector) == set()
+        (state,) = collector.status()
+        assert state["error"] == ("is owned by uid 10002, not by you (uid 0) or the "
+                                  "telemetry owner (uid 10001)")
+    finally:
+        writer.close()
