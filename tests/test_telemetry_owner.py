@@ -358,3 +358,43 @@ def test_an_older_releases_root_owned_directory_says_whose_it_is_and_what_to_do(
         assert _output_of(ENGINE_UID, [], _start_engine, root / "engine-0") == "started\n"
     finally:
         shutil.rmtree(base)
+
+
+def _collect_gone(root: Path, write) -> None:
+    """Three cycles of a collector past a gone engine's grace: what it logged."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("ac_observe.collectors.engine").addHandler(handler)
+    collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=1,
+                                                engine_grace_seconds=1,
+                                                telemetry_owner=ENGINE_UID))
+    for _ in range(3):
+        collector.collect()
+    write(json.dumps(said))
+
+
+@needs_root
+def test_a_gone_engine_this_daemon_may_not_remove_is_said_once_and_left():
+    """The unprivileged daemon (uid 10002, group 10001) may read a gone engine's files but
+    not remove them: said once for the directory, not every cycle."""
+    base = Path(tempfile.mkdtemp(prefix="ac-observe-trust-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        root = base / "telemetry"
+        TelemetryWriter(root / "gone", {"started_at": 0.0}, engine="gone",
+                        model="m").close()
+        info = json.loads((root / "gone" / "engine.json").read_text())
+        (root / "gone" / "engine.json").write_text(json.dumps({**info, "pid": 2 ** 31 - 1}))
+        (root / "gone" / "engine.json").chmod(0o640)
+        os.utime(root / "gone" / "engine.json", (0, 0))
+        root.chmod(0o755)
+        _chown_tree(root, ENGINE_UID)
+        _chown_tree(root / "gone", ENGINE_UID)
+        said = json.loads(_output_of(OTHER_UID, [ENGINE_UID], _collect_gone, root))
+        removal = [line for line in said if "cannot remove" in line]
+        assert removal == ["cannot remove telemetry of gone engine directory 'gone': "
+                           "Permission denied; left in place, not tried again"], said
+        assert (root / "gone" / "engine.json").exists()
+    finally:
+        shutil.rmtree(base)

@@ -55,6 +55,7 @@ class EngineCollector(Collector):
         self.owner: int | None = config.telemetry_owner
         self._refused: dict[str, str] = {}  # directory -> why, as logged (once)
         self._warned: frozenset[str] = frozenset()  # conditions warned about, still true
+        self._unremovable: set[str] = set()  # gone engines' directories it may not remove
         self.stale_seconds = config.engine_stale_seconds
         self.grace_seconds = config.engine_grace_seconds
         self.engines: dict[str, EngineState] = {}
@@ -123,7 +124,9 @@ class EngineCollector(Collector):
             served: dict[str, str] = {}  # engine label -> directory serving it
             read_dirs = refused = 0
             over_cap = False
-            for name in sorted(os.listdir(root_fd)):
+            names = sorted(os.listdir(root_fd))
+            self._unremovable &= set(names)  # (a name back later is tried again)
+            for name in names:
                 if read_dirs >= MAX_ENGINE_DIRS:  # engines alone count: refused ones
                     over_cap = True               # cannot crowd them out
                     break
@@ -197,7 +200,9 @@ class EngineCollector(Collector):
             alive = now - heartbeat <= self.stale_seconds
             if not alive and now - heartbeat > self.stale_seconds + self.grace_seconds:
                 # Past the grace period: its series go, and its files once its process has.
-                remove_gone_engine(root_fd, name, read_engine_info_or_none(dir_fd))
+                if name not in self._unremovable and not remove_gone_engine(
+                        root_fd, name, read_engine_info_or_none(dir_fd)):
+                    self._unremovable.add(name)
                 return None
             info = read_engine_info(dir_fd)
             identity = EngineIdentity.of(info)

@@ -12,6 +12,7 @@ another's; nothing is opened through a symlink.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -101,21 +102,32 @@ def read_engine_info_or_none(dir_fd: int) -> dict | None:
         return None
 
 
-def remove_gone_engine(root_fd: int, name: str, info: dict | None) -> None:
+# Why removal may never work here: a read-only mount (the unprivileged DaemonSet's), or
+# directories that are not this daemon's user's to change. Said once, not tried again.
+_NOT_REMOVABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def remove_gone_engine(root_fd: int, name: str, info: dict | None) -> bool:
     """Past the grace period: remove its files once its process is gone. Only a
     directory whose engine.json is ours, naming a dead process, and that no engine holds
-    (its lock) is ever touched."""
+    (its lock) is ever touched. False when this daemon may not remove it (said once,
+    by the directory's name's repr: the caller tries it no more)."""
     if info is None or pid_alive(info["pid"]):
-        return  # not ours to judge, or alive but silent (stopped, another pid namespace)
+        return True  # not ours to judge, or alive but silent (stopped, another pid namespace)
     try:
         left = remove_engine_dir(root_fd, name)
     except OSError as exc:
-        log.warning("cannot remove telemetry of %s: %s", name, exc)
-        return
+        if exc.errno in _NOT_REMOVABLE:
+            log.warning("cannot remove telemetry of gone engine directory %r: %s; left in "
+                        "place, not tried again", name, exc.strerror)
+            return False
+        log.warning("cannot remove telemetry of %r: %s", name, exc)
+        return True
     if left is None:
-        return  # an engine holds it again
-    log.info("removed telemetry of vanished engine %s (pid %s)%s", name, info["pid"],
+        return True  # an engine holds it again
+    log.info("removed telemetry of vanished engine %r (pid %s)%s", name, info["pid"],
              f"; left {len(left)} other file(s) in place" if left else "")
+    return True
 
 
 class _LastHeartbeat(NamedTuple):
