@@ -329,16 +329,18 @@ def open_engine_dir_at(root_fd: int, name: str, owner: int | None) -> int | None
     for every reader of engine directories (the engine and eBPF collectors)."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
-    except (NotADirectoryError, FileNotFoundError):
+    except FileNotFoundError:
         return None
-    except OSError as exc:
+    except OSError as exc:  # (a symlink: ENOTDIR with O_DIRECTORY, else ELOOP)
         try:
             info = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
         except OSError:
-            info = None
-        if info is not None and stat.S_ISLNK(info.st_mode):
+            return None
+        if stat.S_ISLNK(info.st_mode):
             raise UnsafeDirectory("is a symlink; engine directories must be real "
                                   "directories") from None
+        if isinstance(exc, NotADirectoryError):
+            return None
         raise UnsafeDirectory(f"cannot open: {exc.strerror}") from None
     try:
         reason = unsafe_reason(os.fstat(fd), {0, os.geteuid()}, owner)

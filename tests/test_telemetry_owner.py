@@ -167,7 +167,9 @@ def test_symlinks_of_the_owner_are_never_followed(tmp_path):
         os.chown(root / "e2", ENGINE_UID, ENGINE_UID, follow_symlinks=False)
         collector = _collector(root, ENGINE_UID)
         assert _engines_read(collector) == set()
-        assert all(e["error"] for e in collector.status())  # skipped, or refused
+        status = collector.status()  # refused, said so (not silently skipped)
+        assert [e["directory"] for e in status] == [str(root / "e2")], status
+        assert "is a symlink" in status[0]["error"], status
     finally:
         writer.close()
 
