@@ -505,8 +505,9 @@ def open_engine_dir(path: str | os.PathLike, wait_seconds: float = 5.0) -> int:
                            "it) or remove it")
             if reason:
                 raise UnsafeDirectory(f"telemetry directory {path} {reason}")
-            if stat.S_IMODE(info.st_mode) != TELEMETRY_DIR_MODE:
-                os.fchmod(fd, TELEMETRY_DIR_MODE)  # made 0700, or by an older engine
+            wanted = stat.S_IMODE(info.st_mode) & ~0o777 | TELEMETRY_DIR_MODE  # (setgid kept)
+            if stat.S_IMODE(info.st_mode) != wanted:
+                os.fchmod(fd, wanted)  # made 0700, or by an older engine
             locked = _try_lock(fd)
             if locked and os.fstat(fd).st_nlink > 0:
                 _refuse_others_files(fd, path)
