@@ -52,8 +52,9 @@ RUN case "$PIP_CERT" in ""|docker/?*) ;; *) \
  && /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels /src
 
 # The daemon: no torch. It runs as root for eBPF; with AC_OBSERVE_COLLECTORS leaving ebpf
-# out it runs as any user: --user 10001:10001 to read the engine image's telemetry as its
-# owner (dashboards/kubernetes/unprivileged/daemon.yaml), 65534 otherwise.
+# out it runs as any user: --user 10002:10002 --group-add 10001 with --telemetry-owner
+# 10001 to read the engine image's telemetry through its group, never as the engines'
+# own uid (dashboards/kubernetes/unprivileged/daemon.yaml), 65534 otherwise.
 FROM python AS daemon
 ARG PIP_CERT=
 ARG DAEMON_EXTRAS=postgres

@@ -45,7 +45,9 @@ from ac_observe.collectors.ebpf_program import (
 )
 from ac_observe.telemetry_format import (
     ENGINE_INFO_FILE,
+    MAX_ENGINE_DIRS,
     MAX_INFO_BYTES,
+    open_engine_dir_at,
     open_trusted_dir,
     parse_engine_info,
     read_regular_file,
@@ -112,7 +114,7 @@ class EbpfCollector(Collector):
         except re.error as exc:
             raise ValueError(f"--ebpf-comm {comm!r}: {exc}") from None
         self.telemetry_root = Path(config.telemetry_root)
-        self.telemetry_owner: int | None = getattr(config, "telemetry_owner", None)
+        self.telemetry_owner: int | None = config.telemetry_owner
         self.bpf: Any = None  # bcc.BPF once loaded (bcc has no type information)
         self.libraries: dict[tuple, _Library] = {}
         self.targets: dict[int, _Target] = {}
@@ -283,7 +285,8 @@ class EbpfCollector(Collector):
         return held
 
     def _engine_streams(self) -> dict[tuple, str]:
-        """{(pid, stream handle): lane} of the bundled engines (engine.json)."""
+        """{(pid, stream handle): lane} of the bundled engines (engine.json), from the
+        engine directories the engine collector would read (open_engine_dir_at) alone."""
         names: dict[tuple, str] = {}
         try:
             root_fd = open_trusted_dir(self.telemetry_root, "telemetry root",
@@ -291,11 +294,15 @@ class EbpfCollector(Collector):
         except OSError:
             return names
         try:
-            for entry in os.listdir(root_fd):
+            read = 0
+            for entry in sorted(os.listdir(root_fd)):
+                if read >= MAX_ENGINE_DIRS:
+                    break
                 try:
-                    dir_fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
-                                     dir_fd=root_fd)
-                except OSError:
+                    dir_fd = open_engine_dir_at(root_fd, entry, self.telemetry_owner)
+                except OSError:  # UnsafeDirectory too: the engine collector says why
+                    continue
+                if dir_fd is None:
                     continue
                 try:
                     info = parse_engine_info(read_regular_file(dir_fd, ENGINE_INFO_FILE,
@@ -304,6 +311,7 @@ class EbpfCollector(Collector):
                     continue
                 finally:
                     os.close(dir_fd)
+                read += 1
                 for lane, handle in (info.get("cuda_streams") or {}).items():
                     if lane in m.LANES and isinstance(handle, int):
                         names[(info["pid"], handle)] = lane

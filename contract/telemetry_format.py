@@ -132,6 +132,14 @@ def value_at(data: FileBytes, offset: int) -> float:
     return _DOUBLE.unpack_from(data, offset)[0]
 
 
+# An engine's directory and files: its group may read them (metrics alone, never prompt
+# text), so a daemon of another uid in that group reads them (the unprivileged DaemonSet,
+# dashboards/kubernetes/unprivileged/daemon.yaml); no one else, and no one but the engine
+# may write.
+TELEMETRY_DIR_MODE = 0o750
+TELEMETRY_FILE_MODE = 0o640
+
+
 class ValueFile:
     """Writer of one `.db` file (prometheus_client's MmapedDict layout). Not thread-safe.
 
@@ -139,12 +147,14 @@ class ValueFile:
     """
 
     def __init__(self, dir_fd: int, name: str):
-        self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                           dir_fd=dir_fd)
+        self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           TELEMETRY_FILE_MODE, dir_fd=dir_fd)
         info = os.fstat(self._fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(self._fd)
             raise ValueError(f"{name} is not a regular file")
+        if stat.S_IMODE(info.st_mode) != TELEMETRY_FILE_MODE and info.st_uid == os.geteuid():
+            os.fchmod(self._fd, TELEMETRY_FILE_MODE)  # whatever the umask or an older engine
         self._capacity = info.st_size
         if self._capacity == 0:
             self._capacity = _INITIAL_DB_BYTES
@@ -283,22 +293,64 @@ def default_telemetry_root() -> Path:
     return base / "telemetry"
 
 
-def unsafe_reason(info: os.stat_result, trusted_uids: set[int]) -> str | None:
-    """Why a directory (lstat result) is not safe to write into, or None."""
+def unsafe_reason(info: os.stat_result, trusted_uids: set[int], owner: int | None = None,
+                  sticky_ok: bool = False) -> str | None:
+    """Why a directory (lstat result) is not safe to read or write in, or None: it must be
+    a real directory, owned by one of `trusted_uids` or by `owner` (a daemon's
+    --telemetry-owner), and writable by no group or other user (`sticky_ok`: unless its
+    sticky bit keeps others from replacing entries, as /tmp's does: for directories passed
+    on the way, never for the one read)."""
     if stat.S_ISLNK(info.st_mode):
         return "is a symlink"
     if not stat.S_ISDIR(info.st_mode):
         return "is not a directory"
-    if info.st_uid not in trusted_uids:
-        owners = sorted(trusted_uids - {0, os.geteuid()})
-        if owners:
-            return (f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()}), root "
-                    f"or the telemetry owner (uid {owners[0]})")
-        return f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()}) or root"
-    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+    if info.st_uid not in trusted_uids and info.st_uid != owner:
+        euid = os.geteuid()
+        allowed = [f"you (uid {euid})"] if euid in trusted_uids else []
+        allowed += ["root"] if 0 in trusted_uids and euid != 0 else []
+        allowed += [] if owner is None else [f"the telemetry owner (uid {owner})"]
+        listed = allowed[0] if len(allowed) == 1 else \
+            f"{', '.join(allowed[:-1])} or {allowed[-1]}"
+        return f"is owned by uid {info.st_uid}, not by {listed}"
+    if info.st_mode & 0o022 and not (sticky_ok and info.st_mode & stat.S_ISVTX):
         return (f"is writable by other users (mode {stat.S_IMODE(info.st_mode):04o}): "
                 "chmod go-w it")
     return None
+
+
+MAX_ENGINE_DIRS = 1024  # engines read under one telemetry root (more are not read)
+
+
+def open_engine_dir_at(root_fd: int, name: str, owner: int | None) -> int | None:
+    """A descriptor of engine directory `name` under the telemetry root `root_fd` that is
+    safe to read: a real directory (never through a symlink) owned by root, this process's
+    user or the telemetry `owner`, writable by no group or other user. None when it is not
+    a directory (or is gone); UnsafeDirectory saying why when it is not safe. The one rule
+    for every reader of engine directories (the engine and eBPF collectors)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # (a symlink: ENOTDIR with O_DIRECTORY, else ELOOP)
+        try:
+            info = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+        except OSError:
+            return None
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafeDirectory("is a symlink; engine directories must be real "
+                                  "directories") from None
+        if isinstance(exc, NotADirectoryError):
+            return None
+        raise UnsafeDirectory(f"cannot open: {exc.strerror}") from None
+    try:
+        reason = unsafe_reason(os.fstat(fd), {0, os.geteuid()}, owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    if reason:
+        os.close(fd)
+        raise UnsafeDirectory(reason)
+    return fd
 
 
 MAX_SYMLINK_HOPS = 40
@@ -315,6 +367,45 @@ def _trusted_symlink(name: str, dir_fd: int, trusted: set[int], where: str) -> b
     return True
 
 
+def _walk_reason(info: os.stat_result, trusted: set[int], owner: int | None, what: str,
+                 last: bool) -> str | None:
+    """unsafe_reason of a directory open_trusted_dir passes: the owner may own the last
+    alone, and only one on the way may be sticky and world-writable (as /tmp)."""
+    if last:
+        return unsafe_reason(info, trusted, owner)
+    reason = unsafe_reason(info, trusted, sticky_ok=True)
+    if reason and owner is not None and info.st_uid == owner:
+        return (f"is owned by the telemetry owner (uid {owner}), who may own the {what} "
+                "itself but no directory above it")
+    return reason
+
+
+def _closed_reason(dir_fd: int, name: str, walked: Path, last: bool) -> str:
+    """Why directory `name` cannot be opened (EACCES): whose it is, and for the directory
+    asked for, how to make it ours (an older release's root-owned directory, say)."""
+    euid = os.geteuid()
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return f"{walked / name} cannot be opened by you (uid {euid})"
+    said = (f"{walked / name} is owned by uid {info.st_uid} (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}): you (uid {euid}) may not open it")
+    if last:
+        said += f"; make it yours with everything in it (chown -R {euid} it) or remove it"
+    return said
+
+
+def _raise_unless_symlink(exc: OSError, name: str, dir_fd: int, trusted: set[int],
+                          where: str, walked: Path, last: bool) -> None:
+    """`name` in `dir_fd` did not open as a directory: return when it is a symlink to
+    follow, else raise (UnsafeDirectory saying whose it is when it was not ours to open)."""
+    if isinstance(exc, PermissionError):
+        raise UnsafeDirectory(f"{where}: {_closed_reason(dir_fd, name, walked, last)}") \
+            from None
+    if not _trusted_symlink(name, dir_fd, trusted, f"{where}: {walked / name}"):
+        raise exc
+
+
 def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
                      create: bool = False, owner: int | None = None) -> int:
     """A descriptor of directory `path`, reached from / one component at a time with
@@ -325,14 +416,13 @@ def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
     `owner` (a daemon's --telemetry-owner) may own the last directory, `path` itself,
     never one above it nor a symlink. Else UnsafeDirectory naming the culprit."""
     trusted = {0, os.geteuid()}
-    last_trusted = trusted if owner is None else trusted | {owner}
     pending = [part for part in str(os.path.abspath(path)).split("/") if part]
     walked = Path("/")
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     hops = 0
     try:
         while True:
-            reason = unsafe_reason(os.fstat(fd), trusted if pending else last_trusted)
+            reason = _walk_reason(os.fstat(fd), trusted, owner, what, last=not pending)
             if reason:
                 raise UnsafeDirectory(f"{what} {path}: {walked} {reason}")
             if not pending:
@@ -351,8 +441,8 @@ def open_trusted_dir(path: str | os.PathLike, what: str = "telemetry directory",
                 pending.insert(0, name)
                 continue
             except OSError as exc:
-                if not _trusted_symlink(name, fd, trusted, f"{what} {path}: {walked / name}"):
-                    raise exc
+                _raise_unless_symlink(exc, name, fd, trusted, f"{what} {path}", walked,
+                                      last=not pending)
                 hops += 1
                 if hops > MAX_SYMLINK_HOPS:
                     raise UnsafeDirectory(f"{what} {path}: too many symlinks") from None
@@ -378,10 +468,27 @@ def _try_lock(fd: int) -> bool:
         return False
 
 
+def _refuse_others_files(dir_fd: int, path: Path) -> None:
+    """UnsafeDirectory when files of another user are in a non-root engine's directory (an
+    older release's engine ran as root there): it could neither write nor remove them."""
+    euid = os.geteuid()
+    if euid == 0:
+        return  # root writes and removes anyone's
+    for name in os.listdir(dir_fd):
+        with contextlib.suppress(FileNotFoundError):
+            owner = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid
+            if owner != euid:
+                raise UnsafeDirectory(
+                    f"telemetry directory {path} holds {name!r} of uid {owner}, not yours "
+                    f"(uid {euid}): make the directory yours with everything in it "
+                    f"(chown -R {euid} {path}) or remove it")
+
+
 def open_engine_dir(path: str | os.PathLike, wait_seconds: float = 5.0) -> int:
-    """A descriptor of the engine's own telemetry directory, created 0700 if missing and
-    locked (flock) for as long as it stays open: one engine per directory, and the daemon
-    never removes a directory an engine holds.
+    """A descriptor of the engine's own telemetry directory, created if missing, made
+    TELEMETRY_DIR_MODE (its group may read it) and locked (flock) for as long as it stays
+    open: one engine per directory, and the daemon never removes a directory an engine
+    holds.
 
     Refuses (UnsafeDirectory) a directory another user owns or could tamper with, one that
     another live engine holds, and one holding files that are not ac-observe telemetry.
@@ -391,11 +498,19 @@ def open_engine_dir(path: str | os.PathLike, wait_seconds: float = 5.0) -> int:
     while True:
         fd = open_trusted_dir(path, create=True)
         try:
-            reason = unsafe_reason(os.fstat(fd), {os.geteuid()})
+            info = os.fstat(fd)
+            reason = unsafe_reason(info, {os.geteuid()})
+            if reason and info.st_uid != os.geteuid():
+                reason += (f": make it yours with everything in it (chown -R {os.geteuid()} "
+                           "it) or remove it")
             if reason:
                 raise UnsafeDirectory(f"telemetry directory {path} {reason}")
+            wanted = stat.S_IMODE(info.st_mode) & ~0o777 | TELEMETRY_DIR_MODE  # (setgid kept)
+            if stat.S_IMODE(info.st_mode) != wanted:
+                os.fchmod(fd, wanted)  # made 0700, or by an older engine
             locked = _try_lock(fd)
             if locked and os.fstat(fd).st_nlink > 0:
+                _refuse_others_files(fd, path)
                 foreign = sorted(name for name in os.listdir(fd) if not is_format_file(name))
                 if foreign:
                     raise UnsafeDirectory(

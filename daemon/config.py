@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 import pwd
 import socket
 from dataclasses import dataclass, field
@@ -17,6 +19,8 @@ DEFAULT_COLLECTORS = ("engine", "nvml", "ebpf")
 # ~50 engines of ~900 watched series each, their GPUs and CUDA processes.
 DEFAULT_MAX_SERIES = 50_000
 DEFAULT_POD_RESOURCES_SOCKET = DEFAULT_SOCKET
+
+log = logging.getLogger("ac_observe.daemon")
 
 
 # Longest node name taken: a Kubernetes node name is a DNS subdomain (253), a host name
@@ -40,22 +44,39 @@ def check_node_name(name: str) -> str:
     return name
 
 
+# uids no engine's files may be trusted as: nobody (the overflow uid, what an unmapped
+# user reads as), and (uid_t)-1 and -2, "no change" to chown and the other overflow value.
+NOT_AN_OWNER = {65534: "nobody, the overflow uid", 0xFFFFFFFE: "an overflow uid",
+                0xFFFFFFFF: "(uid_t)-1, no uid"}
+
+
 def parse_owner(text: str | None) -> int | None:
-    """--telemetry-owner: a uid or a user name of this host (None or '': none)."""
+    """--telemetry-owner: a uid or a user name of this host (None or '': none). Warns
+    when it names root or the daemon's own user (already trusted: nothing to do)."""
     text = (text or "").strip()
     if not text:
         return None
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         uid = int(text)
-        if uid > 0xFFFFFFFE:
-            raise ValueError(f"--telemetry-owner {text[:20]}: not a uid")
-        return uid
-    try:
-        return pwd.getpwnam(text).pw_uid
-    except KeyError:
-        raise ValueError(f"--telemetry-owner {text[:100]!r}: no such user on this host "
-                         "(give a uid: the daemon's image may not know the engine's "
-                         "user names)") from None
+    elif text.lstrip("-+").isascii() and text.lstrip("-+").isdigit():
+        raise ValueError(f"--telemetry-owner {text[:20]}: not a uid (0 to 4294967293)")
+    else:
+        try:
+            uid = pwd.getpwnam(text).pw_uid
+        except KeyError:
+            raise ValueError(f"--telemetry-owner {text[:100]!r}: no such user on this host "
+                             "(give a uid: the daemon's image may not know the engine's "
+                             "user names)") from None
+    if uid > 0xFFFFFFFF:
+        raise ValueError(f"--telemetry-owner {text[:20]}: not a uid (0 to 4294967293)")
+    if uid in NOT_AN_OWNER:
+        raise ValueError(f"--telemetry-owner {text[:20]}: uid {uid} is {NOT_AN_OWNER[uid]}, "
+                         "no engine's own user")
+    if uid in (0, os.geteuid()):
+        log.warning("--telemetry-owner %s is %s, already trusted: the setting changes "
+                    "nothing (give the uid the engines run as)", uid,
+                    "root" if uid == 0 else "this daemon's own user")
+    return uid
 
 
 def default_node_name() -> str:

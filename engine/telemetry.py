@@ -35,6 +35,7 @@ from ac_observe.metrics import (
 )
 from ac_observe.telemetry_format import (
     ENGINE_INFO_FILE,
+    TELEMETRY_FILE_MODE,
     TELEMETRY_FORMAT,
     ValueFile,
     db_file_name,
@@ -113,8 +114,9 @@ class TelemetryWriter:
     def _write_info(self, info: dict) -> None:
         tmp = f".{ENGINE_INFO_FILE}.{os.getpid()}.{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644, dir_fd=self._dir_fd)
+                     TELEMETRY_FILE_MODE, dir_fd=self._dir_fd)
         try:
+            os.fchmod(fd, TELEMETRY_FILE_MODE)  # whatever the umask
             with os.fdopen(fd, "w") as out:
                 out.write(json.dumps(info, indent=2, sort_keys=True))
             os.replace(tmp, ENGINE_INFO_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)

@@ -179,7 +179,7 @@ def test_the_engine_collector_tells_an_engine_with_a_past_from_one_born_since(tm
 
     from ac_observe.collectors.engine import EngineCollector, EngineState
     collector = EngineCollector(SimpleNamespace(telemetry_root=tmp_path, engine_stale_seconds=10,
-                                                engine_grace_seconds=60))
+                                                engine_grace_seconds=60, telemetry_owner=None))
 
     def look(now, bad=(), inherited=(), **started):
         seen = {f"dir-{e}": EngineState(f"dir-{e}", {"engine": e, "started_at": t}
@@ -231,7 +231,7 @@ w.close()
 """], check=True)
     (root / "e1" / "engine.json").unlink()  # forgotten: no engine there now
     collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=10,
-                                                engine_grace_seconds=60))
+                                                engine_grace_seconds=60, telemetry_owner=None))
     for _ in range(2):
         collector.collect()
         time.sleep(0.02)

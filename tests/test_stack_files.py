@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
 import yaml
@@ -105,10 +106,10 @@ def test_kubernetes_manifests_validate_for_their_version(tmp_path):
     out = subprocess.run([validate, "-k", KUBERNETES_VERSION, "--strict",
                           *map(str, manifests + variants)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    for path in variants:  # every resource of theirs passed, none went unchecked
-        for doc in yaml.safe_load_all(path.read_text()):
-            assert f"passed for resource {doc['kind'].lower()}/{doc['metadata']['name']}" \
-                in out.stdout + out.stderr, (path, doc["kind"])
+    for path in variants:  # every resource of theirs passed, none went unchecked (by
+        for doc in yaml.safe_load_all(path.read_text()):  # path: daemon.yaml's names match)
+            assert f"{path} passed for resource {doc['kind'].lower()}/" \
+                f"{doc['metadata']['name']}" in out.stdout + out.stderr, (path, doc["kind"])
     kinds = {}
     for path in manifests:
         for doc in yaml.safe_load_all(path.read_text()):
@@ -262,7 +263,8 @@ def test_the_engines_run_as_the_user_the_root_daemon_reads():
     # Their directories under the node's root-owned telemetry root, made theirs first.
     (init,) = pod["initContainers"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
-    assert "chown 10001:10001" in " ".join(init["args"])
+    # All of them: a reused name may hold an older release's root-owned files.
+    assert "chown -R -h 10001:10001" in " ".join(init["args"])
     daemon = _documents(kubernetes / "daemon.yaml")["DaemonSet/ac-observe-daemon"]
     env = {e["name"]: e.get("value") for e in _container(daemon, "daemon")["env"]}
     assert env["AC_OBSERVE_TELEMETRY_OWNER"] == "10001"
@@ -287,8 +289,20 @@ def test_the_unprivileged_daemon_needs_no_root_and_matches_the_privileged_one():
     env = {e["name"]: e.get("value") for e in daemon["env"]}
     assert "ebpf" not in env["AC_OBSERVE_COLLECTORS"].split(",")
     assert env["AC_OBSERVE_POD_RESOURCES_SOCKET"] == ""  # root's socket: not asked
+    # Never the network-facing engines' uid (10001, engine.yaml) under hostPID: they could
+    # read its environ and root (token, TLS key). It reads their telemetry through their
+    # group, as their directories' owner told it.
     context = daemon["securityContext"]
-    assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001
+    engine = _documents(kubernetes / "engine.yaml")["Deployment/ac-observe-engine"]
+    engine_uids = {c["securityContext"]["runAsUser"]
+                   for c in engine["spec"]["template"]["spec"]["containers"]}
+    assert engine_uids == {10001}
+    assert context["runAsNonRoot"] is True and context["runAsUser"] not in engine_uids
+    assert context["runAsGroup"] == context["runAsUser"] == 10002
+    assert pod["securityContext"]["supplementalGroups"] == [10001]
+    assert env["AC_OBSERVE_TELEMETRY_OWNER"] == "10001"
+    (state_owner,) = pod["initContainers"]
+    assert state_owner["command"][-2] == "10002:10002"
     assert context["readOnlyRootFilesystem"] is True
     assert context["allowPrivilegeEscalation"] is False and not context.get("privileged")
     assert context["capabilities"] == {"drop": ["ALL"]}
@@ -301,11 +315,26 @@ def test_the_unprivileged_daemon_needs_no_root_and_matches_the_privileged_one():
                                                            "add": ["CHOWN"]}
     mounted = {v["name"] for v in pod["volumes"]}
     assert not mounted & {"debugfs", "tracefs", "modules", "usr-src", "pod-resources"}
-    # The key is readable by the daemon's group (fsGroup), not by everyone.
+    # The key is readable by the daemon's own group (fsGroup), not the engines' nor others.
     (tls,) = [v for v in pod["volumes"] if v["name"] == "tls"]
-    assert tls["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10001
+    assert tls["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10002
     # Everything else as the privileged daemon runs it.
     theirs = _container(privileged["DaemonSet/ac-observe-daemon"], "daemon")
     assert [a for a in theirs["args"] if a != "--discover-engines"] == daemon["args"]
     for key in ("image", "ports", "readinessProbe", "livenessProbe"):
         assert daemon[key] == theirs[key], key
+
+
+def test_the_unprivileged_daemon_asks_no_pod_resources_socket(start_daemon):
+    """The manifest's setting as the daemon reads it (an empty variable is no value to
+    click): the socket switched off, not the kubelet's default path tried."""
+    kubernetes = REPO / "dashboards" / "kubernetes"
+    daemon = _container(_documents(kubernetes / "unprivileged" / "daemon.yaml")
+                        ["DaemonSet/ac-observe-daemon"], "daemon")
+    env = {e["name"]: e["value"] for e in daemon["env"]
+           if e["name"] == "AC_OBSERVE_POD_RESOURCES_SOCKET"}
+    assert env == {"AC_OBSERVE_POD_RESOURCES_SOCKET": ""}
+    running = start_daemon(None, "--collectors", "engine", env=env)
+    status = httpx.get(running.url + "/api/v1/status", timeout=30).json()
+    assert "pod-resources socket is switched off" in status["attribution"]["reason"], \
+        status["attribution"]

@@ -60,7 +60,7 @@ def _normal(name: str, labels: dict, value: float):
 
 def _ours(root: Path) -> dict:
     collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=600,
-                                                engine_grace_seconds=600))
+                                                engine_grace_seconds=600, telemetry_owner=None))
     families = [f for f in collector.collect()
                 if f.name not in ("ac_engine_restarts", "ac_engine_up")]
     # The daemon adds `kind` to what the files hold; the files alone are compared.

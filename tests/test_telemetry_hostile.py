@@ -73,7 +73,8 @@ def test_foreign_directories_and_planted_symlinks_never_redirect_a_root_engine()
         from ac_observe.collectors.engine import EngineCollector
         for lured in (root, shared / "ac-observe-1"):
             collector = EngineCollector(SimpleNamespace(
-                telemetry_root=lured, engine_stale_seconds=0, engine_grace_seconds=0))
+                telemetry_root=lured, engine_stale_seconds=0, engine_grace_seconds=0,
+                telemetry_owner=None))
             with pytest.raises(CollectorUnavailable, match="uid 65534"):
                 collector.collect()
         root = shared / "ac-observe-0" / "telemetry"
@@ -122,7 +123,7 @@ def test_one_engine_per_directory_and_the_daemon_never_removes_a_held_one(tmp_pa
         os.utime(tmp_path / "root" / "e1" / "engine.json", (0, 0))
         collector = EngineCollector(SimpleNamespace(telemetry_root=tmp_path / "root",
                                                     engine_stale_seconds=1,
-                                                    engine_grace_seconds=1))
+                                                    engine_grace_seconds=1, telemetry_owner=None))
         collector.collect()
         assert (tmp_path / "root" / "e1" / "engine.json").exists()
     finally:

@@ -32,11 +32,11 @@ from ac_observe.collectors.engine.families import EngineFamily, EngineValues
 from ac_observe.collectors.engine.files import EngineFiles
 from ac_observe.collectors.engine.process import EngineProcesses
 from ac_observe.metrics import ENGINE_RESTARTS, KIND_AC_OBSERVE
-from ac_observe.telemetry_format import UnsafeDirectory, open_trusted_dir
+from ac_observe.telemetry_format import MAX_ENGINE_DIRS, UnsafeDirectory, open_trusted_dir
 
 log = logging.getLogger("ac_observe.collectors.engine")
 
-MAX_ENGINE_DIRS = 1024
+MAX_REFUSED_DIRS = 64  # refused directories listed in status and logged, each cycle
 
 
 @dataclass(slots=True)
@@ -52,8 +52,10 @@ class EngineCollector(Collector):
     def __init__(self, config):
         self.root = Path(config.telemetry_root)
         # The uid non-root engines run as: it may own the root and engine directories.
-        self.owner: int | None = getattr(config, "telemetry_owner", None)
+        self.owner: int | None = config.telemetry_owner
         self._refused: dict[str, str] = {}  # directory -> why, as logged (once)
+        self._warned: frozenset[str] = frozenset()  # conditions warned about, still true
+        self._unremovable: set[str] = set()  # gone engines' directories it may not remove
         self.stale_seconds = config.engine_stale_seconds
         self.grace_seconds = config.engine_grace_seconds
         self.engines: dict[str, EngineState] = {}
@@ -111,33 +113,37 @@ class EngineCollector(Collector):
             self._note_new_engines({}, {}, now)
             return []
         except UnsafeDirectory as exc:
+            hint = ("owned by root or this user (or name its owner with --telemetry-owner)"
+                    if self.owner is None else "owned by root, this user or the telemetry "
+                    "owner, inside directories of root's or this user's")
             raise CollectorUnavailable(f"{exc}; point --telemetry-root at a directory "
-                                       "owned by root or this user (or name its owner "
-                                       "with --telemetry-owner)") from None
+                                       f"{hint}") from None
         try:
-            root_owner = os.fstat(root_fd).st_uid
             families: dict[str, EngineFamily] = {}
             seen: dict[str, EngineState] = {}
             served: dict[str, str] = {}  # engine label -> directory serving it
-            for name in sorted(os.listdir(root_fd)):
-                if len(seen) >= MAX_ENGINE_DIRS:
-                    log.warning("more than %d engine directories: the rest are not read",
-                                MAX_ENGINE_DIRS)
+            read_dirs = refused = 0
+            over_cap = False
+            names = sorted(os.listdir(root_fd))
+            self._unremovable &= set(names)  # (a name back later is tried again)
+            for name in names:
+                if read_dirs >= MAX_ENGINE_DIRS:  # engines alone count: refused ones
+                    over_cap = True               # cannot crowd them out
                     break
                 directory = self._directories.setdefault(name, _EngineDirectory())
                 try:
-                    read = self._read_engine(root_fd, root_owner, name, directory, now)
+                    read = self._read_engine(root_fd, name, directory, now)
                 except BadEngine as exc:
-                    seen[name] = EngineState(name, {}, False, 0.0, str(exc), "",
-                                             directory.restarts)
-                    if self._refused.get(name) != str(exc):  # once a directory and reason
-                        log.warning("engine directory %s is not read: %s",
-                                    self.root / name, exc)
-                        self._refused[name] = str(exc)
+                    refused += 1
+                    if refused <= MAX_REFUSED_DIRS:  # listed in status, logged once each
+                        seen[name] = EngineState(name, {}, False, 0.0, str(exc), "",
+                                                 directory.restarts)
+                        self._refuse(name, str(exc))
                     continue
                 self._refused.pop(name, None)
                 if read is None:
                     continue
+                read_dirs += 1
                 state, values = read
                 engine = state.info["engine"]
                 if engine in served:
@@ -148,6 +154,11 @@ class EngineCollector(Collector):
                 served[engine] = name
                 seen[name] = state
                 values.add_to(families)
+            self._warn_once("cap", over_cap, "more than %d engine directories: the rest "
+                            "are not read", MAX_ENGINE_DIRS)
+            self._warn_once("refused", refused > MAX_REFUSED_DIRS, "%d directories under "
+                            "the telemetry root are refused; %d are listed (status), the "
+                            "rest not", refused, MAX_REFUSED_DIRS)
             self.engines = seen
             self._note_new_engines(served, seen, now)
             self._directories = {n: r for n, r in self._directories.items() if n in seen}
@@ -162,22 +173,36 @@ class EngineCollector(Collector):
         finally:
             os.close(root_fd)
 
-    def _read_engine(self, root_fd: int, root_owner: int, name: str,
-                     directory: _EngineDirectory,
+    def _refuse(self, name: str, reason: str) -> None:
+        if self._refused.get(name) != reason:  # once a directory and reason
+            # (its name by repr: a name is anyone's text, a newline in it no new log line)
+            log.warning("engine directory %r under %s is not read: %s", name, self.root,
+                        reason)
+            self._refused[name] = reason
+
+    def _warn_once(self, what: str, now_true: bool, message: str, *args) -> None:
+        """A warning when a condition begins (again), not every cycle it lasts."""
+        if now_true and what not in self._warned:
+            log.warning(message, *args)
+        self._warned = self._warned | {what} if now_true else self._warned - {what}
+
+    def _read_engine(self, root_fd: int, name: str, directory: _EngineDirectory,
                      now: float) -> tuple[EngineState, EngineValues] | None:
         """(state, this cycle's values) of one engine directory; None when it is not one."""
-        dir_fd = open_engine_dir(self.root, root_fd, name)
+        dir_fd = open_engine_dir(root_fd, name, self.owner)
         if dir_fd is None:
             return None
         try:
-            info_stat = engine_info_stat(dir_fd, root_owner, self.owner)
+            info_stat = engine_info_stat(dir_fd)
             if info_stat is None:
                 return None  # not an engine directory (no engine.json)
             heartbeat = info_stat.st_mtime
             alive = now - heartbeat <= self.stale_seconds
             if not alive and now - heartbeat > self.stale_seconds + self.grace_seconds:
                 # Past the grace period: its series go, and its files once its process has.
-                remove_gone_engine(root_fd, name, read_engine_info_or_none(dir_fd))
+                if name not in self._unremovable and not remove_gone_engine(
+                        root_fd, name, read_engine_info_or_none(dir_fd)):
+                    self._unremovable.add(name)
                 return None
             info = read_engine_info(dir_fd)
             identity = EngineIdentity.of(info)

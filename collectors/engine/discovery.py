@@ -12,11 +12,11 @@ another's; nothing is opened through a symlink.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 from prometheus_client.core import Metric
@@ -26,7 +26,8 @@ from ac_observe.metrics import ENGINE_UP, KIND_AC_OBSERVE
 from ac_observe.telemetry_format import (
     ENGINE_INFO_FILE,
     MAX_INFO_BYTES,
-    open_dir_nofollow,
+    UnsafeDirectory,
+    open_engine_dir_at,
     parse_engine_info,
     pid_alive,
     read_regular_file,
@@ -65,37 +66,19 @@ class EngineIdentity(NamedTuple):
         return cls(info.get("engine_id", str(info["pid"])), info["engine"], info["model"])
 
 
-def open_engine_dir(root: Path, root_fd: int, name: str) -> int | None:
-    """A descriptor of directory `name` under the root; None when it is not a directory."""
+def open_engine_dir(root_fd: int, name: str, telemetry_owner: int | None) -> int | None:
+    """A descriptor of directory `name` under the root, once found safe to read
+    (open_engine_dir_at: owned by root, this daemon's user or the telemetry owner it was
+    given, writable by no one else); None when it is not a directory."""
     try:
-        return open_dir_nofollow(name, root_fd)
-    except (NotADirectoryError, FileNotFoundError):
-        return None
-    except OSError as exc:
-        if os.path.islink(os.path.join(root, name)):
-            raise BadEngine("is a symlink; engine directories must be real directories") \
-                from None
-        raise BadEngine(f"cannot open: {exc.strerror}") from None
+        return open_engine_dir_at(root_fd, name, telemetry_owner)
+    except UnsafeDirectory as exc:
+        raise BadEngine(str(exc)) from None
 
 
-def engine_info_stat(dir_fd: int, root_owner: int,
-                     telemetry_owner: int | None = None) -> os.stat_result | None:
-    """The stat of the directory's engine.json (its mtime is the heartbeat), once the
-    directory is found safe to read; None when it has no engine.json (not an engine's).
-
-    Safe: owned by the telemetry root's owner, by this daemon's user or by the telemetry
-    owner it was given (--telemetry-owner: the uid non-root engines run as), and writable
-    by no one else."""
-    info = os.fstat(dir_fd)
-    if info.st_uid not in (root_owner, os.geteuid(), telemetry_owner):
-        owner = "" if telemetry_owner is None else \
-            f" nor to the telemetry owner (uid {telemetry_owner})"
-        raise BadEngine(f"is owned by uid {info.st_uid}; it belongs neither to the "
-                        f"telemetry root's owner (uid {root_owner}), to this daemon's user "
-                        f"(uid {os.geteuid()}){owner}")
-    if info.st_mode & 0o022:
-        raise BadEngine(f"is writable by other users (mode "
-                        f"{stat.S_IMODE(info.st_mode):04o}): chmod go-w it")
+def engine_info_stat(dir_fd: int) -> os.stat_result | None:
+    """The stat of the directory's engine.json (its mtime is the heartbeat); None when it
+    has no engine.json (not an engine's)."""
     try:
         info_stat = os.stat(ENGINE_INFO_FILE, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -119,21 +102,32 @@ def read_engine_info_or_none(dir_fd: int) -> dict | None:
         return None
 
 
-def remove_gone_engine(root_fd: int, name: str, info: dict | None) -> None:
+# Why removal may never work here: a read-only mount (the unprivileged DaemonSet's), or
+# directories that are not this daemon's user's to change. Said once, not tried again.
+_NOT_REMOVABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def remove_gone_engine(root_fd: int, name: str, info: dict | None) -> bool:
     """Past the grace period: remove its files once its process is gone. Only a
     directory whose engine.json is ours, naming a dead process, and that no engine holds
-    (its lock) is ever touched."""
+    (its lock) is ever touched. False when this daemon may not remove it (said once,
+    by the directory's name's repr: the caller tries it no more)."""
     if info is None or pid_alive(info["pid"]):
-        return  # not ours to judge, or alive but silent (stopped, another pid namespace)
+        return True  # not ours to judge, or alive but silent (stopped, another pid namespace)
     try:
         left = remove_engine_dir(root_fd, name)
     except OSError as exc:
-        log.warning("cannot remove telemetry of %s: %s", name, exc)
-        return
+        if exc.errno in _NOT_REMOVABLE:
+            log.warning("cannot remove telemetry of gone engine directory %r: %s; left in "
+                        "place, not tried again", name, exc.strerror)
+            return False
+        log.warning("cannot remove telemetry of %r: %s", name, exc)
+        return True
     if left is None:
-        return  # an engine holds it again
-    log.info("removed telemetry of vanished engine %s (pid %s)%s", name, info["pid"],
+        return True  # an engine holds it again
+    log.info("removed telemetry of vanished engine %r (pid %s)%s", name, info["pid"],
              f"; left {len(left)} other file(s) in place" if left else "")
+    return True
 
 
 class _LastHeartbeat(NamedTuple):

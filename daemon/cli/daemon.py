@@ -16,6 +16,7 @@ from ac_observe.metrics import DEFAULT_DAEMON_PORT
 
 @app.command()
 def daemon(
+    ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="Interface to bind; off loopback needs a token."),
     port: int = typer.Option(DEFAULT_DAEMON_PORT, help="HTTP port (dcgm-exporter has 9400)."),
     token: str = typer.Option(None, envvar="AC_OBSERVE_TOKEN", show_envvar=True,
@@ -121,6 +122,12 @@ def daemon(
             *(engine_endpoint or []),
             *_names(os.environ.get("AC_OBSERVE_ENGINE_ENDPOINTS", ""))])
         owner = parse_owner(telemetry_owner)
+        # Click reads an empty variable as unset (the default path): '' is off, as said.
+        # (The source by name: typer's click is a copy of its own.)
+        source = ctx.get_parameter_source("pod_resources_socket")
+        if os.environ.get("AC_OBSERVE_POD_RESOURCES_SOCKET") == "" and \
+                getattr(source, "name", None) == "DEFAULT":
+            pod_resources_socket = ""
         config = DaemonConfig(
             host=host, port=port, token=read_token(token, token_file),
             interval_seconds=parse_duration(interval), window_seconds=parse_duration(window),

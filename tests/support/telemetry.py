@@ -42,7 +42,7 @@ def read_as_daemon(root) -> dict:
 
     from ac_observe.collectors.engine import EngineCollector
     collector = EngineCollector(SimpleNamespace(telemetry_root=root, engine_stale_seconds=60,
-                                                engine_grace_seconds=60))
+                                                engine_grace_seconds=60, telemetry_owner=None))
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in collector.collect() for s in family.samples}
 
