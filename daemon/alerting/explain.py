@@ -402,7 +402,8 @@ def verdict(out: dict) -> str:
         what = f"{top['name']} misses {signed(top['change'], 'points')} is " \
                f"{100 * top['share']:.0f} % of the fall"
     related = RELATED.get(top["name"], ())
-    split = {out["metric"]} | {p["metric"] for p in out["parts"]}  # not said twice
+    # not said twice (the residual's "" is no figure: a derived cause has none either)
+    split = ({out["metric"]} | {p["metric"] for p in out["parts"]}) - {""}
     # A latency that rose is slowed by causes that moved their worse way; a hit rate's
     # fall by those that moved the way that loses hits (its misses up: the same way).
     rising = out["split"] != "mean" or (out["mean"]["change_ms"] or 0) >= 0
