@@ -49,7 +49,7 @@ STEP_DELAY_MS = 300
 DEMO_CLIENTS = 3
 BURST_CLIENTS = 24
 CACHE_FLUSH_MS = 50  # on a CPU step of ~100 ms: every step; a GPU's: every few
-PROMPT_REPEAT = 12
+PROMPT_REPEAT = 24
 CAUSES = ("steps", "load", "cache", "prompts")
 # What each cause's drift is, as said when it begins and when it ends.
 CAUSE_TEXT = {

@@ -418,3 +418,56 @@ def test_a_mean_over_several_series_weighs_each_by_its_observations():
     span = Span(T0, T0 + 10)
     assert reader.value("queue_time_ns", span, "mean") == pytest.approx(17.5e6)
     assert reader.histogram("queue_time_ns", span) == (pytest.approx(0.0175), 4)
+
+
+def _prefill_out(prompt: tuple, hit_rate: tuple, prefill_ms: tuple, diverged: tuple) -> dict:
+    """An explanation whose prefill part rose: prompt tokens/request, token hit rate (%),
+    prefill ms and diverged misses (%), each (baseline, now)."""
+    from ac_observe.daemon.alerting.explain import verdict
+
+    def cause(group, name, pair, worse=1, metric="x"):
+        return {"group": group, "name": name, "metric": metric, "worse": worse,
+                "baseline": pair[0], "now": pair[1]}
+    change = prefill_ms[1] - prefill_ms[0]
+    out = {"metric": "inference_latency_ns", "split": "mean", "mean": {"change_ms": change},
+           "statistic": {"name": "p95", "unit": "ns", "comparison": "relative_increase",
+                         "change_percent": 100.0, "baseline": 1.0, "now": 2.0},
+           "parts": [{"name": "prefill", "metric": "request_prefill_ms",
+                      "baseline_ms": prefill_ms[0], "now_ms": prefill_ms[1],
+                      "change_ms": change, "share": 1.0}],
+           "causes": [cause("kv", "misses diverged", diverged, metric="kv_cache_miss_reasons"),
+                      cause("kv", "token hit rate", hit_rate, -1),
+                      cause("prompts", "prompt tokens/request", prompt, metric=""),
+                      cause("kv", "cached tokens/request",
+                            tuple(p * h / 100 for p, h in zip(prompt, hit_rate, strict=True)),
+                            -1, metric="")]}
+    return verdict(out)
+
+
+def test_prefill_work_leads_the_causes_when_it_grew_as_much_as_the_time():
+    """Computed tokens = prompt - cached. Long prompts (176 -> 740 tokens, the cache still
+    serving ~155) add the work, though the diverged misses' share moved more (7.5 -> 66 %);
+    a flushed cache (90 % -> 0) removes the served tokens; a slower engine computes the
+    same tokens in more time: no lead, the ranking by how far each moved stands."""
+    assert _prefill_out((176, 740), (88, 22), (250, 1250), (7.5, 66)).endswith(
+        "(prompt tokens/request 4.2x baseline, misses diverged 8.8x baseline)")
+    assert _prefill_out((440, 460), (90, 0), (200, 650), (10, 10)).endswith(
+        "(cached tokens/request 396 -> 0, token hit rate 90 -> 0)")
+    slower = _prefill_out((440, 460), (90, 88), (200, 800), (7.5, 9.5))
+    assert slower.endswith("(misses diverged 7.5 -> 9.5)"), slower
+
+
+def test_up_takes_one_of_the_demo_drivers_causes_and_nothing_else():
+    from typer.testing import CliRunner
+
+    from ac_observe.daemon.cli import app
+    from ac_observe.daemon.cli.up import DriftCause
+    from ac_observe.daemon.demo_drift import CAUSES, DriftDriver
+    assert tuple(cause.value for cause in DriftCause) == CAUSES
+    runner = CliRunner()
+    bad = runner.invoke(app, ["up", "--demo-drift", "--demo-drift-cause", "nope"])
+    assert bad.exit_code == 2 and "nope" in bad.output
+    alone = runner.invoke(app, ["up", "--demo-drift-cause", "load"])
+    assert alone.exit_code == 2 and "add --demo-drift" in alone.output
+    with pytest.raises(ValueError, match="steps, load, cache, prompts"):
+        DriftDriver("http://127.0.0.1:9", "http://127.0.0.1:9", 1, 1, cause="nope")

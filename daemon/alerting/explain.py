@@ -81,6 +81,7 @@ CAUSES = (
     Cause("load", "running", "requests_running", "avg"),
     Cause("load", "waiting", "requests_waiting", "avg"),
     Cause("kv", "hit rate", "kv_cache_hit_rate", "avg", unit="%", worse=-1),
+    Cause("kv", "token hit rate", "kv_cache_token_hit_rate", "avg", unit="%", worse=-1),
     *[Cause("kv", f"misses {reason}", "kv_cache_miss_reasons", "avg", unit="%",
             fixed=(("reason", reason),)) for reason in MISS_REASONS],
     Cause("kv", "evictions/s", "kv_cache_eviction_rate", "sum", unit="blocks/s"),
@@ -221,10 +222,16 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
     out["causes"] = causes = [_cause(cause, reader, window, base) for cause in CAUSES]
     by_name = {c["name"]: c for c in causes}
     tokens, requests = by_name["prompt tokens/s"], by_name["requests/s"]
+    per_request = {key: tokens[key] / requests[key]
+                   if tokens[key] is not None and requests[key] else None
+                   for key in ("baseline", "now")}
     causes.append({"group": "prompts", "name": "prompt tokens/request", "metric": "",
-                   "unit": "tok", **{key: tokens[key] / requests[key]
-                                     if tokens[key] is not None and requests[key] else None
-                                     for key in ("baseline", "now")}})
+                   "unit": "tok", **per_request})
+    hits = by_name["token hit rate"]
+    causes.append({"group": "kv", "name": "cached tokens/request", "metric": "", "unit": "tok",
+                   "worse": -1, **{key: per_request[key] * hits[key] / 100.0
+                                   if per_request[key] is not None and hits[key] is not None
+                                   else None for key in ("baseline", "now")}})
     out["verdict"] = verdict(out)
     return out
 
@@ -410,6 +417,31 @@ def verdict(out: dict) -> str:
     ordered = sorted((c for c in out["causes"] if c["group"] in related
                       and c["metric"] not in split and moved(c, rising) >= NOTABLE_RATIO),
                      key=lambda c: -moved(c, rising))[:2]
+    lead = _prefill_work(out["causes"], top) if top["name"] == "prefill" else None
+    if lead is not None:
+        ordered = [lead, *[c for c in ordered if c is not lead]][:2]
     if ordered:
         what += " (" + ", ".join(cause_text(c) for c in ordered) + ")"
     return f"{head}: {what}"
+
+
+def _prefill_work(causes: list[dict], prefill: dict) -> dict | None:
+    """A prefill phase computes the prompt's tokens less those the prefix cache served.
+    When those computed per request grew at least as much as the prefill time did (the
+    work, not its speed, moved), the one of the two that added more of them leads the
+    verdict's causes: longer prompts (prompt tokens/request), or fewer tokens served from
+    the cache (cached tokens/request; a cache flushed, its prefixes evicted). None
+    otherwise: a slower engine computes the same tokens in more time."""
+    by_name = {c["name"]: c for c in causes}
+    prompt, cached = by_name["prompt tokens/request"], by_name["cached tokens/request"]
+    figures = (prompt["baseline"], prompt["now"], cached["baseline"], cached["now"],
+               prefill["baseline_ms"], prefill["now_ms"])
+    if any(f is None for f in figures) or not prefill["baseline_ms"] > 0:
+        return None
+    work_b, work_n = prompt["baseline"] - cached["baseline"], prompt["now"] - cached["now"]
+    if work_b <= 0 or work_n / work_b < max(NOTABLE_RATIO,
+                                            prefill["now_ms"] / prefill["baseline_ms"]):
+        return None
+    added_by_prompts = prompt["now"] - prompt["baseline"]
+    added_by_cache = cached["baseline"] - cached["now"]
+    return prompt if added_by_prompts >= added_by_cache else cached

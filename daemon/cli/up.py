@@ -35,7 +35,7 @@ def up(
         "steps", case_sensitive=False,
         help="What --demo-drift changes: steps (each engine step 300 ms slower), load (a "
              "burst: 24 demo clients instead of 3), cache (the prefix cache flushed every "
-             "50 ms), prompts (each prompt's user text 12x longer)."),
+             "50 ms), prompts (each prompt's user text 24x longer)."),
     telemetry_root: str = typer.Option("", help="Telemetry root shared by engine and daemon."),
     engine_arg: list[str] = typer.Option([], "--engine-arg", help="Extra `engine` option."),
     daemon_arg: list[str] = typer.Option([], "--daemon-arg", help="Extra `daemon` option."),
