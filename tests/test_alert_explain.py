@@ -285,10 +285,22 @@ def test_the_api_and_the_cli_at_80_columns_and_as_json(drifted):
     try:
         url = f"http://127.0.0.1:{server.port}"
         import httpx
-        body = httpx.get(url + "/api/v1/alerts").json()
+        body = httpx.get(url + "/api/v1/alerts?explain=1").json()
         assert {a["labels"]["engine"]: a["explanation"]["verdict"] for a in body["alerts"]
                 if a["rule"] == "TtftDrift"} \
             == {e: a["explanation"]["verdict"] for e, a in _alerts(drifted).items()}
+        # A plain listing builds none: the same alerts, without explanations.
+        plain = httpx.get(url + "/api/v1/alerts").json()
+        assert [a["fingerprint"] for a in plain["alerts"]] == \
+            [a["fingerprint"] for a in body["alerts"]]
+        assert not any("explanation" in a for a in plain["alerts"])
+        calls = []
+        drifted.alerts.explained = lambda: calls.append(1)  # an instance attribute
+        try:
+            assert httpx.get(url + "/api/v1/alerts?explain=0").status_code == 200
+            assert calls == []  # nothing worked out
+        finally:
+            del drifted.alerts.explained
         runner = CliRunner()
         fingerprint = _alerts(drifted)["e1"]["fingerprint"]
         out = runner.invoke(app, ["--daemon", url, "alerts", "explain", fingerprint],
