@@ -198,6 +198,9 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
         (pytest.approx(10.0), pytest.approx(20.0))
     assert (causes["waiting"]["baseline"], causes["waiting"]["now"]) == (0.0, 14.0)
     assert (causes["running"]["baseline"], causes["running"]["now"]) == (4.0, 1.0)
+    # 12 reach the front-end a cycle in both spans (2 of them rejected later)
+    assert (causes["arrivals/s"]["baseline"], causes["arrivals/s"]["now"]) == \
+        (pytest.approx(12.0, rel=0.05), pytest.approx(12.0, rel=0.05))
     # No KV, prompt, kernel or device series here: missing, never 0.
     for name in ("hit rate", "misses evicted", "evictions/s", "prompt tokens/s",
                  "prompt tokens/request", "skeleton depth", "prefill kernels ms/step",
@@ -460,11 +463,15 @@ def test_prefill_work_leads_the_causes_when_it_grew_as_much_as_the_time():
     """Computed tokens = prompt - cached. Long prompts (176 -> 740 tokens, the cache still
     serving ~155) add the work, though the diverged misses' share moved more (7.5 -> 66 %);
     a flushed cache (90 % -> 0) removes the served tokens; a slower engine computes the
-    same tokens in more time: no lead, the ranking by how far each moved stands."""
+    same tokens (1.25x: under the square root of its prefill's 4x) in more time: no lead,
+    the ranking by how far each moved stands. Long prompts whose prefill grew faster than
+    their work (29x against 20x: attention) still lead."""
     assert _prefill_out((176, 740), (88, 22), (250, 1250), (7.5, 66)).endswith(
         "(prompt tokens/request 4.2x baseline, misses diverged 8.8x baseline)")
     assert _prefill_out((440, 460), (90, 0), (200, 650), (10, 10)).endswith(
         "(cached tokens/request 396 -> 0, token hit rate 90 -> 0)")
+    assert _prefill_out((176, 740), (88, 22), (250, 7250), (7.5, 66)).endswith(
+        "(prompt tokens/request 4.2x baseline, misses diverged 8.8x baseline)")
     slower = _prefill_out((440, 460), (90, 88), (200, 800), (7.5, 9.5))
     assert slower.endswith("(misses diverged 7.5 -> 9.5)"), slower
 
