@@ -490,3 +490,30 @@ def test_up_takes_one_of_the_demo_drivers_causes_and_nothing_else():
     assert alone.exit_code == 2 and "add --demo-drift" in alone.output
     with pytest.raises(ValueError, match="steps, load, cache, prompts"):
         DriftDriver("http://127.0.0.1:9", "http://127.0.0.1:9", 1, 1, cause="nope")
+
+
+def _queue_out(arrivals: tuple, inter_token: tuple, waiting: tuple) -> str:
+    """The verdict of an explanation whose queue part rose, with these causes."""
+    from ac_observe.daemon.alerting.explain import verdict
+
+    def cause(group, name, pair, metric="x"):
+        return {"group": group, "name": name, "metric": metric, "worse": 1,
+                "baseline": pair[0], "now": pair[1]}
+    return verdict({
+        "metric": "inference_latency_ns", "split": "mean", "mean": {"change_ms": 100.0},
+        "statistic": {"name": "p95", "unit": "ns", "comparison": "relative_increase",
+                      "change_percent": 100.0, "baseline": 1.0, "now": 2.0},
+        "parts": [{"name": "queue", "metric": "queue_time_ns", "baseline_ms": 10.0,
+                   "now_ms": 110.0, "change_ms": 100.0, "share": 1.0}],
+        "causes": [cause("engine", "inter-token", inter_token, "inter_token_latency_ms"),
+                   cause("load", "waiting", waiting, "requests_waiting"),
+                   cause("load", "arrivals/s", arrivals, "")]})
+
+
+def test_a_queue_that_grew_with_its_arrivals_names_them_first():
+    """A burst: more arrivals lead, though its bigger batches slowed each step more; a
+    slower engine (arrivals down: its closed-loop clients send fewer) does not."""
+    assert _queue_out((4.0, 6.0), (20.0, 400.0), (0.1, 2.0)).endswith(
+        "(arrivals/s 4 -> 6, inter-token 20.0x baseline)")
+    assert _queue_out((4.0, 3.0), (20.0, 400.0), (0.1, 2.0)).endswith(
+        "(inter-token 20.0x baseline, waiting 20.0x baseline)")
