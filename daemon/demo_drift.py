@@ -1,13 +1,20 @@
 """`ac-observe up --demo-drift`: watch a drift alert fire and resolve, on the bundled engine.
 
-The engine runs with `--fault-injection` and demo traffic; the daemon gets an alerting
-file with one rule (TTFT p95 of the last 30 s, 100 % over the minute before it, for 10 s;
-the rule has no baseline until half that minute was watched). A driver thread lets a
-baseline build, slows every engine step by 300 ms through the engine's loopback
-`/admin/faults` route, removes the delay, waits, and repeats; it prints each phase before
-it begins (a change is said before it is asked for, and asked for until the engine
-confirms it) and every alert transition the daemon reports (`GET /api/v1/alerts`).
-Torch-free; only loopback HTTP.
+The engine runs with `--fault-injection`; the driver sends the demo traffic
+(daemon/demo_load.py) and the daemon gets an alerting file with one rule (TTFT p95 of the
+last 30 s, 100 % over the minute before it, for 10 s; the rule has no baseline until half
+that minute was watched). A driver thread lets a baseline build, then drifts for a while
+by one cause (`--demo-drift-cause`), ends it, waits, and repeats:
+
+- steps: every engine step 300 ms slower (the engine's loopback `/admin/faults` route);
+- load: a burst, BURST_CLIENTS demo clients instead of 3;
+- cache: the engine's prefix cache flushed every CACHE_FLUSH_MS (the fault route), so
+  prompts that shared cached prefixes miss as evicted and prefill them again;
+- prompts: every demo user message PROMPT_REPEAT times over: long prompts.
+
+It prints each phase before it begins (a change is said before it is asked for, and asked
+for until the engine confirms it) and every alert transition the daemon reports (`GET
+/api/v1/alerts`). Torch-free; only loopback HTTP.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import threading
 from pathlib import Path
 
 import httpx
+
+from ac_observe.daemon.demo_load import LoadShape, run_demo_load, wait_healthy
 
 DEMO_RULES = """\
 # Written by `ac-observe up --demo-drift`: one drift rule with short windows.
@@ -37,6 +46,20 @@ rules:
 # Far above the noise: on 2 busy vCPUs a calm low_latency lane's p95 (a few dozen
 # requests in 30 s) reached 1.46x its previous minute's; 150 ms slower steps gave 1.5-2.3x.
 STEP_DELAY_MS = 300
+DEMO_CLIENTS = 3
+BURST_CLIENTS = 24
+CACHE_FLUSH_MS = 50  # on a CPU step of ~100 ms: every step; a GPU's: every few
+PROMPT_REPEAT = 24
+CAUSES = ("steps", "load", "cache", "prompts")
+# What each cause's drift is, as said when it begins and when it ends.
+CAUSE_TEXT = {
+    "steps": (f"slowing every engine step by {STEP_DELAY_MS} ms", "removing the delay"),
+    "load": (f"a burst of load: {BURST_CLIENTS} demo clients instead of {DEMO_CLIENTS}",
+             "ending the burst"),
+    "cache": (f"flushing the engine's prefix cache every {CACHE_FLUSH_MS} ms",
+              "no more flushes"),
+    "prompts": (f"sending prompts {PROMPT_REPEAT}x longer", "back to short prompts"),
+}
 DEMO_RULE = "DemoLatencyDrift"
 DRIFT_PATIENCE = 3  # a slowed phase waits for the alert up to this many times its length
 
@@ -56,38 +79,66 @@ def _say(text: str) -> None:
 
 
 class DriftDriver:
-    """Alternates calm (`calm_seconds`) and slowed (`drift_seconds`) phases on the engine,
-    and reports the daemon's alert transitions as they happen. A slowed phase lasts until
-    DemoLatencyDrift has fired, up to DRIFT_PATIENCE times its length (on a slow or busy
-    machine the alert needs longer: lifting the delay before it fires would show nothing)."""
+    """Alternates calm (`calm_seconds`) and drifting (`drift_seconds`) phases, by `cause`
+    (CAUSES), and reports the daemon's alert transitions as they happen. A drifting phase
+    lasts until DemoLatencyDrift has fired, up to DRIFT_PATIENCE times its length (on a
+    slow or busy machine the alert needs longer: ending the drift before it fires would
+    show nothing). `shape` is the demo traffic's (the driver's own load, `run_load`)."""
 
     def __init__(self, engine_url: str, daemon_url: str, calm_seconds: float,
-                 drift_seconds: float, poll_seconds: float = 1.0, fault_token: str = ""):
+                 drift_seconds: float, poll_seconds: float = 1.0, fault_token: str = "",
+                 cause: str = "steps", shape: LoadShape | None = None):
+        if cause not in CAUSES:
+            raise ValueError(f"the demo drift's cause is one of {', '.join(CAUSES)}, "
+                             f"not {cause!r}")
         self.engine_url, self.daemon_url = engine_url, daemon_url
-        self.fault_token = fault_token
+        self.fault_token, self.cause = fault_token, cause
+        self.shape = shape or LoadShape(clients=DEMO_CLIENTS)
         self.calm_seconds, self.drift_seconds = calm_seconds, drift_seconds
         self.poll_seconds = poll_seconds
         self.stop = threading.Event()
         self._states: dict[str, tuple[str, str]] = {}  # fingerprint -> (rule, state)
         self._thread = threading.Thread(target=self._run, name="demo-drift", daemon=True)
+        self._load = threading.Thread(target=self.run_load, name="demo-load", daemon=True)
 
     def start(self) -> None:
+        self._load.start()
         self._thread.start()
 
     def close(self) -> None:
         self.stop.set()
         self._thread.join(timeout=5)
+        self._load.join(timeout=5)
+
+    def run_load(self) -> None:
+        """The demo traffic, in this shape, until stopped."""
+        while not self.stop.is_set() and not wait_healthy(self.engine_url, 5.0):
+            pass
+        run_demo_load(self.engine_url, self.stop, shape=self.shape)
+
+    def drift(self, client: httpx.Client, on: bool) -> bool:
+        """Begin (`on`) or end the cause's drift, asking the engine until it confirms;
+        False when asked to stop first, or when the engine refuses (the demo stops)."""
+        if self.cause == "load":
+            self.shape.clients = BURST_CLIENTS if on else DEMO_CLIENTS
+        elif self.cause == "prompts":
+            self.shape.prompt_repeat = PROMPT_REPEAT if on else 1
+        elif self.cause == "cache":
+            return self._set_faults(client, {"prefix_flush_ms": CACHE_FLUSH_MS if on else 0})
+        else:
+            return self._set_faults(client, {"step_delay_ms": STEP_DELAY_MS if on else 0})
+        return not self.stop.is_set()
 
     def _run(self) -> None:
+        begin, end = CAUSE_TEXT[self.cause]
         with httpx.Client(timeout=5) as client:
             while not self.stop.is_set():
                 _say(f"demo drift: building a baseline for {self.calm_seconds:g}s")
                 if self._watch(client, self.calm_seconds):
                     return
-                _say(f"demo drift: slowing every engine step by {STEP_DELAY_MS} ms for "
-                     f"{self.drift_seconds:g}s; DemoLatencyDrift should fire "
-                     "(ac-observe alerts)")
-                if not self._set_delay(client, STEP_DELAY_MS):
+                _say(f"demo drift: {begin} for {self.drift_seconds:g}s; DemoLatencyDrift "
+                     "should fire (ac-observe alerts)")
+                if not self.drift(client, True):
                     return
                 stopped = self._watch(client, self.drift_seconds)
                 extra = (DRIFT_PATIENCE - 1) * self.drift_seconds
@@ -95,28 +146,28 @@ class DriftDriver:
                     stopped = self._watch(client, min(self.poll_seconds, extra))
                     extra -= self.poll_seconds
                 if stopped:
-                    self._faults(client, 0)  # once: the engine is being stopped too
-                    return
+                    self._faults(client, {"step_delay_ms": 0, "prefix_flush_ms": 0})  # once:
+                    return  # the engine is being stopped too
                 if self._firing(DEMO_RULE):
-                    _say("demo drift: removing the delay; the alert should resolve")
+                    _say(f"demo drift: {end}; the alert should resolve")
                 else:
-                    _say(f"demo drift: removing the delay; {DEMO_RULE} did not fire within "
+                    _say(f"demo drift: {end}; {DEMO_RULE} did not fire within "
                          f"{DRIFT_PATIENCE * self.drift_seconds:g}s (is the daemon "
                          "evaluating rules? see ac-observe alerts)")
-                if not self._set_delay(client, 0):
+                if not self.drift(client, False):
                     return
 
     def _firing(self, rule: str) -> bool:
         return (rule, "firing") in self._states.values()
 
-    def _set_delay(self, client: httpx.Client, delay_ms: int) -> bool:
-        """Ask the engine for this step delay until it confirms (a request that timed out
-        may have been applied: the delay is set, not added, so asking again is safe), said
+    def _set_faults(self, client: httpx.Client, faults: dict) -> bool:
+        """Ask the engine for these faults until it confirms (a request that timed out
+        may have been applied: each is set, not added, so asking again is safe), said
         once and retried every 2 s while it cannot be reached or fails (5xx); False when
         asked to stop first, or when the engine refuses it (4xx: the demo stops)."""
         said = False
         while not self.stop.is_set():
-            outcome = self._faults(client, delay_ms)
+            outcome = self._faults(client, faults)
             if outcome == "ok":
                 return True
             if outcome.startswith("refused"):
@@ -131,11 +182,10 @@ class DriftDriver:
             self.stop.wait(2.0)
         return False
 
-    def _faults(self, client: httpx.Client, delay_ms: int) -> str:
+    def _faults(self, client: httpx.Client, faults: dict) -> str:
         """"ok", "refused (HTTP 4xx)", or why it may work on a later try."""
         try:
-            response = client.post(f"{self.engine_url}/admin/faults",
-                                   json={"step_delay_ms": delay_ms},
+            response = client.post(f"{self.engine_url}/admin/faults", json=faults,
                                    headers={"authorization": f"Bearer {self.fault_token}"})
         except httpx.HTTPError as exc:
             return f"cannot be reached ({type(exc).__name__})"

@@ -1,7 +1,9 @@
 """Demo traffic for `--demo-load`: a few concurrent clients on the engine's real HTTP API.
 
 Mixes both APIs, both lanes, stream and non-stream, prompts that share long system
-prompts (prefix-cache hits) and prompts with nested structure (skeleton depth). Torch-free.
+prompts (prefix-cache hits) and prompts with nested structure (skeleton depth). Its
+`LoadShape` may change while it runs (`up --demo-drift-cause load|prompts`): more clients
+(a burst), or each user message repeated (long prompts). Torch-free.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 import random
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 
@@ -31,9 +34,16 @@ USER_TEMPLATES = [
 ]
 
 
-def _one_request(client: httpx.Client, rng: random.Random, n: int) -> None:
+@dataclass(slots=True)
+class LoadShape:
+    """What the demo clients send; read before each request, so a change applies at once."""
+    clients: int = 3
+    prompt_repeat: int = 1  # each user message this many times over: longer prompts
+
+
+def _one_request(client: httpx.Client, rng: random.Random, n: int, repeat: int = 1) -> None:
     system = rng.choice(SYSTEMS)
-    user = rng.choice(USER_TEMPLATES).format(n=n % 50)
+    user = "\n".join([rng.choice(USER_TEMPLATES).format(n=n % 50)] * repeat)
     lane = LOW_LATENCY if rng.random() < 0.3 else THROUGHPUT
     headers = {LANE_HEADER: lane}
     max_tokens = rng.randint(8, 48)
@@ -59,26 +69,35 @@ def _one_request(client: httpx.Client, rng: random.Random, n: int) -> None:
 
 
 def run_demo_load(base_url: str, stop: threading.Event, concurrency: int = 3,
-                  seed: int = 0, pause_seconds: float = 0.05) -> None:
-    """Send requests until `stop` is set; survives an engine that restarts or goes away."""
+                  seed: int = 0, pause_seconds: float = 0.05,
+                  shape: LoadShape | None = None) -> None:
+    """Send requests until `stop` is set; survives an engine that restarts or goes away.
+    `shape` (default: `concurrency` clients) may change while it runs."""
+    shape = shape or LoadShape(clients=concurrency)
 
     def worker(index: int) -> None:
         rng = random.Random(seed + index)
         n = 0
         with httpx.Client(base_url=base_url, timeout=60) as client:
             while not stop.is_set():
+                if index >= shape.clients:  # a client beyond the shape's: idle
+                    stop.wait(0.2)
+                    continue
                 n += 1
                 try:
-                    _one_request(client, rng, n)
+                    _one_request(client, rng, n, max(1, shape.prompt_repeat))
                 except httpx.HTTPError as exc:
                     log.debug("demo request failed: %s", exc)
                     stop.wait(1.0)
                 stop.wait(pause_seconds * rng.random())
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True, name=f"demo-{i}")
-               for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
+    threads: list[threading.Thread] = []
+    while not stop.is_set():
+        while len(threads) < shape.clients:
+            threads.append(threading.Thread(target=worker, args=(len(threads),), daemon=True,
+                                            name=f"demo-{len(threads)}"))
+            threads[-1].start()
+        stop.wait(0.2)
     for thread in threads:
         thread.join()
 

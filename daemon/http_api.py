@@ -5,9 +5,10 @@ GET /api/v1/query       ?metric=NAME&window=60s&labels=k=v,k=v[&at=UNIX]  -> sta
                         series, as of the newest cycle at or before `at` (default: now)
 GET /api/v1/metrics     the friendly names
 GET /api/v1/status      collectors (up/down, reason) and engines
-GET /api/v1/alerts      pending and firing alerts, each with its explanation (why: the
-                        change split into parts and causes), the rules' series that cannot
-                        be evaluated yet and why (?history=1: the latest transitions)
+GET /api/v1/alerts      pending and firing alerts, the rules' series that cannot be
+                        evaluated yet and why (?history=1: the latest transitions;
+                        ?explain=1: each alert with its explanation, why: the change
+                        split into parts and causes)
 GET /healthz            liveness (no token needed)
 POST /-/reload          reload the alerting file and the token file (daemon/reload.py):
                         from this host, or with the bearer token
@@ -166,8 +167,10 @@ class Routes:
         if alerts is None:
             return json_response(200, {"alerts": [], "history": [], "rules": 0,
                                        "waiting": []})
-        history = (params.get("history") or ["0"])[0] not in ("", "0", "false")
-        return json_response(200, {"alerts": alerts.explained(),
+        history, explain = ((params.get(key) or ["0"])[0] not in ("", "0", "false")
+                            for key in ("history", "explain"))
+        # An explanation reads many series: worked out only when asked for.
+        return json_response(200, {"alerts": alerts.explained() if explain else alerts.active(),
                                    "rules": len(alerts.rules),
                                    "waiting": alerts.waiting(),
                                    "history": alerts.history() if history else []})

@@ -80,16 +80,18 @@ class Child:
 
 def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
            telemetry_root: str, engine_args: list[str], daemon_args: list[str],
-           demo_drift: tuple[float, float] | None = None, daemon_scheme: str = "http") -> int:
-    """demo_drift: (calm, slowed) seconds of the demo's drift cycle (daemon/demo_drift.py),
-    or None. daemon_scheme: https when the daemon has a web-config file that sets TLS."""
+           demo_drift: tuple[float, float] | None = None, daemon_scheme: str = "http",
+           demo_drift_cause: str = "steps") -> int:
+    """demo_drift: (calm, drifting) seconds of the demo's drift cycle (daemon/demo_drift.py),
+    or None; demo_drift_cause: what drifts (demo_drift.CAUSES). daemon_scheme: https when
+    the daemon has a web-config file that sets TLS."""
     from ac_observe.telemetry_format import default_telemetry_root
     root = telemetry_root or str(default_telemetry_root())
     env = {**os.environ, "AC_OBSERVE_TELEMETRY_DIR": root}
     # Quiet children by default: the terminal shows where to look, not access logs.
     engine_cmd = ["engine", "--port", str(engine_port), "--model", model, "--log-level",
                   "warning", *engine_args]
-    if demo_load or demo_drift:
+    if demo_load and not demo_drift:  # the drift's driver sends (and shapes) the traffic
         engine_cmd.append("--demo-load")
     daemon_cmd = ["daemon", "--port", str(daemon_port), "--telemetry-root", root, "--log-level",
                   "warning", *daemon_args]
@@ -102,7 +104,7 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
         engine_env = {**env, FAULT_TOKEN_ENV: fault_token}  # the engine's alone
         driver = DriftDriver(f"http://127.0.0.1:{engine_port}",
                              f"http://127.0.0.1:{daemon_port}", *demo_drift,
-                             fault_token=fault_token)
+                             fault_token=fault_token, cause=demo_drift_cause)
     else:
         engine_env = env
     children = [Child("daemon", daemon_cmd, env), Child("engine", engine_cmd, engine_env)]

@@ -203,6 +203,24 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def flush_prefix_cache(self) -> int:
+        """Fault injection: forget every cached prefix block, as a reset of the prefix cache
+        would; returns how many. Each is counted as an eviction and remembered as evicted,
+        so a later lookup of that prefix misses as `evicted`; a block that a running
+        sequence holds stays its holder's, private (handed out first once freed)."""
+        now = self.clock()
+        flushed = list(self.hash_to_block.items())
+        for block_hash, block_id in flushed:
+            block = self.blocks[block_id]
+            del self.hash_to_block[block_hash]
+            self.evicted.add(block_hash)
+            self.stats.evictions += 1
+            if block.ref_count == 0:
+                self.free_queue.move_to_end(block_id, last=False)
+                if self.track_eviction_ages:
+                    self.eviction_ages.append((now - block.released_ns) * 1e-9)
+        return len(flushed)
+
     def can_append(self, seq: Sequence) -> bool:
         return len(seq.block_table) * self.block_size >= len(seq) or self.num_free_blocks > 0
 

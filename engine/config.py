@@ -149,9 +149,10 @@ class EngineConfig:
     kernel_sample_budget: float = 0.005
     skeleton_top_k: int = 20
     skeleton_min_count: int = 3       # sightings before a skeleton id earns its own label
-    # /admin/faults may add a per-step delay and force prefix-cache misses (drift demos and
-    # tests); off unless asked for, and then only from this host with this bearer token (a
-    # port forwarded over ssh or kubectl arrives from loopback too).
+    # /admin/faults may add a per-step delay, force prefix-cache misses and flush the
+    # prefix cache now and then (drift demos and tests); off unless asked for, and then
+    # only from this host with this bearer token (a port forwarded over ssh or kubectl
+    # arrives from loopback too).
     fault_injection: bool = False
     fault_token: str | None = None
     telemetry_dir: str | None = None  # None: no telemetry files

@@ -196,7 +196,11 @@ class Engine:
                 "cuda_streams": {lane: stream.cuda_stream
                                  for lane, stream in self.runner.streams.items()},
             }, engine=config.engine_name, model=self.model_name, buffered=True)
-        self.step_delay_seconds = 0.0  # fault injection (EngineConfig.fault_injection)
+        # Fault injection (EngineConfig.fault_injection): a delay before every step, and
+        # the prefix cache flushed before a step at least this often (0: never).
+        self.step_delay_seconds = 0.0
+        self.prefix_flush_seconds = 0.0
+        self._flushed_at = 0.0
         self.instrumented = config.instrumentation
         self.kernel_sampler = KernelSampler(
             config.kernel_sampling_steps,
@@ -363,6 +367,10 @@ class Engine:
         together; each lane is postprocessed as its own step completes."""
         with self._lock:
             self._process_aborts()
+            if self.prefix_flush_seconds and \
+                    time.monotonic() - self._flushed_at >= self.prefix_flush_seconds:
+                self.block_manager.flush_prefix_cache()
+                self._flushed_at = time.monotonic()
             batches = (self.scheduler.schedule_lanes() if self.overlap_lanes
                        else [b for b in (self.scheduler.schedule(),) if b is not None])
             if not batches:

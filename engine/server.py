@@ -311,11 +311,22 @@ def _first_sent(request: Request, engine: Engine, first: RequestOutput) -> First
     return FirstSent(request.state.arrival_ns, lane, engine.stats)
 
 
+# The fault route's knobs: (the most it takes, the engine's attribute, its scale to ms).
+FAULTS = {"step_delay_ms": (10_000, "step_delay_seconds", 1e3),
+          "prefix_miss_ratio": (1, "forced_miss_ratio", 1.0),
+          "prefix_flush_ms": (60_000, "prefix_flush_seconds", 1e3)}
+
+
+def _fault_owner(engine: Engine, name: str):
+    return engine.block_manager if name == "prefix_miss_ratio" else engine
+
+
 async def faults(request: Request):
     """Fault injection: GET the current faults, POST {"step_delay_ms": 0..10000,
-    "prefix_miss_ratio": 0..1} to change them. Only with --fault-injection, only from this
-    host, and only with the fault token (a port forwarded over ssh or kubectl arrives from
-    loopback too)."""
+    "prefix_miss_ratio": 0..1, "prefix_flush_ms": 0..60000} to change them (any of them;
+    prefix_flush_ms: the prefix cache flushed at least this often, 0 never). Only with
+    --fault-injection, only from this host, and only with the fault token (a port
+    forwarded over ssh or kubectl arrives from loopback too)."""
     service = _service(request)
     if not service.config.fault_injection:
         raise APIError(404, "fault injection is off (start the engine with --fault-injection)")
@@ -336,22 +347,23 @@ async def faults(request: Request):
             body = json.loads(await request.body() or b"{}")
         except ValueError:
             raise APIError(400, "the body is not JSON") from None
-        if not isinstance(body, dict) or set(body) - {"step_delay_ms", "prefix_miss_ratio"}:
-            raise APIError(400, "expected an object with step_delay_ms and/or "
-                                "prefix_miss_ratio")
-        delay = body.get("step_delay_ms", engine.step_delay_seconds * 1e3)
-        ratio = body.get("prefix_miss_ratio", engine.block_manager.forced_miss_ratio)
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or \
-                not 0 <= delay <= 10_000:
-            raise APIError(400, "step_delay_ms must be a number in [0, 10000]")
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
-            raise APIError(400, "prefix_miss_ratio must be a number in [0, 1]")
-        engine.step_delay_seconds = float(delay) / 1e3
-        engine.block_manager.forced_miss_ratio = float(ratio)
-        log.warning("fault injection: step delay %.1f ms, forced prefix misses %.0f %%",
-                    delay, 100 * ratio)
-    return {"step_delay_ms": engine.step_delay_seconds * 1e3,
-            "prefix_miss_ratio": engine.block_manager.forced_miss_ratio}
+        if not isinstance(body, dict) or set(body) - set(FAULTS):
+            raise APIError(400, "expected an object with any of " + ", ".join(FAULTS))
+        for name, value in body.items():
+            most = FAULTS[name][0]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0 <= value <= most:
+                raise APIError(400, f"{name} must be a number in [0, {most}]")
+        for name, value in body.items():
+            _, attribute, scale = FAULTS[name]
+            setattr(_fault_owner(engine, name), attribute, float(value) / scale)
+        log.warning("fault injection: step delay %.1f ms, forced prefix misses %.0f %%, "
+                    "prefix cache flushed every %.0f ms (0: never)",
+                    1e3 * engine.step_delay_seconds,
+                    100 * engine.block_manager.forced_miss_ratio,
+                    1e3 * engine.prefix_flush_seconds)
+    return {name: getattr(_fault_owner(engine, name), attribute) * scale
+            for name, (_, attribute, scale) in FAULTS.items()}
 
 
 def _loopback(host: str) -> bool:

@@ -198,6 +198,9 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
         (pytest.approx(10.0), pytest.approx(20.0))
     assert (causes["waiting"]["baseline"], causes["waiting"]["now"]) == (0.0, 14.0)
     assert (causes["running"]["baseline"], causes["running"]["now"]) == (4.0, 1.0)
+    # 12 reach the front-end a cycle in both spans (2 of them rejected later)
+    assert (causes["arrivals/s"]["baseline"], causes["arrivals/s"]["now"]) == \
+        (pytest.approx(12.0, rel=0.05), pytest.approx(12.0, rel=0.05))
     # No KV, prompt, kernel or device series here: missing, never 0.
     for name in ("hit rate", "misses evicted", "evictions/s", "prompt tokens/s",
                  "prompt tokens/request", "skeleton depth", "prefill kernels ms/step",
@@ -285,10 +288,22 @@ def test_the_api_and_the_cli_at_80_columns_and_as_json(drifted):
     try:
         url = f"http://127.0.0.1:{server.port}"
         import httpx
-        body = httpx.get(url + "/api/v1/alerts").json()
+        body = httpx.get(url + "/api/v1/alerts?explain=1").json()
         assert {a["labels"]["engine"]: a["explanation"]["verdict"] for a in body["alerts"]
                 if a["rule"] == "TtftDrift"} \
             == {e: a["explanation"]["verdict"] for e, a in _alerts(drifted).items()}
+        # A plain listing builds none: the same alerts, without explanations.
+        plain = httpx.get(url + "/api/v1/alerts").json()
+        assert [a["fingerprint"] for a in plain["alerts"]] == \
+            [a["fingerprint"] for a in body["alerts"]]
+        assert not any("explanation" in a for a in plain["alerts"])
+        calls = []
+        drifted.alerts.explained = lambda: calls.append(1)  # an instance attribute
+        try:
+            assert httpx.get(url + "/api/v1/alerts?explain=0").status_code == 200
+            assert calls == []  # nothing worked out
+        finally:
+            del drifted.alerts.explained
         runner = CliRunner()
         fingerprint = _alerts(drifted)["e1"]["fingerprint"]
         out = runner.invoke(app, ["--daemon", url, "alerts", "explain", fingerprint],
@@ -418,3 +433,87 @@ def test_a_mean_over_several_series_weighs_each_by_its_observations():
     span = Span(T0, T0 + 10)
     assert reader.value("queue_time_ns", span, "mean") == pytest.approx(17.5e6)
     assert reader.histogram("queue_time_ns", span) == (pytest.approx(0.0175), 4)
+
+
+def _prefill_out(prompt: tuple, hit_rate: tuple, prefill_ms: tuple, diverged: tuple) -> dict:
+    """An explanation whose prefill part rose: prompt tokens/request, token hit rate (%),
+    prefill ms and diverged misses (%), each (baseline, now)."""
+    from ac_observe.daemon.alerting.explain import verdict
+
+    def cause(group, name, pair, worse=1, metric="x"):
+        return {"group": group, "name": name, "metric": metric, "worse": worse,
+                "baseline": pair[0], "now": pair[1]}
+    change = prefill_ms[1] - prefill_ms[0]
+    out = {"metric": "inference_latency_ns", "split": "mean", "mean": {"change_ms": change},
+           "statistic": {"name": "p95", "unit": "ns", "comparison": "relative_increase",
+                         "change_percent": 100.0, "baseline": 1.0, "now": 2.0},
+           "parts": [{"name": "prefill", "metric": "request_prefill_ms",
+                      "baseline_ms": prefill_ms[0], "now_ms": prefill_ms[1],
+                      "change_ms": change, "share": 1.0}],
+           "causes": [cause("kv", "misses diverged", diverged, metric="kv_cache_miss_reasons"),
+                      cause("kv", "token hit rate", hit_rate, -1),
+                      cause("prompts", "prompt tokens/request", prompt, metric=""),
+                      cause("kv", "cached tokens/request",
+                            tuple(p * h / 100 for p, h in zip(prompt, hit_rate, strict=True)),
+                            -1, metric="")]}
+    return verdict(out)
+
+
+def test_prefill_work_leads_the_causes_when_it_grew_as_much_as_the_time():
+    """Computed tokens = prompt - cached. Long prompts (176 -> 740 tokens, the cache still
+    serving ~155) add the work, though the diverged misses' share moved more (7.5 -> 66 %);
+    a flushed cache (90 % -> 0) removes the served tokens; a slower engine computes the
+    same tokens (1.25x: under the square root of its prefill's 4x) in more time: no lead,
+    the ranking by how far each moved stands. Long prompts whose prefill grew faster than
+    their work (29x against 20x: attention) still lead."""
+    assert _prefill_out((176, 740), (88, 22), (250, 1250), (7.5, 66)).endswith(
+        "(prompt tokens/request 4.2x baseline, misses diverged 8.8x baseline)")
+    assert _prefill_out((440, 460), (90, 0), (200, 650), (10, 10)).endswith(
+        "(cached tokens/request 396 -> 0, token hit rate 90 -> 0)")
+    assert _prefill_out((176, 740), (88, 22), (250, 7250), (7.5, 66)).endswith(
+        "(prompt tokens/request 4.2x baseline, misses diverged 8.8x baseline)")
+    slower = _prefill_out((440, 460), (90, 88), (200, 800), (7.5, 9.5))
+    assert slower.endswith("(misses diverged 7.5 -> 9.5)"), slower
+
+
+def test_up_takes_one_of_the_demo_drivers_causes_and_nothing_else():
+    from typer.testing import CliRunner
+
+    from ac_observe.daemon.cli import app
+    from ac_observe.daemon.cli.up import DriftCause
+    from ac_observe.daemon.demo_drift import CAUSES, DriftDriver
+    assert tuple(cause.value for cause in DriftCause) == CAUSES
+    runner = CliRunner()
+    bad = runner.invoke(app, ["up", "--demo-drift", "--demo-drift-cause", "nope"])
+    assert bad.exit_code == 2 and "nope" in bad.output
+    alone = runner.invoke(app, ["up", "--demo-drift-cause", "load"])
+    assert alone.exit_code == 2 and "add --demo-drift" in alone.output
+    with pytest.raises(ValueError, match="steps, load, cache, prompts"):
+        DriftDriver("http://127.0.0.1:9", "http://127.0.0.1:9", 1, 1, cause="nope")
+
+
+def _queue_out(arrivals: tuple, inter_token: tuple, waiting: tuple) -> str:
+    """The verdict of an explanation whose queue part rose, with these causes."""
+    from ac_observe.daemon.alerting.explain import verdict
+
+    def cause(group, name, pair, metric="x"):
+        return {"group": group, "name": name, "metric": metric, "worse": 1,
+                "baseline": pair[0], "now": pair[1]}
+    return verdict({
+        "metric": "inference_latency_ns", "split": "mean", "mean": {"change_ms": 100.0},
+        "statistic": {"name": "p95", "unit": "ns", "comparison": "relative_increase",
+                      "change_percent": 100.0, "baseline": 1.0, "now": 2.0},
+        "parts": [{"name": "queue", "metric": "queue_time_ns", "baseline_ms": 10.0,
+                   "now_ms": 110.0, "change_ms": 100.0, "share": 1.0}],
+        "causes": [cause("engine", "inter-token", inter_token, "inter_token_latency_ms"),
+                   cause("load", "waiting", waiting, "requests_waiting"),
+                   cause("load", "arrivals/s", arrivals, "")]})
+
+
+def test_a_queue_that_grew_with_its_arrivals_names_them_first():
+    """A burst: more arrivals lead, though its bigger batches slowed each step more; a
+    slower engine (arrivals down: its closed-loop clients send fewer) does not."""
+    assert _queue_out((4.0, 6.0), (20.0, 400.0), (0.1, 2.0)).endswith(
+        "(arrivals/s 4 -> 6, inter-token 20.0x baseline)")
+    assert _queue_out((4.0, 3.0), (20.0, 400.0), (0.1, 2.0)).endswith(
+        "(inter-token 20.0x baseline, waiting 20.0x baseline)")

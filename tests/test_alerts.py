@@ -478,12 +478,17 @@ def test_fault_injection_takes_json_from_this_host_only_with_its_token(tmp_path)
                           ).status_code == 400
         assert httpx.post(url, json={"prefix_miss_ratio": 2}, headers=FAULT_AUTH
                           ).status_code == 400
+        assert httpx.post(url, json={"prefix_flush_ms": 60001}, headers=FAULT_AUTH
+                          ).status_code == 400
         assert httpx.post(url, json={"delay": 5}, headers=FAULT_AUTH).status_code == 400
+        assert httpx.get(url, headers=FAULT_AUTH).json()["prefix_flush_ms"] == 0  # unchanged
         assert httpx.post(url, json={"step_delay_ms": 5, "prefix_miss_ratio": 0.5},
                           headers=FAULT_AUTH).json() == \
-            {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5}
+            {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5, "prefix_flush_ms": 0.0}
+        assert httpx.post(url, json={"prefix_flush_ms": 50}, headers=FAULT_AUTH).json() == \
+            {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5, "prefix_flush_ms": 50.0}
         assert httpx.get(url, headers=FAULT_AUTH).json() == \
-            {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5}
+            {"step_delay_ms": 5.0, "prefix_miss_ratio": 0.5, "prefix_flush_ms": 50.0}
     finally:
         engine.stop()
     from ac_observe.engine.server import _loopback

@@ -462,7 +462,7 @@ def test_up_demo_drift_fires_an_alert_explained_by_slower_steps_then_resolves(tm
         if time.time() < slowed_at[0] + 10:
             return False
         try:
-            body = httpx.get(daemon_url + "/api/v1/alerts", timeout=10).json()
+            body = httpx.get(daemon_url + "/api/v1/alerts?explain=1", timeout=10).json()
         except (httpx.HTTPError, ValueError):
             return False
         for alert in body["alerts"]:

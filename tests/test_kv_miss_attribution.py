@@ -193,6 +193,29 @@ def test_blocks_behind_an_evicted_ancestor_count_as_evicted():
     assert again.kv_hit_blocks == 0 and again.kv_miss_blocks == (3, 0, 0)
 
 
+def test_a_flushed_prefix_cache_misses_as_evicted_and_keeps_held_blocks_private():
+    """The fault route's flush (`prefix_flush_ms`): every cached block forgotten and counted
+    as evicted; a block a running sequence holds stays its own, and no later prompt
+    shares it; what was cached before misses as evicted, new prompts as cold."""
+    manager = BlockManager(num_blocks=16, block_size=4)
+    _cache(manager, range(9))  # 2 full blocks cached, released
+    held = _seq(range(100, 109))
+    assert manager.try_allocate(held)
+    held.num_computed_tokens = 9
+    manager.commit(held)  # 2 more cached, still held
+    assert manager.flush_prefix_cache() == 4
+    assert manager.hash_to_block == {} and manager.stats.evictions == 4
+    manager.check_invariants([held])
+    again, twin = _seq(range(9)), _seq(range(100, 109))
+    assert manager.try_allocate(again) and manager.try_allocate(twin)
+    assert again.kv_hit_blocks == twin.kv_hit_blocks == 0
+    assert again.kv_miss_blocks == twin.kv_miss_blocks == (2, 0, 0)  # evicted
+    assert not set(twin.block_table) & set(held.block_table)
+    fresh = _seq(range(200, 209))
+    assert manager.try_allocate(fresh) and fresh.kv_miss_blocks == (0, 2, 0)  # cold
+    manager.check_invariants([held, again, twin, fresh])
+
+
 def test_forgotten_evictions_count_as_never_seen():
     """A memory of 16 remembers at least the last 8 evictions and at most 16."""
     manager = BlockManager(num_blocks=2, block_size=1, evicted_memory=16)

@@ -81,6 +81,7 @@ CAUSES = (
     Cause("load", "running", "requests_running", "avg"),
     Cause("load", "waiting", "requests_waiting", "avg"),
     Cause("kv", "hit rate", "kv_cache_hit_rate", "avg", unit="%", worse=-1),
+    Cause("kv", "token hit rate", "kv_cache_token_hit_rate", "avg", unit="%", worse=-1),
     *[Cause("kv", f"misses {reason}", "kv_cache_miss_reasons", "avg", unit="%",
             fixed=(("reason", reason),)) for reason in MISS_REASONS],
     Cause("kv", "evictions/s", "kv_cache_eviction_rate", "sum", unit="blocks/s"),
@@ -173,6 +174,14 @@ class Reader:
         mean, count = _by_observations(self._finite(metric, span))
         return (None, 0) if mean is None else (mean / FRIENDLY[metric].scale, count)
 
+    def arrivals(self, metric: str, span: Span) -> float | None:
+        """A histogram's observations a second over the part of the span its series were
+        watched in (their coverage), or None."""
+        found = self._finite(metric, span)
+        count = sum(s.get("samples") or 0 for s in found)
+        watched = span.seconds * max((s.get("coverage") or 0.0 for s in found), default=0.0)
+        return count / watched if count and watched > 0 else None
+
     def _finite(self, metric: str, span: Span, extra: dict | None = None) -> list[dict]:
         return [s for s in self.answer(metric, span, extra) if _finite(s.get("mean"))]
 
@@ -221,10 +230,22 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
     out["causes"] = causes = [_cause(cause, reader, window, base) for cause in CAUSES]
     by_name = {c["name"]: c for c in causes}
     tokens, requests = by_name["prompt tokens/s"], by_name["requests/s"]
+    per_request = {key: tokens[key] / requests[key]
+                   if tokens[key] is not None and requests[key] else None
+                   for key in ("baseline", "now")}
     causes.append({"group": "prompts", "name": "prompt tokens/request", "metric": "",
-                   "unit": "tok", **{key: tokens[key] / requests[key]
-                                     if tokens[key] is not None and requests[key] else None
-                                     for key in ("baseline", "now")}})
+                   "unit": "tok", **per_request})
+    # The offered load: requests that reached the engine's queue (its front-end's
+    # observations) a second; requests/s counts those finished, which an overloaded
+    # engine may finish fewer of.
+    causes.append({"group": "load", "name": "arrivals/s", "metric": "", "unit": "req/s",
+                   "baseline": reader.arrivals("frontend_ns", base),
+                   "now": reader.arrivals("frontend_ns", window)})
+    hits = by_name["token hit rate"]
+    causes.append({"group": "kv", "name": "cached tokens/request", "metric": "", "unit": "tok",
+                   "worse": -1, **{key: per_request[key] * hits[key] / 100.0
+                                   if per_request[key] is not None and hits[key] is not None
+                                   else None for key in ("baseline", "now")}})
     out["verdict"] = verdict(out)
     return out
 
@@ -402,13 +423,50 @@ def verdict(out: dict) -> str:
         what = f"{top['name']} misses {signed(top['change'], 'points')} is " \
                f"{100 * top['share']:.0f} % of the fall"
     related = RELATED.get(top["name"], ())
-    split = {out["metric"]} | {p["metric"] for p in out["parts"]}  # not said twice
+    # not said twice (the residual's "" is no figure: a derived cause has none either)
+    split = ({out["metric"]} | {p["metric"] for p in out["parts"]}) - {""}
     # A latency that rose is slowed by causes that moved their worse way; a hit rate's
     # fall by those that moved the way that loses hits (its misses up: the same way).
     rising = out["split"] != "mean" or (out["mean"]["change_ms"] or 0) >= 0
     ordered = sorted((c for c in out["causes"] if c["group"] in related
                       and c["metric"] not in split and moved(c, rising) >= NOTABLE_RATIO),
                      key=lambda c: -moved(c, rising))[:2]
+    lead = _prefill_work(out["causes"], top) if top["name"] == "prefill" else \
+        _more_arrivals(out["causes"], rising) if top["name"] == "queue" else None
+    if lead is not None:
+        ordered = [lead, *[c for c in ordered if c is not lead]][:2]
     if ordered:
         what += " (" + ", ".join(cause_text(c) for c in ordered) + ")"
     return f"{head}: {what}"
+
+
+def _more_arrivals(causes: list[dict], rising: bool) -> dict | None:
+    """A queue that grew as more requests arrived: the arrivals lead the verdict's causes
+    (the steps slow down under a bigger batch too, but the load came first). None when
+    they did not rise notably: a slower engine's closed-loop clients send fewer."""
+    arrivals = next((c for c in causes if c["name"] == "arrivals/s"), None)
+    return arrivals if arrivals and rising and moved(arrivals) >= NOTABLE_RATIO else None
+
+
+def _prefill_work(causes: list[dict], prefill: dict) -> dict | None:
+    """A prefill phase computes the prompt's tokens less those the prefix cache served.
+    When those computed per request grew about as much as the prefill time did (the work,
+    not its speed, moved: by at least the square root of the time's factor, as attention
+    makes a long prompt's prefill grow faster than its tokens), the one of the two that
+    added more of them leads the verdict's causes: longer prompts (prompt
+    tokens/request), or fewer tokens served from the cache (cached tokens/request; a
+    cache flushed, its prefixes evicted). None otherwise: a slower engine computes the
+    same tokens in more time."""
+    by_name = {c["name"]: c for c in causes}
+    prompt, cached = by_name["prompt tokens/request"], by_name["cached tokens/request"]
+    figures = (prompt["baseline"], prompt["now"], cached["baseline"], cached["now"],
+               prefill["baseline_ms"], prefill["now_ms"])
+    if any(f is None for f in figures) or not prefill["baseline_ms"] > 0:
+        return None
+    work_b, work_n = prompt["baseline"] - cached["baseline"], prompt["now"] - cached["now"]
+    if work_b <= 0 or work_n / work_b < max(
+            NOTABLE_RATIO, math.sqrt(max(0.0, prefill["now_ms"] / prefill["baseline_ms"]))):
+        return None
+    added_by_prompts = prompt["now"] - prompt["baseline"]
+    added_by_cache = cached["baseline"] - cached["now"]
+    return prompt if added_by_prompts >= added_by_cache else cached

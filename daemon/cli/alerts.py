@@ -116,7 +116,7 @@ def alerts_explain(ctx: typer.Context,
     """Why an alert is pending or firing: the change of the mean split into parts, the
     causes with baseline and now, and a one-line verdict."""
     try:
-        body = get_json(ctx.obj, "/api/v1/alerts", "alerts")
+        body = get_json(ctx.obj, "/api/v1/alerts", "alerts", explain="1")
     except DaemonError as exc:
         print_error(str(exc))
         raise typer.Exit(exc.exit_code) from None

@@ -2,12 +2,21 @@
 (daemon/supervisor.py) until Ctrl-C."""
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
 import typer
 
 from ac_observe.daemon.cli.app import EXIT_USAGE, app
 from ac_observe.metrics import DEFAULT_DAEMON_PORT, DEFAULT_ENGINE_PORT
+
+
+class DriftCause(str, Enum):
+    """--demo-drift-cause: daemon/demo_drift.py's CAUSES."""
+    steps = "steps"
+    load = "load"
+    cache = "cache"
+    prompts = "prompts"
 
 
 @app.command()
@@ -17,11 +26,16 @@ def up(
     model: str = typer.Option("tiny", help="'tiny' or a local Hugging Face folder."),
     demo_load: bool = typer.Option(False, "--demo-load", help="Send demo traffic."),
     demo_drift: bool = typer.Option(False, "--demo-drift",
-                                    help="With demo traffic, slow the engine down now and "
+                                    help="With demo traffic, make the engine drift now and "
                                          "then so a drift alert fires and resolves "
                                          "(ac-observe alerts)."),
     demo_drift_schedule: str = typer.Option("150s,90s", help="--demo-drift's calm and "
-                                                             "slowed phases."),
+                                                             "drifting phases."),
+    demo_drift_cause: DriftCause = typer.Option(
+        "steps", case_sensitive=False,
+        help="What --demo-drift changes: steps (each engine step 300 ms slower), load (a "
+             "burst: 24 demo clients instead of 3), cache (the prefix cache flushed every "
+             "50 ms), prompts (each prompt's user text 24x longer)."),
     telemetry_root: str = typer.Option("", help="Telemetry root shared by engine and daemon."),
     engine_arg: list[str] = typer.Option([], "--engine-arg", help="Extra `engine` option."),
     daemon_arg: list[str] = typer.Option([], "--daemon-arg", help="Extra `daemon` option."),
@@ -32,6 +46,10 @@ def up(
     from ac_observe.daemon.supervisor import run_up
     from ac_observe.durations import parse_duration
     schedule = None
+    if demo_drift_cause is not DriftCause.steps and not demo_drift:
+        typer.echo(f"error: --demo-drift-cause {demo_drift_cause.value} is --demo-drift's: "
+                   "add --demo-drift", err=True)
+        raise typer.Exit(EXIT_USAGE)
     if demo_drift:
         try:
             calm, slowed = (parse_duration(p) for p in demo_drift_schedule.split(","))
@@ -55,4 +73,5 @@ def up(
         daemon_arg = [*daemon_arg, "--web-config-file", str(web_config_file.resolve())]
     raise typer.Exit(run_up(engine_port, daemon_port, model, demo_load, telemetry_root,
                             engine_arg, daemon_arg, schedule,
-                            daemon_scheme="https" if tls else "http"))
+                            daemon_scheme="https" if tls else "http",
+                            demo_drift_cause=demo_drift_cause.value))

@@ -1,0 +1,270 @@
+"""Each cause of `ac-observe up --demo-drift-cause` explained from a real engine's
+telemetry: the explanation (daemon/alerting/explain.py) ranks the part and the cause that
+the drift moved first, and leaves little unexplained.
+
+A real engine with `--fault-injection` serves the demo traffic (daemon/demo_load.py, sent
+from this process in the shape the driver changes), an in-process daemon reads its
+telemetry files into its real windows every second, and the drift is applied by the same
+driver as `up --demo-drift` (daemon/demo_drift.py `DriftDriver.drift`). Instead of waiting
+for the demo rule's minute-long baseline and its `for`, each test explains a TTFT drift
+over spans it controls: the baseline span is the calm BASELINE_SECONDS before the cause
+began, the window starts SETTLE_SECONDS after it (a request in flight as it began has
+left) and grows until it holds enough requests and the checks hold, up to a deadline.
+Ranking and ratios only: absolute times on a shared 2-core machine are anyone's guess.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from ac_observe.auth import FAULT_TOKEN_ENV
+from ac_observe.daemon.alerting.explain import RELATED, Reader, Span, explain
+from ac_observe.daemon.alerting.rules import Rule
+from ac_observe.daemon.config import DaemonConfig
+from ac_observe.daemon.demo_drift import DEMO_CLIENTS, DriftDriver
+from ac_observe.daemon.demo_load import LoadShape, run_demo_load
+from ac_observe.daemon.service import Daemon
+from support.servers import EngineServer
+
+pytestmark = pytest.mark.slow
+
+FAULT_TOKEN = "explain-causes-fault-token"
+ENGINE = "e1"
+BASELINE_SECONDS = 15.0
+RECOVERY_SECONDS = 5.0  # after a drift ends, before the next baseline span begins
+SETTLE_SECONDS = 3.0
+MIN_WINDOW_SECONDS = 12.0
+MIN_REQUESTS = 8  # TTFT observations in each span
+DRIFT_DEADLINE_SECONDS = 45.0  # the longest a drift runs while its window grows
+RESIDUAL_SHARE = 0.2
+BATCH_LIMIT = 4
+WARMUP_SECONDS = 15.0
+
+
+@dataclass
+class Live:
+    engine: EngineServer
+    daemon: Daemon
+    shape: LoadShape
+    as_of: float = 0.0  # the newest cycle's time
+    calm_since: float = field(default_factory=time.time)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("causes")
+    (root / "telemetry").mkdir()
+    # A batch limit of 4 a lane: a burst waits in the queue, as on a server at its limit,
+    # rather than growing the batch until every step is many times slower (on 2 CPU
+    # cores the steps then slow more than the load grew, and closed-loop clients arrive
+    # hardly faster than before).
+    engine = EngineServer(root / "telemetry" / ENGINE, "--engine-name", ENGINE,
+                          "--fault-injection", "--throughput-seqs", str(BATCH_LIMIT),
+                          env={**os.environ, FAULT_TOKEN_ENV: FAULT_TOKEN}).wait_ready()
+    daemon = Daemon(DaemonConfig(telemetry_root=root / "telemetry", collectors=("engine",),
+                                 interval_seconds=1.0, window_seconds=600,
+                                 state_dir=root / "state"))
+    stop = threading.Event()
+    state = Live(engine, daemon, LoadShape(clients=DEMO_CLIENTS))
+
+    def cycles() -> None:
+        while not stop.is_set():
+            now = time.time()
+            daemon.run_cycle(now=now)
+            state.as_of = now
+            stop.wait(max(0.0, now + 1.0 - time.time()))
+
+    threads = [threading.Thread(target=cycles, daemon=True),
+               threading.Thread(target=run_demo_load, args=(engine.url, stop),
+                                kwargs={"shape": state.shape}, daemon=True)]
+    for thread in threads:
+        thread.start()
+    # A fresh engine's first requests are slower (first runs, caches filling): the first
+    # baseline span begins after them.
+    state.calm_since = time.time() + WARMUP_SECONDS
+    try:
+        yield state
+    finally:
+        stop.set()
+        engine.stop()  # the demo clients' requests in flight end with it
+        for thread in threads:
+            thread.join(timeout=30)
+        daemon.close()
+
+
+def _rule(window_seconds: float) -> Rule:
+    return Rule(name="CauseDrift", metric="inference_latency_ns", statistic="p95",
+                window_seconds=window_seconds, baseline="trailing",
+                baseline_seconds=BASELINE_SECONDS)
+
+
+def _explained_drift(live: Live, cause: str, checks) -> tuple[dict, list[str]]:
+    """Drift by `cause` after a calm baseline; the first explanation whose window holds
+    MIN_REQUESTS and passes `checks` (a list of what failed: [] passes), else the last
+    one read, with what it failed."""
+    driver = DriftDriver(live.engine.url, "", 0, 0, fault_token=FAULT_TOKEN, cause=cause,
+                         shape=live.shape)
+    with httpx.Client(timeout=10) as client:
+        began = _calm_baseline(live)
+        assert driver.drift(client, True)
+        last, failed = None, ["no reading"]
+        try:
+            deadline = began + DRIFT_DEADLINE_SECONDS
+            while time.time() < deadline:
+                now = live.as_of
+                if now - began - SETTLE_SECONDS >= MIN_WINDOW_SECONDS:
+                    found = _explain(live, began, began + SETTLE_SECONDS, now)
+                    if found["mean"]["observations"] >= MIN_REQUESTS:
+                        last, failed = found, checks(found)
+                        if not failed:
+                            break
+                time.sleep(1.0)
+        finally:
+            assert driver.drift(client, False)
+            _drained(live)
+    return last or {}, failed
+
+
+def _drained(live: Live) -> None:
+    """Once the drift's backlog has left the engine (a burst's waiting requests): the
+    calm begins then."""
+    reader = Reader(live.daemon, {"engine": ENGINE})
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        now = live.as_of
+        waiting = reader.value("requests_waiting", Span(now - 3, now), "sum")
+        if waiting is not None and waiting < 1:
+            break
+        time.sleep(0.5)
+    live.calm_since = time.time()
+
+
+def _calm_baseline(live: Live) -> float:
+    """When the calm baseline span ends: BASELINE_SECONDS watched, RECOVERY_SECONDS after
+    the last drift ended, holding MIN_REQUESTS."""
+    reader = Reader(live.daemon, {"engine": ENGINE})
+    deadline = time.time() + 90
+    while True:
+        began = live.as_of
+        if began >= live.calm_since + RECOVERY_SECONDS + BASELINE_SECONDS:
+            _, count = reader.histogram("inference_latency_ns",
+                                        Span(began - BASELINE_SECONDS, began))
+            if count >= MIN_REQUESTS:
+                return began
+        assert time.time() < deadline, "no calm baseline span with enough requests"
+        time.sleep(0.5)
+
+
+def _explain(live: Live, began: float, window_start: float, now: float) -> dict:
+    """The explanation of an alert on the engine's TTFT whose baseline span ends at
+    `began` (spans() places it a window before active_since) and whose window is
+    [window_start, now]."""
+    window = now - window_start
+    return explain(_rule(window), {"labels": {"engine": ENGINE},
+                                   "active_since": began + window}, live.daemon, now)
+
+
+def _ranked(found: dict) -> list[str]:
+    return [p["name"] for p in sorted(found["parts"], key=lambda p: -(p["share"] or 0))]
+
+
+def _causes(found: dict) -> dict:
+    return {c["name"]: c for c in found["causes"]}
+
+
+def _ratio(cause: dict) -> float:
+    b, n = cause["baseline"], cause["now"]
+    return n / b if b and n is not None else (float("inf") if n else 0.0)
+
+
+def _named(found: dict) -> list[str]:
+    """The causes the verdict names, in its order ("... (running 8.2x baseline, hit rate
+    86 -> 0)" -> running, hit rate)."""
+    verdict = found["verdict"]
+    if not verdict.endswith(")"):
+        return []
+    phrases = verdict[verdict.rfind(" (") + 2:-1].split(", ")
+    return [max((name for name in _causes(found) if phrase.startswith(name + " ")),
+                key=len, default=phrase) for phrase in phrases]
+
+
+def _common(found: dict, part: str) -> dict[str, bool]:
+    parts = {p["name"]: p for p in found["parts"]}
+    first = (_named(found) or [""])[0]
+    groups = {c["name"]: c["group"] for c in found["causes"]}
+    return {
+        "the mean rose": (found["mean"]["change_ms"] or 0) > 0,
+        f"{part} ranked first": _ranked(found)[0] == part,
+        f"{part} over half the change": (parts[part]["share"] or 0) > 0.5,
+        "unexplained under 20 %": parts["unexplained"]["share"] is not None
+        and abs(parts["unexplained"]["share"]) < RESIDUAL_SHARE,
+        "the verdict names the part first": f": {part} time +" in found["verdict"],
+        "a cause named, one that moves the part": groups.get(first) in RELATED[part],
+    }
+
+
+def _report(found: dict) -> str:
+    parts = {p["name"]: (p["baseline_ms"], p["now_ms"], p["share"]) for p in found["parts"]}
+    return f"{found.get('verdict')}; parts {parts}; causes " + str(
+        {c["name"]: (c["baseline"], c["now"]) for c in found.get("causes", [])
+         if c["baseline"] is not None or c["now"] is not None})
+
+
+def _failed(checks: dict[str, bool]) -> list[str]:
+    return [name for name, held in checks.items() if not held]
+
+
+def test_a_burst_of_load_is_explained_by_queue_time_with_arrivals_up(live):
+    """More requests arrive than the batch limit takes: they wait. Closed-loop clients
+    of a busy engine arrive only somewhat faster (requests/s counts those finished, which
+    may fall), so the load shows as waiting requests and arrivals not down."""
+    def checks(found):
+        causes = _causes(found)
+        return _failed({
+            **_common(found, "queue"),
+            "its first cause is load": causes.get((_named(found) or [""])[0],
+                                                  {}).get("group") == "load",
+            "waiting at least 3x": _ratio(causes["waiting"]) >= 3.0,
+            "arrivals/s not down": _ratio(causes["arrivals/s"]) >= 1.0,
+        })
+
+    found, failed = _explained_drift(live, "load", checks)
+    assert not failed, f"{failed}: {_report(found)}"
+    print(_report(found))  # the figures, for -rP
+
+
+def test_a_flushed_prefix_cache_is_explained_by_prefill_with_evicted_misses(live):
+    def checks(found):
+        causes = _causes(found)
+        evicted, cold = causes["misses evicted"], causes["misses cold"]
+        return _failed({
+            **_common(found, "prefill"),
+            "its first cause is the KV cache": causes.get((_named(found) or [""])[0],
+                                                          {}).get("group") == "kv",
+            "misses evicted or cold up 20 points": (evicted["now"] or 0) + (cold["now"] or 0)
+            - (evicted["baseline"] or 0) - (cold["baseline"] or 0) >= 20,
+            "the hit rate at most half": _ratio(causes["hit rate"]) <= 0.5,
+        })
+
+    found, failed = _explained_drift(live, "cache", checks)
+    assert not failed, f"{failed}: {_report(found)}"
+    print(_report(found))  # the figures, for -rP
+
+
+def test_long_prompts_are_explained_by_prefill_with_prompt_tokens_up(live):
+    def checks(found):
+        causes = _causes(found)
+        return _failed({
+            **_common(found, "prefill"),
+            "prompt tokens/request named first": _named(found)[:1] == ["prompt tokens/request"],
+            "prompt tokens/request at least 3x": _ratio(causes["prompt tokens/request"]) >= 3,
+        })
+
+    found, failed = _explained_drift(live, "prompts", checks)
+    assert not failed, f"{failed}: {_report(found)}"
+    print(_report(found))  # the figures, for -rP
