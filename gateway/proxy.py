@@ -102,6 +102,7 @@ class Gateway:
         self.pool = UpstreamPool(config.upstream, config.max_connections,
                                  config.connect_timeout, config.read_timeout,
                                  config.pool_timeout, config.upstream_ca_file)
+        self._said: set[str] = set()  # the upstream failures' details already logged
 
     async def aclose(self) -> None:
         self.pool.close()
@@ -211,6 +212,10 @@ class Gateway:
         except PoolFull as exc:
             raise _Refused(503, str(exc), UPSTREAM_ERROR, exc.reason) from None
         except ConnectFailed as exc:
+            if exc.detail and exc.detail not in self._said:  # once each: no flood
+                if len(self._said) < 64:
+                    self._said.add(exc.detail)
+                log.warning("upstream %s: %s: %s", self.config.upstream, exc, exc.detail)
             what = "upstream refused" if exc.reason == "tls" else "upstream unreachable"
             raise _Refused(502, f"{what}: {exc}", UPSTREAM_ERROR, exc.reason) from None
         except ReadTimedOut as exc:

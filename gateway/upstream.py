@@ -12,13 +12,16 @@ client. Connections are reused only after a complete response.
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
+import stat
 from collections import deque
 from urllib.parse import urlsplit
 
 import httptools
 
 MAX_BUFFERED = 1 << 20
+MAX_CA_FILE_BYTES = 10 << 20  # a CA bundle is a few hundred KiB
 
 
 class UpstreamError(Exception):
@@ -38,8 +41,13 @@ class PoolFull(UpstreamError):
 
 class ConnectFailed(UpstreamError):
     """Not connected: `unreachable` (refused, no route, no such host), `connect_timeout`
-    or `tls` (the handshake failed or the certificate was not trusted)."""
+    or `tls` (the handshake failed or the certificate was not trusted). `detail` is for the
+    operator's log, never the client: the upstream's certificate and the gateway's options."""
     reason = "unreachable"
+
+    def __init__(self, message: str, reason: str = "", detail: str = ""):
+        super().__init__(message, reason)
+        self.detail = detail
 
 
 class ReadTimedOut(UpstreamError):
@@ -290,11 +298,12 @@ class UpstreamPool:
         except asyncio.TimeoutError:
             raise ConnectFailed("connect timed out", "connect_timeout") from None
         except ssl.SSLCertVerificationError as exc:
-            raise ConnectFailed(f"its TLS certificate is not trusted ({exc.verify_message}; "
-                                f"--upstream-ca-file names the CAs to trust)", "tls") from None
+            raise ConnectFailed("its TLS certificate is not trusted", "tls",
+                                f"{exc.verify_message}; --upstream-ca-file names the CAs to "
+                                f"trust") from None
         except ssl.SSLError as exc:
-            raise ConnectFailed(f"the TLS handshake failed ({exc.reason or exc})", "tls") \
-                from None
+            raise ConnectFailed("the TLS handshake failed", "tls",
+                                str(exc.reason or exc)) from None
         except OSError as exc:
             raise ConnectFailed(exc.strerror or type(exc).__name__) from None
         return connection
@@ -312,6 +321,11 @@ def tls_context(ca_file: str | None = None) -> ssl.SSLContext:
     if ca_file is None:
         return ssl.create_default_context()
     try:
+        # OpenSSL reads to the end: a FIFO or a device would hold the start forever.
+        info = os.stat(ca_file)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CA_FILE_BYTES:
+            raise ValueError(f"--upstream-ca-file {ca_file}: a regular file of at most "
+                             f"{MAX_CA_FILE_BYTES >> 20} MiB is expected")
         return ssl.create_default_context(cafile=ca_file)
     except ssl.SSLError:  # before OSError: it is one
         why = "no CA certificate could be read from it (PEM expected)"

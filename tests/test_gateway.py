@@ -153,7 +153,8 @@ def bad(tmp_path_factory):
 
 def _answers(url: str) -> bool:
     try:
-        httpx.get(url + "/", headers={"x-bad": "5xx"}, timeout=2)
+        # Never cut short once taken in: a second probe would be a second failure counted.
+        httpx.get(url + "/", headers={"x-bad": "5xx"}, timeout=30)
         return True
     except httpx.HTTPError:
         return False

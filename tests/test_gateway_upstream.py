@@ -33,7 +33,7 @@ def _started(upstream: str, directory, *args: str) -> GatewayServer:
         if gateway.proc.poll() is not None:
             raise AssertionError(gateway.log_path.read_text()[-2000:])
         try:
-            httpx.get(gateway.url + "/", headers={"x-bad": "5xx"}, timeout=2)
+            httpx.get(gateway.url + "/", headers={"x-bad": "5xx"}, timeout=30)
             return True
         except httpx.HTTPError:
             return False
@@ -78,7 +78,7 @@ def _requests(directory) -> float:
 
 
 def test_the_gateways_inter_token_histogram_matches_the_clients_gaps(tmp_path):
-    """The upstream paces content events 5, 25 and 80 ms apart; what the gateway recorded
+    """The upstream paces content events 10, 60 and 200 ms apart; what the gateway recorded
     is compared with what the client saw, never with those constants: the same number of
     gaps (none for the first event), the same total (the first and last events' stamps
     aside), and as many gaps on each side of two bucket bounds that fall between the
@@ -98,10 +98,11 @@ def test_the_gateways_inter_token_histogram_matches_the_clients_gaps(tmp_path):
         upstream.stop()
     assert len(client) == streams * len(PACED_GAPS_S)
     assert recorded["count"] == len(client)
-    assert recorded["sum"] == pytest.approx(sum(client), rel=0.1, abs=0.03), \
+    assert recorded["sum"] == pytest.approx(sum(client), rel=0.1, abs=0.1), \
         (recorded["sum"], sum(client))
     bounds = INTER_TOKEN_LATENCY.buckets
-    for between in (0.012, 0.045):  # 5 | 25 ms, 25 | 80 ms
+    # Bounds far from the paces: a loaded machine's scheduling moves a stamp by ms, not 20.
+    for between in (0.03, 0.12):  # 10 | 60 ms, 60 | 200 ms
         bound = min(b for b in bounds if b >= between)
         seen = sum(1 for gap in client if gap <= bound)
         assert abs(recorded[bound] - seen) <= 2, (bound, recorded[bound], sorted(client))
@@ -158,7 +159,10 @@ def test_an_untrusted_upstream_certificate_is_a_clear_502_counted_as_tls(https_u
                 assert refused.status_code == 502 and shape in refused.json()
                 message = json.dumps(refused.json())
                 assert "certificate is not trusted" in message, message
+                assert "upstream-ca-file" not in message  # the operator's hint: for the log
             assert gateway.proc.poll() is None  # still up
+            said = gateway.log_path.read_text()
+            assert said.count("--upstream-ca-file names the CAs") == 1, said[-2000:]
             wait_for(partial(_tls_failures, gateway.telemetry_dir, 3), 10,
                      "three TLS failures")  # the two above and the readiness probe's
             assert sum(_failures(gateway.telemetry_dir).values()) == 3
@@ -172,7 +176,8 @@ def _tls_failures(directory, count: int) -> bool:
 
 def _answers(gateway: GatewayServer) -> bool:
     try:
-        httpx.get(gateway.url + "/", timeout=2)
+        # Never cut short once taken in: a second probe would be a second failure counted.
+        httpx.get(gateway.url + "/", timeout=30)
         return True
     except httpx.HTTPError:
         return False
@@ -182,8 +187,10 @@ def test_a_bad_upstream_ca_file_is_refused_at_start(tmp_path):
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all\n")
     missing = tmp_path / "missing.pem"
+    fifo = tmp_path / "ca.fifo"  # OpenSSL would wait on it for ever
+    os.mkfifo(fifo)
     (tmp_path / "t").mkdir(mode=0o700)
-    for ca_file, env in ((garbage, {}), (missing, {}), (None, {
+    for ca_file, env in ((garbage, {}), (missing, {}), (fifo, {}), (tmp_path, {}), (None, {
             "AC_OBSERVE_UPSTREAM_CA_FILE": str(garbage)})):
         args = ["gateway", "--upstream", "https://127.0.0.1:9", "--telemetry-dir",
                 str(tmp_path / "t" / "g")]

@@ -25,7 +25,7 @@ ERROR_500 = json.dumps({"error": {"message": "boom", "type": "server_error", "pa
 CONTENT_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
 ERROR_EVENT = b'data: {"error":{"message":"overloaded","type":"server_error"}}\n\n'
 # Distinct gaps between content events (three latency buckets or more apart).
-PACED_GAPS_S = (0.005, 0.025, 0.08) * 4
+PACED_GAPS_S = (0.01, 0.06, 0.2) * 4
 MALFORMED_STREAM = [b"data: {not json\n\n", b"data: " + b"x" * (2 << 20), b"\n\n",
                     b": a comment\n\ndata: [1, 2]\n\n", CONTENT_EVENT, b"data: [DONE]\n\n"]
 
