@@ -26,7 +26,7 @@ from ac_observe.auth import FAULT_TOKEN_ENV
 from ac_observe.daemon.alerting.explain import RELATED, Reader, Span, explain
 from ac_observe.daemon.alerting.rules import Rule
 from ac_observe.daemon.config import DaemonConfig
-from ac_observe.daemon.demo_drift import DEMO_CLIENTS, DriftDriver
+from ac_observe.daemon.demo_drift import DEMO_CLIENTS, LOAD_BATCH_LIMIT, DriftDriver
 from ac_observe.daemon.demo_load import LoadShape, run_demo_load
 from ac_observe.daemon.service import Daemon
 from support.servers import EngineServer
@@ -42,7 +42,6 @@ MIN_WINDOW_SECONDS = 12.0
 MIN_REQUESTS = 8  # TTFT observations in each span
 DRIFT_DEADLINE_SECONDS = 45.0  # the longest a drift runs while its window grows
 RESIDUAL_SHARE = 0.2
-BATCH_LIMIT = 4
 WARMUP_SECONDS = 15.0
 
 
@@ -64,7 +63,7 @@ def live(tmp_path_factory):
     # cores the steps then slow more than the load grew, and closed-loop clients arrive
     # hardly faster than before).
     engine = EngineServer(root / "telemetry" / ENGINE, "--engine-name", ENGINE,
-                          "--fault-injection", "--throughput-seqs", str(BATCH_LIMIT),
+                          "--fault-injection", "--throughput-seqs", str(LOAD_BATCH_LIMIT),
                           env={**os.environ, FAULT_TOKEN_ENV: FAULT_TOKEN}).wait_ready()
     daemon = Daemon(DaemonConfig(telemetry_root=root / "telemetry", collectors=("engine",),
                                  interval_seconds=1.0, window_seconds=600,
@@ -124,24 +123,29 @@ def _explained_drift(live: Live, cause: str, checks) -> tuple[dict, list[str]]:
                         if not failed:
                             break
                 time.sleep(1.0)
-        finally:
-            assert driver.drift(client, False)
-            _drained(live)
+        finally:  # an assert here would hide the exception that brought it here
+            stopped = driver.drift(client, False)
+            drained = _drained(live)
+    assert stopped, "the drift could not be stopped"
+    # (else the next test's calm baseline would hold this backlog)
+    assert drained, "the drift's backlog did not leave the engine in 90 s"
     return last or {}, failed
 
 
-def _drained(live: Live) -> None:
+def _drained(live: Live) -> bool:
     """Once the drift's backlog has left the engine (a burst's waiting requests): the
-    calm begins then."""
+    calm begins then. False if it did not leave within 90 s."""
     reader = Reader(live.daemon, {"engine": ENGINE})
     deadline = time.time() + 90
     while time.time() < deadline:
         now = live.as_of
         waiting = reader.value("requests_waiting", Span(now - 3, now), "sum")
         if waiting is not None and waiting < 1:
-            break
+            live.calm_since = time.time()
+            return True
         time.sleep(0.5)
     live.calm_since = time.time()
+    return False
 
 
 def _calm_baseline(live: Live) -> float:

@@ -181,10 +181,12 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
                                       "print(u.find_spec('torch') is not None)"],
                                capture_output=True, text=True, timeout=300)
         assert probe.stdout.strip() == str(has_torch), (image, probe.stdout, probe.stderr)
-    running = _run(*stack["compose"], "ps", "--services", "--filter", "status=running",
-                   cwd=stack["context"], env=stack["env"]).stdout.split()
-    assert set(running) == {"engine", "daemon", "prometheus", "alertmanager", "gateway"}, \
-        running
+    services = {"engine", "daemon", "prometheus", "alertmanager", "gateway"}
+
+    def running() -> set[str]:
+        return set(_run(*stack["compose"], "ps", "--services", "--filter", "status=running",
+                        cwd=stack["context"], env=stack["env"]).stdout.split())
+    wait_for(lambda: running() == services, 60, f"{services} running")
     # The engine runs as the image's non-root user, which owns its telemetry directory;
     # the root daemon, told that owner, reads it (the engine-0 series below).
     ids = _run(*stack["compose"], "exec", "-T", "engine", "sh", "-c",
@@ -207,8 +209,15 @@ def test_the_stack_runs_scrapes_answers_and_alerts(stack):
     # A request through the gateway's published port reaches the engine, and the gateway's
     # telemetry (its volume shared with the daemon) answers as an engine of kind gateway.
     gateway = f"http://127.0.0.1:{ports['GATEWAY']}"
-    relayed = httpx.post(gateway + "/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+
+    def relay() -> httpx.Response | None:
+        try:
+            return httpx.post(gateway + "/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}]})
+        except httpx.TransportError:  # its port not yet published or listening
+            return None
+    relayed = wait_for(relay, 60, "the gateway to take a request")
     assert relayed.status_code == 200 and relayed.json()["choices"], relayed.text[:500]
     assert relayed.headers["x-ac-trace-id"] and int(relayed.headers["x-ac-gateway-ttft-ns"]) > 0
 
