@@ -48,6 +48,9 @@ rules:
 STEP_DELAY_MS = 300
 DEMO_CLIENTS = 3
 BURST_CLIENTS = 24
+# `load`'s engine takes at most this many requests a lane into a batch, as a server at its
+# limit: the burst then waits in the queue instead of slowing every step of a bigger batch.
+LOAD_BATCH_LIMIT = 4
 CACHE_FLUSH_MS = 50  # on a CPU step of ~100 ms: every step; a GPU's: every few
 PROMPT_REPEAT = 24
 CAUSES = ("steps", "load", "cache", "prompts")
@@ -224,3 +227,12 @@ class DriftDriver:
 
 def _ms(nanoseconds) -> str:
     return f"{nanoseconds / 1e6:.1f} ms" if isinstance(nanoseconds, (int, float)) else "n/a"
+
+
+def demo_engine_args(cause: str, engine_args: list[str]) -> list[str]:
+    """What `up --demo-drift` adds to the engine's command: the fault route, and for a
+    burst the batch limit, unless the user set one."""
+    added = ["--fault-injection"]
+    if cause == "load" and "--throughput-seqs" not in engine_args:
+        added += ["--throughput-seqs", str(LOAD_BATCH_LIMIT)]
+    return added

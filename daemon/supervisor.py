@@ -97,8 +97,8 @@ def run_up(engine_port: int, daemon_port: int, model: str, demo_load: bool,
                   "warning", *daemon_args]
     driver = None
     if demo_drift:
-        from ac_observe.daemon.demo_drift import DriftDriver, write_demo_alerting
-        engine_cmd.append("--fault-injection")
+        from ac_observe.daemon.demo_drift import DriftDriver, demo_engine_args, write_demo_alerting
+        engine_cmd += demo_engine_args(demo_drift_cause, engine_args)
         daemon_cmd += ["--alerting", str(write_demo_alerting()), "--alert-interval", "2s"]
         fault_token = os.environ.get(FAULT_TOKEN_ENV) or secrets.token_urlsafe(24)
         engine_env = {**env, FAULT_TOKEN_ENV: fault_token}  # the engine's alone

@@ -490,6 +490,12 @@ def test_up_takes_one_of_the_demo_drivers_causes_and_nothing_else():
     assert alone.exit_code == 2 and "add --demo-drift" in alone.output
     with pytest.raises(ValueError, match="steps, load, cache, prompts"):
         DriftDriver("http://127.0.0.1:9", "http://127.0.0.1:9", 1, 1, cause="nope")
+    # A burst's engine takes 4 a lane into a batch (as the cause's live test runs it),
+    # unless the user said otherwise; the other causes leave the batch alone.
+    from ac_observe.daemon.demo_drift import demo_engine_args
+    assert demo_engine_args("load", []) == ["--fault-injection", "--throughput-seqs", "4"]
+    assert demo_engine_args("load", ["--throughput-seqs", "8"]) == ["--fault-injection"]
+    assert demo_engine_args("steps", []) == ["--fault-injection"]
 
 
 def _queue_out(arrivals: tuple, inter_token: tuple, waiting: tuple) -> str:
