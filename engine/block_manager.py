@@ -5,7 +5,8 @@ NOTE (invariants, checked by `check_invariants`):
 - a block is in the hash map only once its KV is complete (registered by `commit` after
   the step that computed it), and the map entry's token ids equal the block's;
 - a freed block keeps its hash and stays reusable by later prompts until the pool hands
-  it out for new content (an eviction);
+  it out for new content, or `flush_prefix_cache` (a fault for the demo) forgets every
+  hash at once (both counted as evictions; only the first records an eviction age);
 - a hit is never taken on the hash alone: the block's own tokens must equal the prompt's,
   and its recorded parent must be the block just matched, holding the same content as
   when the child was computed (`generation`). A prefix match is thus exact whatever the
