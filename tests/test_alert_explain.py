@@ -14,6 +14,7 @@ import bisect
 import json
 import re
 
+import httpx
 import pytest
 
 from ac_observe import metrics as m
@@ -523,3 +524,18 @@ def test_a_queue_that_grew_with_its_arrivals_names_them_first():
         "(arrivals/s 4 -> 6, inter-token 20.0x baseline)")
     assert _queue_out((4.0, 3.0), (20.0, 400.0), (0.1, 2.0)).endswith(
         "(inter-token 20.0x baseline, waiting 20.0x baseline)")
+
+
+def test_demo_traffic_says_once_a_status_the_engine_refuses_it_with(caplog):
+    """A long-prompt drift past a small model's context is refused (400): the demo says so,
+    once a status, rather than reading the refusals' figures as the drift's."""
+    import random
+
+    from ac_observe.daemon import demo_load
+    transport = httpx.MockTransport(lambda request: httpx.Response(400, json={"error": "x"}))
+    demo_load._REFUSALS_SAID.clear()
+    with httpx.Client(transport=transport, base_url="http://engine") as client:
+        for n in range(6):
+            demo_load._one_request(client, random.Random(n), n, repeat=24)
+    said = [r.getMessage() for r in caplog.records if "answers 400" in r.getMessage()]
+    assert len(said) == 1, said
