@@ -63,7 +63,7 @@ def engine_template() -> list[tuple[str, str, list[tuple[str, tuple]]]]:
         for lane in m.LANES:
             writer.observe(m.INFERENCE_LATENCY, 0.05, stream=lane)
         writer.close()
-        collector = EngineCollector(SimpleNamespace(telemetry_root=root,
+        collector = EngineCollector(SimpleNamespace(telemetry_root=root, telemetry_owner=None,
                                                     engine_stale_seconds=60,
                                                     engine_grace_seconds=60))
         return [(family.name, family.type,

@@ -32,6 +32,7 @@ def measure(folder: Path, groups, calls: int) -> float:
     try:
         if groups is not None:
             collector = EbpfCollector(SimpleNamespace(telemetry_root=folder / "none",
+                                                      telemetry_owner=None,
                                                       ebpf_probes=groups))
             collector.collect()  # compiles, finds the pattern, attaches
         pattern.run(f"bench {calls // 10}")  # warm

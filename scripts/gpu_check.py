@@ -377,7 +377,7 @@ def ebpf_on_the_engine(model: str, device: str) -> None:
         root = Path(tmp) / "telemetry"
         with Engine(EngineConfig(model=model, device=device, overlap_lanes="on",
                                  telemetry_dir=str(root / "e1"))) as engine:
-            collector = EbpfCollector(SimpleNamespace(telemetry_root=root))
+            collector = EbpfCollector(SimpleNamespace(telemetry_root=root, telemetry_owner=None))
             try:
                 before = _ebpf_counts(collector)
             except CollectorUnavailable as exc:
