@@ -175,12 +175,10 @@ class Reader:
         return (None, 0) if mean is None else (mean / FRIENDLY[metric].scale, count)
 
     def arrivals(self, metric: str, span: Span) -> float | None:
-        """A histogram's observations a second over the part of the span its series were
-        watched in (their coverage), or None."""
-        found = self._finite(metric, span)
-        count = sum(s.get("samples") or 0 for s in found)
-        watched = span.seconds * max((s.get("coverage") or 0.0 for s in found), default=0.0)
-        return count / watched if count and watched > 0 else None
+        """A histogram's observations a second: each series' own rate over the time it
+        was watched in the span (the query's `rate`), summed; or None."""
+        rates = [s["rate"] for s in self._finite(metric, span) if _finite(s.get("rate"))]
+        return sum(rates) if rates else None
 
     def _finite(self, metric: str, span: Span, extra: dict | None = None) -> list[dict]:
         return [s for s in self.answer(metric, span, extra) if _finite(s.get("mean"))]
