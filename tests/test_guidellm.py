@@ -78,12 +78,14 @@ def test_guidellm_runs_clean_and_agrees_with_the_daemon(start_daemon, tmp_path):
     engine = EngineServer(root / "g1", "--engine-name", "g1").wait_ready()
     try:
         tokenizer = write_byte_tokenizer(tmp_path / "tokenizer")
-        report = run_guidellm(engine.url, tokenizer, tmp_path / "guidellm.json", 20, 4,
+        streams = 4
+        report = run_guidellm(engine.url, tokenizer, tmp_path / "guidellm.json", 20, streams,
                               tmp_path)
         totals = report["metrics"]["request_totals"]
-        # Every request that reached the engine ends there as ok or, cancelled by guidellm
-        # at its time limit while generating, aborted. One it cancelled before the engine
-        # took it in (still in HTTP parsing) is in guidellm's `incomplete`, never seen.
+        # Every request that reached the engine ends there as ok or aborted. At the time
+        # limit guidellm cancels what is in flight (one a stream at most): the engine may
+        # finish, abort or never see each of those, and guidellm's report may leave them
+        # out (CI saw 359 ok at the engine for a report of 356 successful, 0 incomplete).
         seen = wait_for(lambda: _settled(daemon, totals["successful"]), 60,
                         "the daemon's request counts to settle")
         metrics = daemon.metrics()
@@ -98,13 +100,10 @@ def test_guidellm_runs_clean_and_agrees_with_the_daemon(start_daemon, tmp_path):
     finally:
         engine.stop()
     assert totals["errored"] == 0 and totals["successful"] >= 20, totals
-    # guidellm's "completed" (successful) are the engine's ok ones, less those the engine
-    # finished but whose last chunks guidellm stopped reading at the time limit: those
-    # count in its `incomplete`, never in `errored`.
+    # guidellm's successful ones are all ok at the engine; beyond them only the cut-off.
     ok = _requests(metrics, "ok")
-    assert totals["total"] - totals["incomplete"] <= seen <= totals["total"], (totals, seen)
-    assert totals["successful"] <= ok <= totals["successful"] + totals["incomplete"], \
-        (totals, ok)
+    assert totals["successful"] <= ok <= seen <= totals["total"] + streams, \
+        (totals, ok, seen)
     assert _requests(metrics, "error") == 0
     guide_ttft = report["metrics"]["time_to_first_token_ms"]["successful"]["median"]
     guide_itl = report["metrics"]["inter_token_latency_ms"]["successful"]["mean"]
