@@ -16,11 +16,10 @@ import httpx
 import openai
 import pytest
 
-from ac_observe.metrics import UPSTREAM_FAILURE_REASONS
 from support.bad_upstream import ERROR_500, MALFORMED_STREAM, BadUpstream
 from support.servers import EngineServer, GatewayServer, free_port, run_cli, wait_for
 from support.sse_streams import run_streams
-from support.telemetry import read_as_daemon, read_with_multiprocess_collector
+from support.telemetry import gateway_failures, read_as_daemon, read_with_multiprocess_collector
 
 VARYING = {"id", "created", "ac_trace"}  # per request: ids, clocks, the engine's timings
 
@@ -168,15 +167,6 @@ def _requests_by_status(directory) -> dict:
     return found
 
 
-def _failures(directory) -> dict:
-    """{reason: count} of the gateway's ac_gateway_upstream_failures_total, every reason."""
-    families = read_with_multiprocess_collector(directory)
-    found = dict.fromkeys(UPSTREAM_FAILURE_REASONS, 0.0)
-    for _, labels, value in families["ac_gateway_upstream_failures"]["samples"]:
-        found[labels["reason"]] += value
-    return found
-
-
 def _delta(after: dict, before: dict) -> dict:
     return {reason: after[reason] - before[reason] for reason in after
             if after[reason] != before[reason]}
@@ -186,7 +176,7 @@ def _delta(after: dict, before: dict) -> dict:
 def test_upstream_faults_answer_in_the_apis_shape_and_are_counted(bad):
     upstream, gateway = bad
     before = _requests_by_status(gateway.telemetry_dir)
-    failures_before = _failures(gateway.telemetry_dir)
+    failures_before = gateway_failures(gateway.telemetry_dir)
     post = lambda path, fault: httpx.post(gateway.url + path, json=CHAT,  # noqa: E731
                                           headers={"x-bad": fault}, timeout=10)
     malformed = post("/v1/chat/completions", "malformed")
@@ -208,7 +198,7 @@ def test_upstream_faults_answer_in_the_apis_shape_and_are_counted(bad):
     assert after["ok"] - before["ok"] == 1  # the malformed stream, relayed whole
     assert after["error"] - before["error"] == 5  # 5xx, timeout, garbage, stall, error event
     # Why each failed, one reason a request: the stall's silence is a read timeout too.
-    assert _delta(_failures(gateway.telemetry_dir), failures_before) == {
+    assert _delta(gateway_failures(gateway.telemetry_dir), failures_before) == {
         "malformed_sse": 1, "upstream_5xx": 1, "read_timeout": 2, "bad_response": 1,
         "error_event": 1}
     # The gateway's TTFT of the malformed stream: its one valid content event.
@@ -343,7 +333,7 @@ def test_a_full_upstream_pool_is_a_clear_503(bad, tmp_path):
             held.join()
         assert refused.status_code == 503
         assert refused.json()["error"]["message"] == "all 1 upstream connections are busy"
-        wait_for(lambda: _failures(gateway.telemetry_dir)["pool_full"] == 1, 10,
+        wait_for(lambda: gateway_failures(gateway.telemetry_dir)["pool_full"] == 1, 10,
                  "the refusal counted as pool_full")
     finally:
         gateway.stop()

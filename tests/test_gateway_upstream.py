@@ -14,11 +14,11 @@ from functools import partial
 import httpx
 import pytest
 
-from ac_observe.metrics import INTER_TOKEN_LATENCY, UPSTREAM_FAILURE_REASONS
+from ac_observe.metrics import INTER_TOKEN_LATENCY
 from support.bad_upstream import CONTENT_EVENT, PACED_GAPS_S, BadUpstream
 from support.certs import TestCA
 from support.servers import GatewayServer, run_cli, wait_for
-from support.telemetry import read_with_multiprocess_collector
+from support.telemetry import gateway_failures, read_with_multiprocess_collector
 
 CHAT = {"model": "tiny", "max_tokens": 12, "stream": True,
         "messages": [{"role": "user", "content": "hi"}]}
@@ -120,14 +120,6 @@ def https_upstream(tmp_path_factory):
     upstream.stop()
 
 
-def _failures(directory) -> dict:
-    families = read_with_multiprocess_collector(directory)
-    found = dict.fromkeys(UPSTREAM_FAILURE_REASONS, 0.0)
-    for _, labels, value in families["ac_gateway_upstream_failures"]["samples"]:
-        found[labels["reason"]] += value
-    return found
-
-
 def test_an_https_upstream_is_reached_through_its_private_ca(https_upstream, tmp_path):
     upstream, ca, _ = https_upstream
     assert upstream.url.startswith("https://")
@@ -139,7 +131,7 @@ def test_an_https_upstream_is_reached_through_its_private_ca(https_upstream, tmp
         assert answer.status_code == 200
         assert answer.content.count(CONTENT_EVENT) == len(PACED_GAPS_S) + 1
         assert answer.content.endswith(b"data: [DONE]\n\n")
-        assert _failures(gateway.telemetry_dir)["tls"] == 0
+        assert gateway_failures(gateway.telemetry_dir)["tls"] == 0
     finally:
         gateway.stop()
 
@@ -165,13 +157,13 @@ def test_an_untrusted_upstream_certificate_is_a_clear_502_counted_as_tls(https_u
             assert said.count("--upstream-ca-file names the CAs") == 1, said[-2000:]
             wait_for(partial(_tls_failures, gateway.telemetry_dir, 3), 10,
                      "three TLS failures")  # the two above and the readiness probe's
-            assert sum(_failures(gateway.telemetry_dir).values()) == 3
+            assert sum(gateway_failures(gateway.telemetry_dir).values()) == 3
         finally:
             gateway.stop()
 
 
 def _tls_failures(directory, count: int) -> bool:
-    return _failures(directory)["tls"] == count
+    return gateway_failures(directory)["tls"] == count
 
 
 def _answers(gateway: GatewayServer) -> bool:

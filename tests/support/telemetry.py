@@ -29,6 +29,16 @@ def read_with_multiprocess_collector(directory) -> dict:
     return json.loads(out.stdout)
 
 
+def gateway_failures(directory) -> dict:
+    """{reason: count} of a gateway's ac_gateway_upstream_failures_total, every reason."""
+    from ac_observe.metrics import UPSTREAM_FAILURE_REASONS
+    found = dict.fromkeys(UPSTREAM_FAILURE_REASONS, 0.0)
+    families = read_with_multiprocess_collector(directory)
+    for _, labels, value in families["ac_gateway_upstream_failures"]["samples"]:
+        found[labels["reason"]] += value
+    return found
+
+
 def family_value(families, family, sample, **labels):
     """Sum of a family's samples named `sample` whose labels include `labels`."""
     return sum(v for name, lab, v in families[family]["samples"]
