@@ -5,14 +5,15 @@ run; every stream's events checked for loss and order; the gateway's memory over
 10,000 requests.
 
 The upstream is a synthetic OpenAI chat server in its own process (a raw asyncio server:
-each request answered with EVENTS numbered content events, chunk by chunk, GAP_MS apart),
+each request answered with EVENTS numbered content events, chunk by chunk, --gap-ms apart),
 so the difference between the sides is the gateway's, not a model's noise.
 
 Aims (issue 31): ≤ 0.5 ms added at p50 and ≤ 2 ms at p99, no chunk lost or reordered,
 memory flat over 10,000 requests.
 
 Usage: python bench/gateway_overhead.py [--levels 1,16,64] [--rounds 6] [--requests 10]
-                                        [--memory-requests 10000] [--json]
+                                        [--memory-requests 10000] [--gap-ms 1]
+                                        [--pin] [--json]
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.servers import ServerProcess, free_port, wait_for  # noqa: E402
 
-EVENTS, GAP_MS = 16, 1.0
+EVENTS = 16
+MIN_PER_SIDE = 300  # requests a side at each level, whatever the streams
 UPSTREAM = r"""
 import asyncio, sys
 EVENTS, GAP = int(sys.argv[2]), float(sys.argv[3]) / 1e3
@@ -122,6 +124,7 @@ def _rss_kib(pid: int) -> int:
 
 
 def _level(ports: dict, streams: int, rounds: int, requests: int) -> dict:
+    requests = max(requests, MIN_PER_SIDE // (rounds * streams))  # a p99 is not one max
     results = {"direct": [], "gateway": []}
     seconds = {"direct": 0.0, "gateway": 0.0}
     for r in range(rounds):
@@ -147,15 +150,28 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,16,64")
     parser.add_argument("--rounds", type=int, default=6, help="per side and level")
-    parser.add_argument("--requests", type=int, default=10, help="per stream and round")
+    parser.add_argument("--requests", type=int, default=10,
+                        help=f"per stream and round (at least {MIN_PER_SIDE} a side a level)")
     parser.add_argument("--memory-requests", type=int, default=10_000)
+    parser.add_argument("--gap-ms", type=float, default=1.0,
+                        help="between a stream's events: 1 (the default) is a stress, 16 "
+                             "streams then 16,000 events/s; 15 is a fast GPU's decode pace")
+    parser.add_argument("--pin", action="store_true",
+                        help="the gateway on a core of its own, the client and the upstream "
+                             "sharing another (both sides alike): its overhead when it does "
+                             "not wait for a core")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cores) < 2:
+        parser.error("--pin needs two cores")
+    if args.pin:
+        os.sched_setaffinity(0, {cores[0]})  # this client, and the upstream it starts
     root = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
     (root / "telemetry").mkdir(mode=0o700)
     upstream_port = free_port()
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(upstream_port),
-                                 str(EVENTS), str(GAP_MS)])
+                                 str(EVENTS), str(args.gap_ms)])
     gateway = None
     try:
         wait_for(lambda: _connects(upstream_port), 10, "the synthetic upstream")
@@ -163,6 +179,9 @@ def main() -> int:
                                  "--telemetry-dir", str(root / "telemetry" / "gw"),
                                  "--log-level", "warning"], root)
         wait_for(lambda: _connects(gateway.port), 60, "the gateway")
+        if args.pin:  # every thread of it (each has its own affinity), once all are started
+            for thread in os.listdir(f"/proc/{gateway.proc.pid}/task"):
+                os.sched_setaffinity(int(thread), {cores[-1]})
         ports = {"direct": upstream_port, "gateway": gateway.port}
         _round(ports["gateway"], 4, 10)  # warm: pool, imports, first allocations
         rows = [_level(ports, int(s), args.rounds, args.requests)

@@ -89,8 +89,9 @@ def _trace(headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]
     trace_id = traceparent_trace_id(given) if given else None
     if trace_id is not None:
         return headers, trace_id
-    trace_id = secrets.token_hex(16)
-    parent = f"00-{trace_id}-{secrets.token_hex(8)}-01".encode()
+    random = secrets.token_hex(24)  # one read of the system's randomness, not two
+    trace_id = random[:32]
+    parent = f"00-{trace_id}-{random[32:]}-01".encode()
     return [(n, v) for n, v in headers if n != b"traceparent"] + [(b"traceparent", parent)], \
         trace_id
 
@@ -147,20 +148,29 @@ class Gateway:
     async def _relay_until_gone(self, scope, headers, figures: RequestFigures, answer_headers,
                                 receive, send) -> None:
         """The relay, cancelled the moment the client hangs up (closing the upstream
-        connection is what tells the upstream to abort)."""
-        relay = asyncio.ensure_future(self._relay(scope, headers, figures, answer_headers,
-                                                  send))
+        connection is what tells the upstream to abort). It runs in the request's own task,
+        which a watcher of the client cancels: one task a request, not two."""
+        task = asyncio.current_task()
+        assert task is not None
+        relaying = True
+
+        def hung_up(watcher: asyncio.Future) -> None:
+            if relaying and not watcher.cancelled() and watcher.exception() is None:
+                task.cancel()
         gone = asyncio.ensure_future(_disconnected(receive))
+        gone.add_done_callback(hung_up)
         try:
-            await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+            await self._relay(scope, headers, figures, answer_headers, send)
+        except asyncio.CancelledError:
+            if not gone.done() or gone.cancelled() or gone.exception() is not None:
+                raise  # the server's own shutdown, not the client
+            uncancel = getattr(task, "uncancel", None)  # 3.11+: what asyncio.timeout counts
+            if uncancel is not None:
+                uncancel()
+            figures.outcome = CLIENT_GONE
         finally:
+            relaying = False
             gone.cancel()
-            if not relay.done():
-                relay.cancel()
-                figures.outcome = CLIENT_GONE
-                await asyncio.gather(relay, return_exceptions=True)
-        if not relay.cancelled():
-            relay.result()
 
     async def _body(self, headers, receive) -> bytes:
         limit = self.config.max_body_bytes

@@ -177,8 +177,8 @@ class UpstreamResponse:
         self._wakeup()
 
     def _wakeup(self) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+        if self._wake is not None:
+            _settle(self._wake, True)
 
     # for the relay
     async def chunks(self, read_timeout: float):
@@ -186,9 +186,12 @@ class UpstreamResponse:
         loop = asyncio.get_running_loop()
         while True:
             if self._chunks:
-                body = self._chunks.popleft()
-                self._buffered -= len(body)
-                if self._paused and self._buffered <= MAX_BUFFERED // 2:
+                # What arrived together leaves together: one send, not one a chunk.
+                body = self._chunks.popleft() if len(self._chunks) == 1 else \
+                    b"".join(self._chunks)
+                self._chunks.clear()
+                self._buffered = 0
+                if self._paused:
                     self._paused = False
                     if self.connection.transport is not None:
                         self.connection.transport.resume_reading()
@@ -199,10 +202,37 @@ class UpstreamResponse:
             if self.complete:
                 return
             self._wake = loop.create_future()
+            timer = loop.call_later(read_timeout, _settle, self._wake, False)
             try:
-                await asyncio.wait_for(self._wake, read_timeout)
-            except asyncio.TimeoutError:
-                raise ReadTimedOut(f"no data for {read_timeout:g} s") from None
+                woken = await self._wake
+            finally:
+                timer.cancel()
+            if not woken:
+                raise ReadTimedOut(f"no data for {read_timeout:g} s")
+
+
+def _settle(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+async def _woken(future: asyncio.Future, seconds: float) -> bool:
+    """Waits for `future` at most `seconds` without cancelling it: False on timeout (one
+    timer, where asyncio.wait_for with shield adds a task and two futures a request)."""
+    if not future.done():
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_=None) -> None:
+            _settle(waiter, None)
+        timer = loop.call_later(seconds, wake)
+        future.add_done_callback(wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            future.remove_done_callback(wake)
+    return future.done()
 
 
 def _retrieve(future: asyncio.Future) -> None:
@@ -234,11 +264,14 @@ class UpstreamPool:
                       body: bytes) -> UpstreamResponse:
         """Sends one request; its response once the head arrived (its body to read, then
         `release`). Raises PoolFull, ConnectFailed, ReadTimedOut or BadResponse."""
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.pool_timeout)
-        except asyncio.TimeoutError:
-            raise PoolFull(f"all {self.max_connections} upstream connections are busy") \
-                from None
+        if self._slots.locked():  # wait_for makes a task: only when one must wait
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.pool_timeout)
+            except asyncio.TimeoutError:
+                raise PoolFull(f"all {self.max_connections} upstream connections are busy") \
+                    from None
+        else:
+            await self._slots.acquire()
         try:
             head = self._head(method, target, headers, body)
             for attempt in (0, 1):
@@ -249,11 +282,11 @@ class UpstreamPool:
                 assert connection.transport is not None  # connected
                 connection.transport.write(head)
                 try:
-                    await asyncio.wait_for(asyncio.shield(response._head), self.read_timeout)
-                    return response
-                except asyncio.TimeoutError:
+                    if await _woken(response._head, self.read_timeout):
+                        response._head.result()  # BadResponse when it failed
+                        return response
                     connection.close()
-                    raise ReadTimedOut(f"no answer within {self.read_timeout:g} s") from None
+                    raise ReadTimedOut(f"no answer within {self.read_timeout:g} s")
                 except BadResponse:
                     connection.close()
                     # a kept-alive connection the upstream closed meanwhile: once more, anew
@@ -304,6 +337,12 @@ class UpstreamPool:
         except ssl.SSLError as exc:
             raise ConnectFailed("the TLS handshake failed", "tls",
                                 str(exc.reason or exc)) from None
+        except (ConnectionResetError, ConnectionAbortedError) as exc:
+            if self._ssl is None:  # connected, then cut: a TCP refusal is another error
+                raise ConnectFailed(exc.strerror or "the connection was reset") from None
+            raise ConnectFailed("the TLS handshake failed", "tls",
+                                "the upstream closed the connection during the TLS "
+                                "handshake (is it serving TLS on that port?)") from None
         except OSError as exc:
             raise ConnectFailed(exc.strerror or type(exc).__name__) from None
         return connection
