@@ -102,6 +102,11 @@ def overview() -> Board:
             Panel("Requests / s by outcome",
                   [(rate_by(m.REQUESTS, ("engine", "stream", "status")),
                     "{{engine}} {{stream}} {{status}}")], "reqps"),
+            Panel("Gateway: requests its upstream failed / s, by reason",
+                  [(rate_by(m.UPSTREAM_FAILURES, ("engine", "upstream", "reason")),
+                    "{{engine}} -> {{upstream}} {{reason}}")], "reqps",
+                  description=m.UPSTREAM_FAILURES.help + " Reasons: docs/gateway.md, "
+                              "\"Limits and failures\"."),
             Panel("Running and waiting, per lane", [
                 (gauge_by(m.REQUESTS_RUNNING, LANE), "running {{engine}} {{stream}}"),
                 (gauge_by(m.REQUESTS_WAITING, LANE), "waiting {{engine}} {{stream}}"),

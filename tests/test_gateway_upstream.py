@@ -8,6 +8,8 @@ import json
 import os
 import socket
 import ssl
+import struct
+import threading
 import time
 from functools import partial
 
@@ -197,3 +199,96 @@ def test_a_bad_upstream_ca_file_is_refused_at_start(tmp_path):
     out = run_cli("gateway", "--upstream", "http://127.0.0.1:9", "--upstream-ca-file",
                   str(garbage), "--telemetry-dir", str(tmp_path / "t" / "g"))
     assert out.returncode == 2 and "is not https" in out.stderr
+
+
+@pytest.fixture
+def hanging_port():
+    """A port whose connects hang: a listener with a backlog of 0 that one held connection
+    fills and nobody accepts from (Linux then drops the SYNs that follow)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    held = socket.create_connection(("127.0.0.1", port), timeout=5)
+    probe = socket.socket()
+    probe.settimeout(0.3)
+    with pytest.raises(TimeoutError):  # else this kernel queues more: the test would lie
+        probe.connect(("127.0.0.1", port))
+    probe.close()
+    yield port
+    held.close()
+    listener.close()
+
+
+def test_a_connect_that_hangs_is_a_502_counted_as_connect_timeout(hanging_port, tmp_path):
+    (tmp_path / "t").mkdir(mode=0o700)
+    gateway = GatewayServer(f"http://127.0.0.1:{hanging_port}", tmp_path / "t" / "g",
+                            "--connect-timeout", "0.5")
+    try:
+        wait_for(partial(_answers, gateway), 60, "the gateway")
+        started = time.monotonic()
+        answer = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        took = time.monotonic() - started
+        assert answer.status_code == 502, answer.text
+        assert answer.json()["error"]["message"] == "upstream unreachable: connect timed out"
+        assert 0.45 <= took < 5, took  # the option's 0.5 s, not the default 5 s
+        wait_for(lambda: gateway_failures(gateway.telemetry_dir)["connect_timeout"] == 2,
+                 10, "two connect timeouts")  # this one and the readiness probe's
+        assert sum(gateway_failures(gateway.telemetry_dir).values()) == 2
+        assert gateway.proc.poll() is None
+    finally:
+        gateway.stop()
+
+
+def _resetting_server() -> socket.socket:
+    """Takes connections, reads what comes (a TLS hello) and resets them."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def run() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.settimeout(5)
+            try:
+                conn.recv(4096)
+            except OSError:
+                pass
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+    threading.Thread(target=run, daemon=True).start()
+    return listener
+
+
+def test_a_handshake_cut_off_by_the_upstream_is_counted_as_tls(tmp_path):
+    listener = _resetting_server()
+    port = listener.getsockname()[1]
+    (tmp_path / "t").mkdir(mode=0o700)
+    # https: the reset comes mid-handshake (tls); http: the request was sent and no
+    # answer came (bad_response), as before this upstream ever spoke TLS.
+    for scheme, reason, message in (
+            ("https", "tls", "upstream refused: the TLS handshake failed"),
+            ("http", "bad_response", "upstream answered with no valid HTTP response: "
+                                     "the upstream closed the connection")):
+        gateway = GatewayServer(f"{scheme}://127.0.0.1:{port}", tmp_path / "t" / scheme)
+        try:
+            wait_for(partial(_answers, gateway), 60, "the gateway")
+            answer = httpx.post(gateway.url + "/v1/messages", json=CHAT, timeout=30)
+            assert answer.status_code == 502 and answer.json()["type"] == "error"
+            assert answer.json()["error"]["message"] == message
+            said = gateway.log_path.read_text()
+            assert said.count("during the TLS handshake") == (scheme == "https"), said[-2000:]
+            wait_for(partial(_failures, gateway.telemetry_dir, reason, 2), 10,
+                     f"two {reason} failures")
+            assert gateway.proc.poll() is None
+        finally:
+            gateway.stop()
+    listener.close()
+
+
+def _failures(directory, reason: str, count: int) -> bool:
+    found = gateway_failures(directory)
+    return found[reason] == count and sum(found.values()) == count
