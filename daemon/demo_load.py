@@ -3,14 +3,18 @@
 Mixes both APIs, both lanes, stream and non-stream, prompts that share long system
 prompts (prefix-cache hits) and prompts with nested structure (skeleton depth). Its
 `LoadShape` may change while it runs (`up --demo-drift-cause load|prompts`): more clients
-(a burst), or each user message repeated (long prompts). Torch-free.
+(a burst), or each user message repeated (long prompts). An `on_trace` callback gets
+each answer's per-request figures (the engine's trace: headers of an answer sent whole,
+the last event's `ac_trace` of a stream). Torch-free.
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -42,7 +46,13 @@ class LoadShape:
     prompt_repeat: int = 1  # each user message this many times over: longer prompts
 
 
-def _one_request(client: httpx.Client, rng: random.Random, n: int, repeat: int = 1) -> None:
+# An answer's trace as the engine's `ac_trace` has it, with `sent` (the client's wall
+# clock when the request left).
+TraceCallback = Callable[[dict], None]
+
+
+def _one_request(client: httpx.Client, rng: random.Random, n: int, repeat: int = 1,
+                 on_trace: TraceCallback | None = None) -> None:
     system = rng.choice(SYSTEMS)
     user = "\n".join([rng.choice(USER_TEMPLATES).format(n=n % 50)] * repeat)
     lane = LOW_LATENCY if rng.random() < 0.3 else THROUGHPUT
@@ -60,13 +70,21 @@ def _one_request(client: httpx.Client, rng: random.Random, n: int, repeat: int =
             [{"role": "user", "content": user}]
         body = {"model": "demo", "max_tokens": max_tokens, "stream": stream,
                 "messages": messages}
+        if stream:  # its last chunk's usage carries the trace
+            body["stream_options"] = {"include_usage": True}
         path = "/v1/chat/completions"
+    sent, trace = time.time(), None
     if stream:
         with client.stream("POST", path, json=body, headers=headers) as response:
-            for _ in response.iter_bytes():
-                pass
+            for line in response.iter_lines():
+                if on_trace is not None and '"ac_trace"' in line:
+                    trace = _stream_trace(line)
     else:
         response = client.post(path, json=body, headers=headers)
+        if on_trace is not None and response.status_code < 400:
+            trace = _whole_trace(response.headers)
+    if trace is not None and on_trace is not None:
+        on_trace({**trace, "sent": sent})
     if response.status_code >= 400 and response.status_code not in _REFUSALS_SAID:
         # (a long-prompt drift past a small model's context: its figures would mislead)
         _REFUSALS_SAID.add(response.status_code)
@@ -74,9 +92,31 @@ def _one_request(client: httpx.Client, rng: random.Random, n: int, repeat: int =
                     response.status_code, path)
 
 
+def _stream_trace(line: str) -> dict | None:
+    """The `ac_trace` of a stream's last event: a chat chunk's usage, a message_delta's
+    metadata."""
+    try:
+        event = json.loads(line.removeprefix("data:").strip())
+        found = (event.get("usage") or {}).get("ac_trace") or \
+            (event.get("metadata") or {}).get("ac_trace")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _whole_trace(headers: httpx.Headers) -> dict | None:
+    """An answer sent whole: its trace headers in the shape of a stream's `ac_trace`."""
+    try:
+        detail = json.loads(headers.get("x-ac-trace-detail", "{}"))
+        return {**detail, "model_latency_ns": int(headers["x-ac-model-latency-ns"]),
+                "queue_time_ns": int(headers["x-ac-queue-time-ns"])}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def run_demo_load(base_url: str, stop: threading.Event, concurrency: int = 3,
                   seed: int = 0, pause_seconds: float = 0.05,
-                  shape: LoadShape | None = None) -> None:
+                  shape: LoadShape | None = None, on_trace: TraceCallback | None = None) -> None:
     """Send requests until `stop` is set; survives an engine that restarts or goes away.
     `shape` (default: `concurrency` clients) may change while it runs."""
     shape = shape or LoadShape(clients=concurrency)
@@ -91,7 +131,7 @@ def run_demo_load(base_url: str, stop: threading.Event, concurrency: int = 3,
                     continue
                 n += 1
                 try:
-                    _one_request(client, rng, n, max(1, shape.prompt_repeat))
+                    _one_request(client, rng, n, max(1, shape.prompt_repeat), on_trace)
                 except httpx.HTTPError as exc:
                     log.debug("demo request failed: %s", exc)
                     stop.wait(1.0)

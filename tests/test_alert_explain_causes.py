@@ -1,16 +1,18 @@
-"""Each cause of `ac-observe up --demo-drift-cause` explained from a real engine's
-telemetry: the explanation (daemon/alerting/explain.py) ranks the part and the cause that
-the drift moved first, and leaves little unexplained.
+"""Each cause of `ac-observe up --demo-drift-cause` fires a TTFT drift rule on a real
+engine, and the alert's explanation (daemon/alerting/explain.py) ranks the part and the
+cause that the drift moved first, and leaves little unexplained.
 
 A real engine with `--fault-injection` serves the demo traffic (daemon/demo_load.py, sent
-from this process in the shape the driver changes), an in-process daemon reads its
-telemetry files into its real windows every second, and the drift is applied by the same
-driver as `up --demo-drift` (daemon/demo_drift.py `DriftDriver.drift`). Instead of waiting
-for the demo rule's minute-long baseline and its `for`, each test explains a TTFT drift
-over spans it controls: the baseline span is the calm BASELINE_SECONDS before the cause
-began, the window starts SETTLE_SECONDS after it (a request in flight as it began has
-left) and grows until it holds enough requests and the checks hold, up to a deadline.
-Ranking and ratios only: absolute times on a shared 2-core machine are anyone's guess.
+from this process in the shape the driver changes); an in-process daemon reads its
+telemetry files into its real windows every second and evaluates a real rule from an
+alerting file (TTFT p95 of the throughput lane, RULE_WINDOW against the trailing
+BASELINE_SECONDS before it, RULE_THRESHOLD up for RULE_FOR), as `ac-observe up
+--demo-drift`'s rule does with longer spans. The drift is applied by the same driver as
+`up --demo-drift` (daemon/demo_drift.py `DriftDriver.drift`). Each test waits for the
+rule to fire, then reads the firing alert's explanation as `GET /api/v1/alerts?explain=1`
+answers it (`Evaluator.explained`), until it holds MIN_REQUESTS and the checks hold, up
+to a deadline. Ranking and ratios only: absolute times on a shared 2-core machine are
+anyone's guess.
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ import httpx
 import pytest
 
 from ac_observe.auth import FAULT_TOKEN_ENV
-from ac_observe.daemon.alerting.explain import RELATED, Reader, Span, explain
-from ac_observe.daemon.alerting.rules import Rule
+from ac_observe.daemon.alerting.explain import RELATED, Reader, Span
 from ac_observe.daemon.config import DaemonConfig
 from ac_observe.daemon.demo_drift import DEMO_CLIENTS, LOAD_BATCH_LIMIT, DriftDriver
 from ac_observe.daemon.demo_load import LoadShape, run_demo_load
@@ -35,14 +36,28 @@ pytestmark = pytest.mark.slow
 
 FAULT_TOKEN = "explain-causes-fault-token"
 ENGINE = "e1"
+RULE = "CauseDrift"
+LANE = "throughput"  # the demo traffic's busier lane (70 %)
 BASELINE_SECONDS = 15.0
+RULE_WINDOW_SECONDS = 15.0
+RULE_THRESHOLD = 0.5  # p95 +50 %: above a calm engine's swings between 15 s windows
+RULE_FOR_SECONDS = 2.0
 RECOVERY_SECONDS = 5.0  # after a drift ends, before the next baseline span begins
-SETTLE_SECONDS = 3.0
-MIN_WINDOW_SECONDS = 12.0
 MIN_REQUESTS = 8  # TTFT observations in each span
-DRIFT_DEADLINE_SECONDS = 45.0  # the longest a drift runs while its window grows
+DRIFT_DEADLINE_SECONDS = 60.0  # the longest a drift runs: the rule fires, its window fills
 RESIDUAL_SHARE = 0.2
 WARMUP_SECONDS = 15.0
+
+
+# A part of the explanation, from one request's own trace (x-ac-trace-detail, ac_trace):
+# its figure in ms, and when the engine observed it, in seconds after the request left.
+TRACE_PARTS = {
+    "front-end": (lambda t: t["frontend_ms"], lambda t: t["frontend_ms"] / 1e3),
+    "queue": (lambda t: t["queue_time_ns"] / 1e6,
+              lambda t: t["frontend_ms"] / 1e3 + t["queue_time_ns"] / 1e9),
+    "prefill": (lambda t: t["prefill_ms"], lambda t: t["model_latency_ns"] / 1e9),
+}
+TRACE_AGREEMENT = 0.10
 
 
 @dataclass
@@ -52,6 +67,8 @@ class Live:
     shape: LoadShape
     as_of: float = 0.0  # the newest cycle's time
     calm_since: float = field(default_factory=time.time)
+    cycles: list[float] = field(default_factory=list)  # every cycle's time
+    traces: list[dict] = field(default_factory=list)  # every answer's, as the client got it
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +82,17 @@ def live(tmp_path_factory):
     engine = EngineServer(root / "telemetry" / ENGINE, "--engine-name", ENGINE,
                           "--fault-injection", "--throughput-seqs", str(LOAD_BATCH_LIMIT),
                           env={**os.environ, FAULT_TOKEN_ENV: FAULT_TOKEN}).wait_ready()
+    alerting = root / "alerting.yaml"
+    alerting.write_text(
+        f"rules:\n  - {{name: {RULE}, metric: inference_latency_ns, statistic: p95, "
+        f"window: {RULE_WINDOW_SECONDS:g}s, baseline: 'trailing:{BASELINE_SECONDS:g}s', "
+        f"comparison: relative_increase, threshold: {RULE_THRESHOLD}, "
+        f"for: {RULE_FOR_SECONDS:g}s, match: {{engine: {ENGINE}, stream: {LANE}}}}}\n")
     daemon = Daemon(DaemonConfig(telemetry_root=root / "telemetry", collectors=("engine",),
                                  interval_seconds=1.0, window_seconds=600,
-                                 state_dir=root / "state"))
+                                 state_dir=root / "state", alerting_file=alerting,
+                                 alert_interval_seconds=1.0))
+    assert daemon.alerts is not None and RULE in daemon.alerts.rules
     stop = threading.Event()
     state = Live(engine, daemon, LoadShape(clients=DEMO_CLIENTS))
 
@@ -75,12 +100,14 @@ def live(tmp_path_factory):
         while not stop.is_set():
             now = time.time()
             daemon.run_cycle(now=now)
+            state.cycles.append(now)
             state.as_of = now
             stop.wait(max(0.0, now + 1.0 - time.time()))
 
     threads = [threading.Thread(target=cycles, daemon=True),
                threading.Thread(target=run_demo_load, args=(engine.url, stop),
-                                kwargs={"shape": state.shape}, daemon=True)]
+                                kwargs={"shape": state.shape, "on_trace": state.traces.append},
+                               daemon=True)]
     for thread in threads:
         thread.start()
     # A fresh engine's first requests are slower (first runs, caches filling): the first
@@ -96,32 +123,25 @@ def live(tmp_path_factory):
         daemon.close()
 
 
-def _rule(window_seconds: float) -> Rule:
-    return Rule(name="CauseDrift", metric="inference_latency_ns", statistic="p95",
-                window_seconds=window_seconds, baseline="trailing",
-                baseline_seconds=BASELINE_SECONDS)
-
-
 def _explained_drift(live: Live, cause: str, checks) -> tuple[dict, list[str]]:
-    """Drift by `cause` after a calm baseline; the first explanation whose window holds
-    MIN_REQUESTS and passes `checks` (a list of what failed: [] passes), else the last
-    one read, with what it failed."""
+    """Drift by `cause` after a calm baseline, until the rule fires; then the first
+    explanation of the firing alert whose window holds MIN_REQUESTS and passes `checks`
+    (a list of what failed: [] passes), else the last one read, with what it failed."""
     driver = DriftDriver(live.engine.url, "", 0, 0, fault_token=FAULT_TOKEN, cause=cause,
                          shape=live.shape)
     with httpx.Client(timeout=10) as client:
         began = _calm_baseline(live)
         assert driver.drift(client, True)
-        last, failed = None, ["no reading"]
+        last, failed = None, [f"{RULE} did not fire"]
         try:
             deadline = began + DRIFT_DEADLINE_SECONDS
             while time.time() < deadline:
-                now = live.as_of
-                if now - began - SETTLE_SECONDS >= MIN_WINDOW_SECONDS:
-                    found = _explain(live, began, began + SETTLE_SECONDS, now)
-                    if found["mean"]["observations"] >= MIN_REQUESTS:
-                        last, failed = found, checks(found)
-                        if not failed:
-                            break
+                alert = _firing(live)
+                found = alert and alert["explanation"]
+                if found and found["mean"]["observations"] >= MIN_REQUESTS:
+                    last, failed = found, checks(found)
+                    if not failed:
+                        break
                 time.sleep(1.0)
         finally:  # an assert here would hide the exception that brought it here
             stopped = driver.drift(client, False)
@@ -129,13 +149,54 @@ def _explained_drift(live: Live, cause: str, checks) -> tuple[dict, list[str]]:
     assert stopped, "the drift could not be stopped"
     # (else the next test's calm baseline would hold this backlog)
     assert drained, "the drift's backlog did not leave the engine in 90 s"
+    if last is not None and not failed:  # every request of its spans has answered now
+        failed = _trace_disagreements(live, last)
     return last or {}, failed
+
+
+def _trace_disagreements(live: Live, found: dict) -> list[str]:
+    """Each part's mean over the window and over the baseline span against the mean of the
+    same requests' own trace figures: within TRACE_AGREEMENT. The same requests: those the
+    engine observed between the span's first and last daemon cycles (a span's increase is
+    read between the two)."""
+    out = []
+    for span, figure_key in (("window", "now_ms"), ("baseline_span", "baseline_ms")):
+        inside = [c for c in live.cycles
+                  if found[span]["start"] <= c <= found[span]["end"] + 1e-6]
+        low, high = inside[0], inside[-1]
+        for part in found["parts"]:
+            if part["name"] not in TRACE_PARTS:
+                continue
+            figure, at = TRACE_PARTS[part["name"]]
+            values = [figure(t) for t in list(live.traces)
+                      if t.get("stream") == LANE and low < t["sent"] + at(t) <= high]
+            said = part[figure_key]
+            if not values or said is None:
+                out.append(f"{part['name']} over the {span}: {said} ms, {len(values)} traces")
+                continue
+            mean = sum(values) / len(values)
+            if abs(said - mean) > TRACE_AGREEMENT * mean:
+                out.append(f"{part['name']} over the {span}: {said:.4g} ms, the traces' "
+                           f"{mean:.4g} ms ({len(values)} requests)")
+    return out
+
+
+def _alerts(live: Live) -> list[dict]:
+    assert live.daemon.alerts is not None
+    return [a for a in live.daemon.alerts.explained() if a["rule"] == RULE]
+
+
+def _firing(live: Live) -> dict | None:
+    """The rule's firing alert with its explanation, as `?explain=1` answers it."""
+    firing = [a for a in _alerts(live) if a["state"] == "firing"]
+    assert len(firing) <= 1, firing  # one engine, one lane
+    return firing[0] if firing else None
 
 
 def _drained(live: Live) -> bool:
     """Once the drift's backlog has left the engine (a burst's waiting requests): the
     calm begins then. False if it did not leave within 90 s."""
-    reader = Reader(live.daemon, {"engine": ENGINE})
+    reader = Reader(live.daemon, {"engine": ENGINE, "stream": LANE})
     deadline = time.time() + 90
     while time.time() < deadline:
         now = live.as_of
@@ -149,28 +210,21 @@ def _drained(live: Live) -> bool:
 
 
 def _calm_baseline(live: Live) -> float:
-    """When the calm baseline span ends: BASELINE_SECONDS watched, RECOVERY_SECONDS after
-    the last drift ended, holding MIN_REQUESTS."""
-    reader = Reader(live.daemon, {"engine": ENGINE})
-    deadline = time.time() + 90
+    """When the calm spans end: a baseline's and a window's worth watched after
+    RECOVERY_SECONDS since the last drift ended, holding MIN_REQUESTS, and the rule quiet
+    (the last drift's alert resolved, no calm swing pending)."""
+    reader = Reader(live.daemon, {"engine": ENGINE, "stream": LANE})
+    deadline = time.time() + 120
+    calm = RECOVERY_SECONDS + BASELINE_SECONDS + RULE_WINDOW_SECONDS
     while True:
         began = live.as_of
-        if began >= live.calm_since + RECOVERY_SECONDS + BASELINE_SECONDS:
+        if began >= live.calm_since + calm and not _alerts(live):
             _, count = reader.histogram("inference_latency_ns",
                                         Span(began - BASELINE_SECONDS, began))
             if count >= MIN_REQUESTS:
                 return began
         assert time.time() < deadline, "no calm baseline span with enough requests"
         time.sleep(0.5)
-
-
-def _explain(live: Live, began: float, window_start: float, now: float) -> dict:
-    """The explanation of an alert on the engine's TTFT whose baseline span ends at
-    `began` (spans() places it a window before active_since) and whose window is
-    [window_start, now]."""
-    window = now - window_start
-    return explain(_rule(window), {"labels": {"engine": ENGINE},
-                                   "active_since": began + window}, live.daemon, now)
 
 
 def _ranked(found: dict) -> list[str]:
