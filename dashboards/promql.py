@@ -407,7 +407,7 @@ def explanation(rule) -> str | None:
     elif rule.reads_baseline:
         where = f"the trailing {span}"
     else:
-        where = f"the {span} before it (the rule reads no baseline)"
+        where = f"the {span} before it, as the rule reads no baseline"
 
     def both(name: str) -> tuple[str, str]:
         """'baseline -> now' of one name's mean, for the alert's series."""
