@@ -22,7 +22,9 @@ threshold; `trailing:<d>` is the statistic over the d before the window (`offset
 back, `or` the trailing fallback for the label sets yesterday lacks. (Prometheus has no
 coverage figure: any data yesterday counts, where the daemon asks for 75 % of the hour, and
 a trailing span with any samples is a baseline, where the daemon asks for the rule's
-`baseline_min_coverage` of it.)
+`baseline_min_coverage` of it.) A latency rule also carries the daemon's `explanation`
+annotation as far as PromQL computes it: the means of the metric and of its parts over
+the window and the baseline span (`explanation`).
 
 NOTE: Prometheus adds `job` and `instance`; every expression aggregates `by` the
 family's exported labels (`node` first, the daemon's), so a series here is a series in the
@@ -380,12 +382,13 @@ def _baseline_span(rule) -> tuple[str, str]:
 
 def explanation(rule) -> str | None:
     """The daemon's explanation of a latency alert as far as PromQL computes it, as a
-    Prometheus template: the means of the metric and of each of its parts (explain's
-    LATENCY_PARTS) over the window and over the baseline span, in ms, for the alert's own
-    series; n/a where a part has no data. None for a metric without parts. The baseline
-    span is the rule's own: same hour yesterday where the metric has data then (as
-    baseline_expr's `or`, for every part alike), else its trailing span; the hour before
-    the window for a rule that reads no baseline."""
+    Prometheus template: the means of the metric and of each of its parts (the contract's
+    LATENCY_PARTS, which daemon/alerting/explain.py splits by too) over the window and
+    over the baseline span, in ms, for the alert's own series; n/a where a part has no
+    data. None for a metric without parts. The baseline span is the rule's own: same hour
+    yesterday where the metric has data then (as baseline_expr's `or`, for every part
+    alike), else its trailing span; the hour before the window for a rule that reads no
+    baseline."""
     parts = LATENCY_PARTS.get(rule.metric)
     if not parts:
         return None
