@@ -234,6 +234,34 @@ FRIENDLY = {f.name: f for f in (
 )}
 
 
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One additive part of a latency name's mean: a request's time is the sum of its
+    parts, so the mean (a histogram's sum over its count) is the sum of their means."""
+    name: str
+    metric: str  # a histogram friendly name whose mean is the part
+
+
+# The parts of each latency name's mean, in order (what they leave out is the rest): the
+# daemon's explanation of an alert and the exported Prometheus rules' both read them.
+_FRONT = Part("front-end", "frontend_ns")
+_QUEUE = Part("queue", "queue_time_ns")
+_PREFILL = Part("prefill", "request_prefill_ms")
+_DECODE = Part("decode", "request_decode_ms")
+LATENCY_PARTS = {
+    "inference_latency_ns": (_FRONT, _QUEUE, _PREFILL),
+    "time_to_first_text_ns": (_FRONT, _QUEUE, _PREFILL),
+    "first_token_sent_ns": (_FRONT, _QUEUE, _PREFILL, Part("delivery", "delivery_lag_ns")),
+    "e2e_latency_ms": (_FRONT, _QUEUE, _PREFILL, _DECODE),
+    "inter_token_latency_ms": (Part("decode step", "decode_step_gpu_ms"),),
+}
+# How an explanation names a rule's metric.
+TITLES = {"inference_latency_ns": "TTFT", "time_to_first_text_ns": "time to first text",
+          "first_token_sent_ns": "TTFT at the socket", "e2e_latency_ms": "e2e latency",
+          "inter_token_latency_ms": "inter-token latency",
+          "kv_cache_hit_rate": "KV hit rate", "kv_cache_token_hit_rate": "KV token hit rate"}
+
 def query_labels(friendly: Friendly) -> tuple[str, ...]:
     """The labels a query of this name may filter on: its series' exposed ones, the pid a
     discovered vLLM's or SGLang's series carry, and an engine family's `upstream` (a

@@ -22,7 +22,9 @@ threshold; `trailing:<d>` is the statistic over the d before the window (`offset
 back, `or` the trailing fallback for the label sets yesterday lacks. (Prometheus has no
 coverage figure: any data yesterday counts, where the daemon asks for 75 % of the hour, and
 a trailing span with any samples is a baseline, where the daemon asks for the rule's
-`baseline_min_coverage` of it.)
+`baseline_min_coverage` of it.) A latency rule also carries the daemon's `explanation`
+annotation as far as PromQL computes it: the means of the metric and of its parts over
+the window and the baseline span (`explanation`).
 
 NOTE: Prometheus adds `job` and `instance`; every expression aggregates `by` the
 family's exported labels (`node` first, the daemon's), so a series here is a series in the
@@ -33,9 +35,13 @@ from __future__ import annotations
 import math
 import re
 
-from ac_observe.daemon.alerting.rules import SAME_HOUR_SPAN_SECONDS, TEMPLATE
+from ac_observe.daemon.alerting.rules import (
+    DEFAULT_BASELINE_SECONDS,
+    SAME_HOUR_SPAN_SECONDS,
+    TEMPLATE,
+)
 from ac_observe.dashboards.edges import le_at_or_below
-from ac_observe.friendly import FRIENDLY, Friendly
+from ac_observe.friendly import FRIENDLY, LATENCY_PARTS, TITLES, Friendly
 from ac_observe.metrics import MetricSpec, exposed_labels
 
 # The daemon resolves an alert at the second evaluation in a row without its condition (one
@@ -348,6 +354,83 @@ def template_fields(rule) -> dict[str, str]:
             "rule": rule.name, "baseline_source": source}
 
 
+def _mean_ms(friendly: Friendly, window: str, match: dict, offset: str,
+             by: tuple[str, ...]) -> str:
+    """A time histogram's mean in ms over `window` ending `offset` ago, per label set `by`
+    (Σ sum over Σ count, never a mean of means); none for a label set without
+    observations there (as the daemon's figure is missing, never 0)."""
+    spec = friendly.source
+    if spec.unit != "seconds":
+        raise ValueError(f"{friendly.name}: a part of a latency is a time, not {spec.unit}")
+    group, r = ", ".join(by), _range(window, offset)
+    own = {k: v for k, v in match.items() if k in exposed_labels(spec)}
+
+    def summed(suffix: str) -> str:
+        return f"sum by ({group}) (rate({_select(spec.name + suffix, spec, own)}{r}))"
+    return f"({summed('_sum')} / ({summed('_count')} > 0)) * 1000"
+
+
+def _baseline_span(rule) -> tuple[str, str]:
+    """(the span a rule's alert is explained against, as PromQL: `[d] offset o`'s d and
+    o) for a trailing baseline, or a rule that reads none: the daemon's (explain.spans),
+    the hour before the window."""
+    window = duration(rule.window_seconds)
+    if rule.reads_baseline:
+        return duration(rule.baseline_seconds), window
+    return duration(DEFAULT_BASELINE_SECONDS), window
+
+
+def explanation(rule) -> str | None:
+    """The daemon's explanation of a latency alert as far as PromQL computes it, as a
+    Prometheus template: the means of the metric and of each of its parts (the contract's
+    LATENCY_PARTS, which daemon/alerting/explain.py splits by too) over the window and
+    over the baseline span, in ms, for the alert's own series; n/a where a part has no
+    data. None for a metric without parts. The baseline span is the rule's own: same hour
+    yesterday where the metric has data then (as baseline_expr's `or`, for every part
+    alike), else its trailing span; the hour before the window for a rule that reads no
+    baseline."""
+    parts = LATENCY_PARTS.get(rule.metric)
+    if not parts:
+        return None
+    friendly = FRIENDLY[rule.metric]
+    rule_by = group_labels(friendly, rule.match) + (INSTANCE,)
+    window = duration(rule.window_seconds)
+    span, offset = _baseline_span(rule)
+    yesterday = None
+    if rule.reads_baseline and rule.baseline == "same_hour_yesterday":
+        whole = max(rule.window_seconds, SAME_HOUR_SPAN_SECONDS)
+        yesterday = (duration(whole), duration(86400.0 + rule.window_seconds / 2 - whole / 2))
+        # the label sets whose baseline is yesterday's: the metric's series had samples
+        # then (its statistic's `or` in baseline_expr takes yesterday's where it exists)
+        spec = friendly.source
+        had = (f"sum by ({', '.join(rule_by)}) (rate("
+               f"{_select(spec.name + '_count', spec, rule.match)}{_range(*yesterday)}))")
+        where = (f"the same hour yesterday, else the trailing "
+                 f"{duration(rule.baseline_seconds)}")
+    elif rule.reads_baseline:
+        where = f"the trailing {span}"
+    else:
+        where = f"the {span} before it, as the rule reads no baseline"
+
+    def both(name: str) -> tuple[str, str]:
+        """'baseline -> now' of one name's mean, for the alert's series."""
+        part = FRIENDLY[name]
+        by = tuple(label for label in rule_by
+                   if label in exposed_labels(part.source) or label == INSTANCE)
+        now = _mean_ms(part, window, rule.match, "", by)
+        base = _mean_ms(part, span, rule.match, offset, by)
+        if yesterday is not None:
+            then, on = _mean_ms(part, yesterday[0], rule.match, yesterday[1], by), ", ".join(by)
+            base = f"(({then}) and on({on}) {had}) or (({base}) unless on({on}) {had})"
+        return _series_value(base, by), _series_value(now, by)
+
+    total_base, total_now = both(rule.metric)
+    split = ", ".join(f"{part.name} {' -> '.join(both(part.metric))} ms" for part in parts)
+    return (f"mean {TITLES.get(rule.metric, rule.metric)} {total_now} ms (baseline "
+            f"{total_base} ms): {split} (means over the {window} window and {where}; "
+            "the daemon ranks them: ac-observe alerts explain)")
+
+
 def alert_rule(rule) -> dict:
     value = ("the change" if rule.comparison.startswith("relative")
              else "the difference" if rule.comparison.startswith("absolute") else "the value")
@@ -368,6 +451,9 @@ def alert_rule(rule) -> dict:
         fields = template_fields(rule)
         entry["annotations"].update({key: _translate(text, fields, TEMPLATE)
                                      for key, text in rule.annotations.items()})
+    why = explanation(rule)
+    if why is not None:  # as the daemon's firing notifications carry its explanation
+        entry["annotations"]["explanation"] = why
     return entry
 
 

@@ -309,6 +309,47 @@ def test_promtool_checks_the_config_and_rules_and_unit_tests_every_alert_rule(tm
 
 
 @pytest.mark.stack
+def test_an_exported_threshold_rule_explains_against_the_hour_before_its_window(tmp_path):
+    """A rule that reads no baseline (above) is explained as the daemon explains it: the
+    window against the hour before it (explain.spans); e2e latency splits into front-end,
+    queue, prefill and decode, each mean Σ sum over Σ count, in ms."""
+    from ac_observe.daemon.alerting.rules import parse_rules
+    (rule,) = parse_rules([{"name": "E2eSlow", "metric": "e2e_latency_ms", "statistic": "mean",
+                            "window": "5m", "comparison": "above", "threshold": 100}], "test")
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(promql.alert_groups([rule])))
+    # At 80 min: the window [75, 80], the hour before it [15, 75] (per minute, 100
+    # requests; each figure changes at minute 70). e2e 80 ms, then 200: now 100 / 500 =
+    # 200 ms, before (55 * 8 + 5 * 20) / 6000 = 90 ms (the hour ending now would say 100,
+    # the 5m before the window 200). front-end 1 ms; queue 4, then 24 ms: (55 * 0.4 + 5 *
+    # 2.4) / 6000 = 5.667; prefill 30, then 40: 30.83; decode 40, then 130: 47.5.
+    labels = 'engine="e1", model="tiny", stream="throughput", kind="ac-observe", instance="d"'
+    sums = {"e2e_latency": "0+8x70 580+20x10", "frontend": "0+0.1x80",
+            "queue_time": "0+0.4x70 30.4+2.4x10", "request_prefill": "0+3x70 214+4x10",
+            "request_decode": "0+4x70 293+13x10"}
+    series = [(f"ac_{name}_seconds_{suffix}{{{labels}}}", values if suffix == "sum" else
+               "0+100x80") for name, values in sums.items() for suffix in ("sum", "count")]
+    (tmp_path / "rules.test.yml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [{
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in series],
+            "alert_rule_test": [{"eval_time": "80m", "alertname": "E2eSlow", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "engine": "e1", "model": "tiny",
+                               "stream": "throughput", "kind": "ac-observe", "instance": "d"},
+                "exp_annotations": {
+                    "summary": "e2e_latency_ms mean over 5m: above 100 ms",
+                    "description": "the value: 200 (in ms); series: map[engine:e1 "
+                                   "instance:d kind:ac-observe model:tiny stream:throughput]",
+                    "explanation": "mean e2e latency 200 ms (baseline 90 ms): front-end 1 -> "
+                                   "1 ms, queue 5.667 -> 24 ms, prefill 30.83 -> 40 ms, decode "
+                                   "47.5 -> 130 ms (means over the 5m window and the 1h before "
+                                   "it, as the rule reads no baseline; the daemon ranks them: "
+                                   "ac-observe alerts explain)"}}]}]}]}))
+    out = subprocess.run(["promtool", "test", "rules", "rules.test.yml"], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.stack
 def test_rules_export_is_the_shipped_file_and_takes_an_alerting_file(tmp_path):
     out = run_cli("rules", "export", "--format", "prometheus")
     assert out.returncode == 0, out.stderr

@@ -24,43 +24,22 @@ import math
 from dataclasses import dataclass
 
 from ac_observe.daemon.alerting.baselines import SeriesSource
-from ac_observe.daemon.alerting.rules import SAME_HOUR_SPAN_SECONDS, Rule, figure
-from ac_observe.friendly import FRIENDLY, query_labels
+from ac_observe.daemon.alerting.rules import (
+    DEFAULT_BASELINE_SECONDS,
+    SAME_HOUR_SPAN_SECONDS,
+    Rule,
+    figure,
+)
+from ac_observe.friendly import FRIENDLY, LATENCY_PARTS, TITLES, query_labels
 from ac_observe.metrics import MISS_REASONS, NO_SKELETON
 
 # Labels that name an alert's series (its engine and lane): a figure is read for those of
 # them its series carry; a device figure (NVML, eBPF) carries none and is node-wide.
 SERIES_KEYS = ("engine", "model", "kind", "stream", "pid", "upstream")
-# The span a rule that reads no baseline (static, above, below) is compared against.
-DEFAULT_BASELINE_SECONDS = 3600.0
 MISSING = "missing"
 HIT_RATE_METRICS = ("kv_cache_hit_rate", "kv_cache_token_hit_rate")
 # A cause is named in the verdict once it moved at least this much (ratio, either way).
 NOTABLE_RATIO = 1.25
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    name: str
-    metric: str  # a histogram friendly name whose mean is the part
-
-
-# The parts of each latency metric's mean, in order (the residual comes last).
-_FRONT = Part("front-end", "frontend_ns")
-_QUEUE = Part("queue", "queue_time_ns")
-_PREFILL = Part("prefill", "request_prefill_ms")
-_DECODE = Part("decode", "request_decode_ms")
-LATENCY_PARTS = {
-    "inference_latency_ns": (_FRONT, _QUEUE, _PREFILL),
-    "time_to_first_text_ns": (_FRONT, _QUEUE, _PREFILL),
-    "first_token_sent_ns": (_FRONT, _QUEUE, _PREFILL, Part("delivery", "delivery_lag_ns")),
-    "e2e_latency_ms": (_FRONT, _QUEUE, _PREFILL, _DECODE),
-    "inter_token_latency_ms": (Part("decode step", "decode_step_gpu_ms"),),
-}
-TITLES = {"inference_latency_ns": "TTFT", "time_to_first_text_ns": "time to first text",
-          "first_token_sent_ns": "TTFT at the socket", "e2e_latency_ms": "e2e latency",
-          "inter_token_latency_ms": "inter-token latency",
-          "kv_cache_hit_rate": "KV hit rate", "kv_cache_token_hit_rate": "KV token hit rate"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,9 @@ TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 SHARE = re.compile(r"^share_below:\s*(\d+(?:\.\d+)?(?:e[+-]?\d+)?)\s*(ns|us|ms|s)?$")
 # same_hour_yesterday reads the hour around the window's middle, a day back.
 SAME_HOUR_SPAN_SECONDS = 3600.0
+# An alert of a rule that reads no baseline (static, above, below) is explained against
+# the span this long before its window.
+DEFAULT_BASELINE_SECONDS = 3600.0
 # same_hour_yesterday is used once the store holds data for this share of that hour.
 SAME_HOUR_MIN_COVERAGE = 0.75
 # A trailing baseline is used once its series was watched for this share of its span (a
