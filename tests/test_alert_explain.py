@@ -62,12 +62,14 @@ class _Requests(Collector):
     10 ms), prefill 50 ms, the rest 4 ms; finished requests/s 10 -> 20, waiting 0 -> 14,
     running 4 -> 1 (moved most, but the way that speeds requests up). Each request has 4
     output tokens, 3 gaps of 20 ms (drift: 30 ms) after the first: its decode phase.
-    Engine e2 exports no front-end time."""
+    100 prompt tokens a request admitted (as its queue time is observed). Engine e2
+    exports no front-end time."""
     name = "requests"
 
     def __init__(self):
         self.drift = False
         self.requests_ok = {"e1": 0.0, "e2": 0.0}
+        self.prompt_tokens = {"e1": 0.0, "e2": 0.0}
         self.series = {(engine, spec.name): _Histogram(spec) for engine in ("e1", "e2")
                        for spec in HISTOGRAMS}
 
@@ -87,6 +89,7 @@ class _Requests(Collector):
             add(m.FRONTEND, 0.005, 12)
             add(m.REQUEST_PREFILL, prefill, 10)
             self.requests_ok[engine] += 20 if self.drift else 10
+            self.prompt_tokens[engine] += 100 * 10
         out = []
         for spec in HISTOGRAMS:
             family = new_family(spec)
@@ -96,11 +99,13 @@ class _Requests(Collector):
             out.append(family)
         requests, waiting, running = (new_family(m.REQUESTS), new_family(m.REQUESTS_WAITING),
                                       new_family(m.REQUESTS_RUNNING))
+        prompt_tokens = new_family(m.PROMPT_TOKENS)
         for engine in ("e1", "e2"):
             requests.add_metric([engine, "m", LANE, "ok"], self.requests_ok[engine])
+            prompt_tokens.add_metric([engine, "m"], self.prompt_tokens[engine])
             waiting.add_metric([engine, "m", LANE], 14.0 if self.drift else 0.0)
             running.add_metric([engine, "m", LANE], 1.0 if self.drift else 4.0)
-        return out + [requests, waiting, running]
+        return out + [requests, waiting, running, prompt_tokens]
 
 
 RULES = """\
@@ -202,9 +207,15 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
     # 12 reach the front-end a cycle in both spans (2 of them rejected later)
     assert (causes["arrivals/s"]["baseline"], causes["arrivals/s"]["now"]) == \
         (pytest.approx(12.0, rel=0.05), pytest.approx(12.0, rel=0.05))
-    # No KV, prompt, kernel or device series here: missing, never 0.
-    for name in ("hit rate", "misses evicted", "evictions/s", "prompt tokens/s",
-                 "prompt tokens/request", "skeleton depth", "prefill kernels ms/step",
+    # Per request admitted (10 a second), not finished (10, then 20): 100, not 50.
+    assert (causes["prompt tokens/s"]["baseline"], causes["prompt tokens/s"]["now"]) == \
+        (pytest.approx(1000.0), pytest.approx(1000.0))
+    assert (causes["prompt tokens/request"]["baseline"],
+            causes["prompt tokens/request"]["now"]) == (pytest.approx(100.0),
+                                                         pytest.approx(100.0))
+    # No KV, kernel or device series here: missing, never 0.
+    for name in ("hit rate", "misses evicted", "evictions/s", "cached tokens/request",
+                 "skeleton depth", "prefill kernels ms/step",
                  "sync wait", "GPU util", "SM clock", "power", "XID errors/s",
                  "restarts/s"):
         assert (causes[name]["baseline"], causes[name]["now"]) == (None, None), name
@@ -539,3 +550,69 @@ def test_demo_traffic_says_once_a_status_the_engine_refuses_it_with(caplog):
             demo_load._one_request(client, random.Random(n), n, repeat=24)
     said = [r.getMessage() for r in caplog.records if "answers 400" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_vllm_and_sglang_are_explained_with_the_parts_they_export(tmp_path):
+    """Captures of a real vLLM V1 and SGLang 0.4 (tests/data/engines), replayed and read by
+    the scrape collector. vLLM exports queue and prefill-phase time: they split its TTFT's
+    mean, and its front-end (arrival to queued: only in its TTFT) is missing, said so,
+    left in the residual. SGLang 0.4 exports no part: each is missing, the whole change
+    is the residual's, and the verdict does not pretend otherwise."""
+    from support.engine_replay import EngineReplay
+    vllm, sglang = EngineReplay("vllm_v1_0.10.prom"), EngineReplay("sglang_0.4.prom")
+    path = tmp_path / "alerts.yaml"
+    path.write_text("rules:\n  - {name: TtftDrift, metric: inference_latency_ns, "
+                    "statistic: p95, window: 10s, baseline: 'trailing:20s', "
+                    "comparison: relative_increase, threshold: 0.5}\n")
+    daemon = Daemon(DaemonConfig(
+        telemetry_root=tmp_path / "t", collectors=(), history=False,
+        engine_endpoints=(("vllm-a", vllm.url), ("sglang-a", sglang.url)),
+        interval_seconds=1.0, window_seconds=600, alerting_file=path,
+        state_dir=tmp_path / "state", alert_interval_seconds=1.0))
+    try:
+        for t in range(DRIFT_AT + 16):
+            drift = t >= DRIFT_AT
+            # vLLM, 10 requests a cycle: 5 ms before the queue, queue 10 ms then 8 of 10
+            # at 10 ms and 2 at 510 ms (mean 110), prefill phase 40 then 50 ms.
+            queues = ((0.010, 8), (0.510, 2)) if drift else ((0.010, 10),)
+            prefill = 0.050 if drift else 0.040
+            for queue, times in queues:
+                vllm.observe("vllm:request_queue_time_seconds", queue, times)
+                vllm.observe("vllm:time_to_first_token_seconds", 0.005 + queue + prefill,
+                             times)
+            vllm.observe("vllm:request_prefill_time_seconds", prefill, 10)
+            sglang.observe("sglang:time_to_first_token_seconds", 0.3 if drift else 0.1, 10)
+            daemon.run_cycle(now=T0 + t)
+        alerts = _alerts(daemon)
+        assert {a["state"] for a in alerts.values()} == {FIRING}, alerts
+        found = alerts["vllm-a"]["explanation"]
+        assert (found["mean"]["baseline_ms"], found["mean"]["now_ms"]) == (
+            pytest.approx(55.0), pytest.approx(165.0))
+        parts = _by_name(found["parts"])
+        assert list(parts) == ["front-end", "queue", "prefill", "unexplained"]
+        assert (parts["front-end"]["baseline_ms"], parts["front-end"]["now_ms"],
+                parts["front-end"]["share"]) == (None, None, None)
+        for name, (baseline, now) in {"queue": (10, 110), "prefill": (40, 50)}.items():
+            assert (parts[name]["baseline_ms"], parts[name]["now_ms"]) == (
+                pytest.approx(baseline, abs=1e-6), pytest.approx(now, abs=1e-6)), name
+            assert parts[name]["share"] == pytest.approx((now - baseline) / 110), name
+        residual = parts["unexplained"]
+        assert residual["includes_missing"] == ["front-end"]
+        assert (residual["baseline_ms"], residual["now_ms"]) == (pytest.approx(5.0),
+                                                                 pytest.approx(5.0))
+        assert found["verdict"].split(" (")[0].endswith(
+            ": queue time +100 ms is 91 % of the mean's change")
+
+        found = alerts["sglang-a"]["explanation"]
+        assert (found["mean"]["baseline_ms"], found["mean"]["now_ms"]) == (
+            pytest.approx(100.0), pytest.approx(300.0))
+        parts = _by_name(found["parts"])
+        for name in ("front-end", "queue", "prefill"):
+            assert (parts[name]["baseline_ms"], parts[name]["now_ms"]) == (None, None), name
+        assert parts["unexplained"]["includes_missing"] == ["front-end", "queue", "prefill"]
+        assert parts["unexplained"]["share"] == pytest.approx(1.0)
+        assert "queue time" not in found["verdict"] and "prefill time" not in found["verdict"]
+    finally:
+        daemon.close()
+        vllm.close()
+        sglang.close()

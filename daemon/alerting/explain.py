@@ -206,9 +206,14 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
         out.update(split=None, parts=[], note=f"no split of {rule.metric}: causes only")
     out["causes"] = causes = [_cause(cause, reader, window, base) for cause in CAUSES]
     by_name = {c["name"]: c for c in causes}
+    # Prompt tokens are counted as a request is first scheduled, when its queue time is
+    # observed: per request admitted then (requests/s counts those finished, fewer than
+    # admitted while a burst fills the queue); per request finished where no queue time is.
     tokens, requests = by_name["prompt tokens/s"], by_name["requests/s"]
-    per_request = {key: tokens[key] / requests[key]
-                   if tokens[key] is not None and requests[key] else None
+    admitted = {"baseline": reader.arrivals("queue_time_ns", base),
+                "now": reader.arrivals("queue_time_ns", window)}
+    per_request = {key: tokens[key] / (admitted[key] or requests[key])
+                   if tokens[key] is not None and (admitted[key] or requests[key]) else None
                    for key in ("baseline", "now")}
     causes.append({"group": "prompts", "name": "prompt tokens/request", "metric": "",
                    "unit": "tok", **per_request})
