@@ -485,7 +485,10 @@ def _backfill(daemon: DaemonProcess, data: Path, seconds: float = 12.0) -> None:
             continue
         counter = spec.type != m.GAUGE
         rise = max(0.0, value - first.get((name, labels), value)) if counter else 0.0
-        text_labels = ",".join(f'{k}="{v}"' for k, v in labels)
+        # the job and instance a scrape of this daemon gives: one series across the
+        # history and the live scrapes, as on a Prometheus that watched it for a day
+        text_labels = ",".join(f'{k}="{v}"' for k, v in (
+            *labels, ("job", "ac-observe"), ("instance", f"127.0.0.1:{daemon.port}")))
         for j, t in enumerate(range(int(now - 26 * 3600), int(now - 600), 300)):
             sample = j * rise if counter else value
             lines.append(f"{name}{{{text_labels}}} {sample} {t}")
@@ -555,8 +558,16 @@ def stack(tmp_path_factory):
         _backfill(daemon, base / "prometheus" / "data")
         alertmanager = Alertmanager(base / "alertmanager", am_hook.url)
         parts.append(alertmanager)
+        # Beside the shipped rules, one exported from an alerting file that fires at once
+        # (any TTFT is above 0), so Alertmanager delivers a latency alert's explanation.
+        (base / "explained.yaml").write_text(
+            f"rules:\n  - {{name: {EXPLAINED_RULE}, metric: inference_latency_ns, "
+            "statistic: p95, window: 1m, comparison: above, threshold: 0}\n")
+        exported = run_cli("rules", "export", "--alerting", str(base / "explained.yaml"))
+        assert exported.returncode == 0, exported.stderr
         prometheus = Prometheus(base / "prometheus", f"127.0.0.1:{daemon.port}",
-                                f"127.0.0.1:{alertmanager.port}", token)
+                                f"127.0.0.1:{alertmanager.port}", token,
+                                extra_rules=exported.stdout)
         parts.append(prometheus)
         wait_for(prometheus.targets_up, 30, "Prometheus to scrape the daemon")
         yield {"prometheus": prometheus, "daemon_hook": daemon_hook, "am_hook": am_hook,
@@ -590,6 +601,51 @@ def test_alertmanager_with_the_shipped_config_delivers_what_prometheus_fired(sta
     assert alert["labels"]["severity"] == "warning"
     assert alert["labels"]["stack"] == "ac-observe"  # Prometheus' external label
     assert alert["annotations"]["summary"] == "collector_up max over 1m: below 1"
+
+
+EXPLAINED_RULE = "TtftExplained"
+_EXPLANATION = re.compile(
+    r"mean TTFT (?P<now>\S+) ms \(baseline (?P<baseline>\S+) ms\): "
+    r"front-end (?P<front_b>\S+) -> (?P<front>\S+) ms, queue (?P<queue_b>\S+) -> "
+    r"(?P<queue>\S+) ms, prefill (?P<prefill_b>\S+) -> (?P<prefill>\S+) ms "
+    r"\(means over the 1m window and the 1h before it")
+
+
+def _delivered(hook, alertname: str) -> dict:
+    """engine -> the alert named `alertname` as Alertmanager delivered it, by engine."""
+    found = {}
+    for _, raw in list(hook.requests):
+        for alert in json.loads(raw)["alerts"]:
+            if alert["labels"]["alertname"] == alertname:
+                found[alert["labels"]["engine"]] = alert
+    return found
+
+
+@pytest.mark.stack
+@pytest.mark.slow
+def test_alertmanager_delivers_the_explanation_prometheus_computed(stack):
+    """A latency rule exported from an alerting file fires in the real Prometheus; the
+    real Alertmanager delivers its `explanation`: the bundled engine's mean TTFT and its
+    additive parts (front-end + queue + prefill make the mean), each over the window and
+    the hour before it (the backfilled history); a gateway, which has none of the parts,
+    says n/a for each, never 0."""
+    hook = stack["am_hook"]
+    delivered = wait_for(lambda: (lambda d: d if {"e1", "gw1"} <= d.keys() else None)(
+        _delivered(hook, EXPLAINED_RULE)), 150, f"Alertmanager's delivery of {EXPLAINED_RULE}")
+    said = delivered["e1"]["annotations"]["explanation"]
+    engine = _EXPLANATION.match(said)
+    assert engine and "n/a" not in said, said
+    figures = {k: float(v) for k, v in engine.groupdict().items()}
+    assert figures["now"] > 0 and figures["baseline"] > 0
+    parts_now = figures["front"] + figures["queue"] + figures["prefill"]
+    assert abs(parts_now - figures["now"]) <= 0.1 * figures["now"], figures
+    parts_before = figures["front_b"] + figures["queue_b"] + figures["prefill_b"]
+    assert abs(parts_before - figures["baseline"]) <= 0.1 * figures["baseline"], figures
+    gateway = _EXPLANATION.match(delivered["gw1"]["annotations"]["explanation"])
+    assert gateway, delivered["gw1"]["annotations"]
+    assert float(gateway["now"]) > 0
+    assert {gateway[k] for k in ("front_b", "front", "queue_b", "queue", "prefill_b",
+                                 "prefill")} == {"n/a"}
 
 
 @pytest.mark.stack

@@ -50,13 +50,18 @@ class _Process:
 class Prometheus(_Process):
     """The shipped prometheus.yml and rules, with only the addresses of this machine's
     daemon and Alertmanager put in for the compose service names, the daemon's token in a
-    file of its own for the compose secret's, and plain HTTP for the stack's TLS."""
+    file of its own for the compose secret's, and plain HTTP for the stack's TLS; and
+    `extra_rules`, a rule file's text, when given."""
 
     def __init__(self, base: Path, daemon_target: str | list[str],
-                 alertmanager_target: str | None, token: str, data: Path | None = None):
+                 alertmanager_target: str | None, token: str, data: Path | None = None,
+                 extra_rules: str | None = None):
         base.mkdir(parents=True, exist_ok=True)
         shutil.copytree(SHIPPED / "prometheus", base / "etc", dirs_exist_ok=True)
         config = yaml.safe_load((base / "etc" / "prometheus.yml").read_text())
+        if extra_rules is not None:  # a rule file beside the shipped ones (`rules export`)
+            (base / "etc" / "rules" / "extra.rules.yml").write_text(extra_rules)
+            config["rule_files"].append("rules/extra.rules.yml")
         (base / "etc" / "daemon.token").write_text(token + "\n")
         for job in config["scrape_configs"]:
             if job["job_name"] == "ac-observe":
