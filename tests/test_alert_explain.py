@@ -62,7 +62,10 @@ class _Requests(Collector):
     10 ms), prefill 50 ms, the rest 4 ms; finished requests/s 10 -> 20, waiting 0 -> 14,
     running 4 -> 1 (moved most, but the way that speeds requests up). Each request has 4
     output tokens, 3 gaps of 20 ms (drift: 30 ms) after the first: its decode phase.
-    Engine e2 exports no front-end time."""
+    e1's steps a cycle: 10 decodes of 4 sequences and 5 prefills of 2; drift: 6 decodes of
+    4 and 4 of 9 (mean 6; without the phase filter, prefill and decode together: 3.3 ->
+    3.5), 10 prefills of 1 (down: the way that speeds requests up). Engine e2 exports no
+    front-end time and no batch sizes."""
     name = "requests"
 
     def __init__(self):
@@ -70,6 +73,7 @@ class _Requests(Collector):
         self.requests_ok = {"e1": 0.0, "e2": 0.0}
         self.series = {(engine, spec.name): _Histogram(spec) for engine in ("e1", "e2")
                        for spec in HISTOGRAMS}
+        self.batches = {phase: _Histogram(m.BATCH_SEQUENCES) for phase in m.PHASES}
 
     def collect(self):
         for engine in ("e1", "e2"):
@@ -87,6 +91,14 @@ class _Requests(Collector):
             add(m.FRONTEND, 0.005, 12)
             add(m.REQUEST_PREFILL, prefill, 10)
             self.requests_ok[engine] += 20 if self.drift else 10
+        steps = {m.PHASE_DECODE: ((4, 6), (9, 4)) if self.drift else ((4, 10),),
+                 m.PHASE_PREFILL: ((1, 10),) if self.drift else ((2, 5),)}
+        batches = new_family(m.BATCH_SEQUENCES)
+        for phase, sizes in steps.items():
+            for size, times in sizes:
+                self.batches[phase].observe(size, times)
+            batches.add_metric(["e1", "m", LANE, phase], self.batches[phase].buckets(),
+                               self.batches[phase].total)
         out = []
         for spec in HISTOGRAMS:
             family = new_family(spec)
@@ -100,7 +112,7 @@ class _Requests(Collector):
             requests.add_metric([engine, "m", LANE, "ok"], self.requests_ok[engine])
             waiting.add_metric([engine, "m", LANE], 14.0 if self.drift else 0.0)
             running.add_metric([engine, "m", LANE], 1.0 if self.drift else 4.0)
-        return out + [requests, waiting, running]
+        return out + [requests, waiting, running, batches]
 
 
 RULES = """\
@@ -199,6 +211,12 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
         (pytest.approx(10.0), pytest.approx(20.0))
     assert (causes["waiting"]["baseline"], causes["waiting"]["now"]) == (0.0, 14.0)
     assert (causes["running"]["baseline"], causes["running"]["now"]) == (4.0, 1.0)
+    # Sequences per step, each phase's own: the mean by steps of the span.
+    assert (causes["decode batch"]["baseline"], causes["decode batch"]["now"]) == \
+        (pytest.approx(4.0), pytest.approx(6.0))
+    assert (causes["prefill batch"]["baseline"], causes["prefill batch"]["now"]) == \
+        (pytest.approx(2.0), pytest.approx(1.0))
+    assert causes["decode batch"]["unit"] == "seqs"
     # 12 reach the front-end a cycle in both spans (2 of them rejected later)
     assert (causes["arrivals/s"]["baseline"], causes["arrivals/s"]["now"]) == \
         (pytest.approx(12.0, rel=0.05), pytest.approx(12.0, rel=0.05))
@@ -207,6 +225,10 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
                  "prompt tokens/request", "skeleton depth", "prefill kernels ms/step",
                  "sync wait", "GPU util", "SM clock", "power", "XID errors/s",
                  "restarts/s"):
+        assert (causes[name]["baseline"], causes[name]["now"]) == (None, None), name
+    # e2 exports no batch sizes (as a vLLM or SGLang): missing, never 0.
+    causes = {c["name"]: c for c in _alerts(drifted)["e2"]["explanation"]["causes"]}
+    for name in ("prefill batch", "decode batch"):
         assert (causes[name]["baseline"], causes[name]["now"]) == (None, None), name
 
 
