@@ -216,7 +216,7 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
         (pytest.approx(4.0), pytest.approx(6.0))
     assert (causes["prefill batch"]["baseline"], causes["prefill batch"]["now"]) == \
         (pytest.approx(2.0), pytest.approx(1.0))
-    assert causes["decode batch"]["unit"] == "seqs"
+    assert (causes["decode batch"]["group"], causes["decode batch"]["unit"]) == ("load", "seqs")
     # 12 reach the front-end a cycle in both spans (2 of them rejected later)
     assert (causes["arrivals/s"]["baseline"], causes["arrivals/s"]["now"]) == \
         (pytest.approx(12.0, rel=0.05), pytest.approx(12.0, rel=0.05))
