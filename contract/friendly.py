@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ac_observe.metrics import (
     ATTRIBUTION_LABELS,
+    BATCH_SEQUENCES,
     COLLECTOR_UP,
     COUNTER,
     CUDA_GRAPH_LAUNCHES,
@@ -152,6 +153,10 @@ FRIENDLY = {f.name: f for f in (
              "Device time of a decode step."),
     Friendly("skeleton_complexity", HISTOGRAM_KIND, SKELETON_COMPLEXITY, "levels", 1.0,
              "Prompt skeleton depth."),
+    Friendly("batch_size", HISTOGRAM_KIND, BATCH_SEQUENCES, "seqs", 1.0,
+             "Sequences in a model step, per lane and phase (--labels phase=prefill|decode): "
+             "the mean is sequences per step (the bundled engine; vLLM and SGLang export "
+             "no such figure)."),
     Friendly("kv_cache_hit_rate", RATIO_KIND, KV_HIT_BLOCKS, "%", 100.0,
              "Prefix-cache hits over lookups, in full blocks (per prompt skeleton with "
              "--labels skeleton=ID).", KV_QUERY_BLOCKS, ("skeleton",),

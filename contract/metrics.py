@@ -57,6 +57,9 @@ KERNEL_BUCKETS_SECONDS = (0.000005, 0.00001, 0.000025, 0.00005) + STEP_BUCKETS_S
 # How late the API server's event loop ran a timer: 50 us up, then the latency buckets.
 LOOP_LAG_BUCKETS_SECONDS = (0.00005, 0.0001) + LATENCY_BUCKETS_SECONDS
 SKELETON_DEPTH_BUCKETS = tuple(float(d) for d in range(1, 17))
+# Sequences in one model step: each power of two from 1 to 1024 (the mean, sum over
+# count, is exact whatever the buckets; a quantile is off by at most a doubling).
+BATCH_BUCKETS = tuple(float(2 ** k) for k in range(11))
 # How long an unused cached block survived before eviction: 10 ms to a day.
 AGE_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                        120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
@@ -215,6 +218,9 @@ STREAM_BUSY = _engine("ac_cuda_stream_busy_seconds_total", COUNTER,
 ENGINE_STEPS = _engine("ac_engine_steps_total", COUNTER,
                       "Model steps run, by lane and phase (prefill or decode).", PHASE_LABELS,
                       "steps")
+BATCH_SEQUENCES = _engine("ac_engine_batch_sequences", HISTOGRAM,
+                          "Sequences in one model step (its batch size), by lane and phase: "
+                          "one observation a step.", PHASE_LABELS, "sequences", BATCH_BUCKETS)
 KERNEL_SAMPLED_STEPS = _engine("ac_kernel_sampled_steps_total", COUNTER,
                                "Steps run under the profiler for ac_kernel_seconds (their "
                                "share of ac_engine_steps_total is the sampled fraction).",
@@ -235,8 +241,9 @@ ENGINE_METRICS = (
     KV_QUERY_BLOCKS, KV_HIT_BLOCKS,
     KV_QUERY_TOKENS, KV_HIT_TOKENS, KV_MISS_BLOCKS, KV_MISS_TOKENS, KV_EVICTION_AGE, KV_USAGE,
     KV_BLOCKS, KV_EVICTIONS, PREEMPTIONS, REQUESTS_RUNNING, REQUESTS_WAITING,
-    SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY, ENGINE_STEPS, KERNEL_SAMPLED_STEPS,
-    KERNEL_SECONDS, KV_REPORTED_HIT, REQUEST_PREFILL, REQUEST_DECODE, UPSTREAM_FAILURES,
+    SKELETON_COMPLEXITY, SKELETON_REQUESTS, STREAM_BUSY, ENGINE_STEPS, BATCH_SEQUENCES,
+    KERNEL_SAMPLED_STEPS, KERNEL_SECONDS, KV_REPORTED_HIT, REQUEST_PREFILL, REQUEST_DECODE,
+    UPSTREAM_FAILURES,
 )
 # What a gateway (ac_observe.gateway) measures of the requests it relays: the client-side
 # figures (its time to first token goes into both INFERENCE_LATENCY and FIRST_TOKEN_SENT,

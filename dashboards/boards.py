@@ -118,6 +118,11 @@ def overview() -> Board:
             Panel("Steps / s by phase", [
                 (rate_by(m.ENGINE_STEPS, ("engine", "stream", "phase")),
                  "{{engine}} {{stream}} {{phase}}")], "short"),
+            Panel("Sequences per step (mean), by phase", [
+                (stat("batch_size", "mean", ("engine", "stream", "phase")),
+                 "{{engine}} {{stream}} {{phase}}")], "short",
+                  description=m.BATCH_SEQUENCES.help + " The bundled engine's: vLLM and "
+                              "SGLang export no sequences-per-step figure."),
             Panel("Decode step device time (p50 / p95 / p99)",
                   quantiles("decode_step_gpu_ms", LANE, "{{engine}} {{stream}}"), "ms",
                   description=m.DECODE_STEP_GPU.help),

@@ -404,7 +404,8 @@ class Engine:
                 with self._lock:  # the outputs first: no figure stands in their way
                     self._postprocess(batch, next_tokens, device_seconds, end_ns)
                     self.scheduler.step_done(batch.lane, (end_ns - start_ns) * NS)
-                    self.stats.on_step(batch.lane, key[1], device_seconds, start_ns, end_ns)
+                    self.stats.on_step(batch.lane, key[1], device_seconds, start_ns, end_ns,
+                                       len(batch.seqs))
         finally:
             found = self.kernel_sampler.end(completed)
             with self._lock:

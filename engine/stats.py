@@ -39,12 +39,14 @@ class LaneTotals:
 class _LaneSeries:
     """A lane's per-step series, resolved once, and what its steps and tokens added since
     the last flush (the hot path appends to lists; `commit` hands them to the writer)."""
-    __slots__ = ("step_gpu", "busy", "steps", "ttft", "itl", "prefill", "running", "waiting",
-                 "step_seconds", "busy_seconds", "ttft_seconds", "itl_seconds",
-                 "prefill_seconds")
+    __slots__ = ("step_gpu", "busy", "steps", "batch", "ttft", "itl", "prefill", "running",
+                 "waiting", "step_seconds", "step_sequences", "busy_seconds", "ttft_seconds",
+                 "itl_seconds", "prefill_seconds")
 
     def __init__(self, writer: TelemetryWriter, lane: str):
         self.step_seconds: dict[str, list[float]] = {m.PHASE_PREFILL: [], m.PHASE_DECODE: []}
+        # each step's sequences, beside its seconds (one entry a step, in the same order)
+        self.step_sequences: dict[str, list[int]] = {m.PHASE_PREFILL: [], m.PHASE_DECODE: []}
         self.busy_seconds = 0.0
         self.ttft_seconds: list[float] = []
         self.itl_seconds: list[float] = []
@@ -52,6 +54,8 @@ class _LaneSeries:
         self.step_gpu = {m.PHASE_PREFILL: writer.series(m.PREFILL_GPU, stream=lane),
                          m.PHASE_DECODE: writer.series(m.DECODE_STEP_GPU, stream=lane)}
         self.steps = {phase: writer.series(m.ENGINE_STEPS, stream=lane, phase=phase)
+                      for phase in (m.PHASE_PREFILL, m.PHASE_DECODE)}
+        self.batch = {phase: writer.series(m.BATCH_SEQUENCES, stream=lane, phase=phase)
                       for phase in (m.PHASE_PREFILL, m.PHASE_DECODE)}
         self.busy = writer.series(m.STREAM_BUSY, stream=lane)
         self.ttft = writer.series(m.INFERENCE_LATENCY, stream=lane)
@@ -65,7 +69,9 @@ class _LaneSeries:
             if seconds:
                 self.step_gpu[phase].observe_many(seconds)
                 self.steps[phase].inc(len(seconds))
+                self.batch[phase].observe_many(self.step_sequences[phase])
                 seconds.clear()
+                self.step_sequences[phase].clear()
         if self.busy_seconds:
             self.busy.inc(self.busy_seconds)
             self.busy_seconds = 0.0
@@ -132,7 +138,8 @@ class EngineStats:
             self.writer.inc(m.SKELETON_REQUESTS, skeleton=seq.skeleton_label)
 
     def on_step(self, lane: str, phase: str, device_seconds: float, start_ns: int,
-                end_ns: int) -> None:
+                end_ns: int, num_seqs: int) -> None:
+        """One model step of a lane's batch: its device time, host span and sequences."""
         totals = self.lane(lane)
         totals.busy_seconds += device_seconds
         totals.num_steps += 1
@@ -141,6 +148,7 @@ class EngineStats:
         if self.writer:
             series = self._lane_series(lane)
             series.step_seconds[phase].append(device_seconds)
+            series.step_sequences[phase].append(num_seqs)
             series.busy_seconds += device_seconds
 
     def on_kernel_sample(self, found: dict[tuple[str, str], dict[str, float]]) -> None:
@@ -288,7 +296,7 @@ class NullStats(EngineStats):
 
     def on_rejected(self, lane): pass
     def on_accepted(self, seq): pass
-    def on_step(self, lane, phase, device_seconds, start_ns, end_ns): pass
+    def on_step(self, lane, phase, device_seconds, start_ns, end_ns, num_seqs): pass
     def on_kernel_sample(self, found): pass
     def on_first_scheduled(self, seq, block_size): pass
     def on_tokens(self, lane, first_token_seconds, gap_seconds, prefill_seconds=()): pass

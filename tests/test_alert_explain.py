@@ -62,8 +62,11 @@ class _Requests(Collector):
     10 ms), prefill 50 ms, the rest 4 ms; finished requests/s 10 -> 20, waiting 0 -> 14,
     running 4 -> 1 (moved most, but the way that speeds requests up). Each request has 4
     output tokens, 3 gaps of 20 ms (drift: 30 ms) after the first: its decode phase.
-    100 prompt tokens a request admitted (as its queue time is observed). Engine e2
-    exports no front-end time."""
+    100 prompt tokens a request admitted (as its queue time is observed). e1's steps a
+    cycle: 10 decodes of 4 sequences and 5 prefills of 2; drift: 6 decodes of 4 and 4 of 9
+    (mean 6; without the phase filter, prefill and decode together: 3.3 -> 3.5), 10
+    prefills of 1 (down: the way that speeds requests up). Engine e2 exports no front-end
+    time and no batch sizes."""
     name = "requests"
 
     def __init__(self):
@@ -72,6 +75,7 @@ class _Requests(Collector):
         self.prompt_tokens = {"e1": 0.0, "e2": 0.0}
         self.series = {(engine, spec.name): _Histogram(spec) for engine in ("e1", "e2")
                        for spec in HISTOGRAMS}
+        self.batches = {phase: _Histogram(m.BATCH_SEQUENCES) for phase in m.PHASES}
 
     def collect(self):
         for engine in ("e1", "e2"):
@@ -90,6 +94,14 @@ class _Requests(Collector):
             add(m.REQUEST_PREFILL, prefill, 10)
             self.requests_ok[engine] += 20 if self.drift else 10
             self.prompt_tokens[engine] += 100 * 10
+        steps = {m.PHASE_DECODE: ((4, 6), (9, 4)) if self.drift else ((4, 10),),
+                 m.PHASE_PREFILL: ((1, 10),) if self.drift else ((2, 5),)}
+        batches = new_family(m.BATCH_SEQUENCES)
+        for phase, sizes in steps.items():
+            for size, times in sizes:
+                self.batches[phase].observe(size, times)
+            batches.add_metric(["e1", "m", LANE, phase], self.batches[phase].buckets(),
+                               self.batches[phase].total)
         out = []
         for spec in HISTOGRAMS:
             family = new_family(spec)
@@ -105,7 +117,7 @@ class _Requests(Collector):
             prompt_tokens.add_metric([engine, "m"], self.prompt_tokens[engine])
             waiting.add_metric([engine, "m", LANE], 14.0 if self.drift else 0.0)
             running.add_metric([engine, "m", LANE], 1.0 if self.drift else 4.0)
-        return out + [requests, waiting, running, prompt_tokens]
+        return out + [requests, waiting, running, prompt_tokens, batches]
 
 
 RULES = """\
@@ -204,6 +216,12 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
         (pytest.approx(10.0), pytest.approx(20.0))
     assert (causes["waiting"]["baseline"], causes["waiting"]["now"]) == (0.0, 14.0)
     assert (causes["running"]["baseline"], causes["running"]["now"]) == (4.0, 1.0)
+    # Sequences per step, each phase's own: the mean by steps of the span.
+    assert (causes["decode batch"]["baseline"], causes["decode batch"]["now"]) == \
+        (pytest.approx(4.0), pytest.approx(6.0))
+    assert (causes["prefill batch"]["baseline"], causes["prefill batch"]["now"]) == \
+        (pytest.approx(2.0), pytest.approx(1.0))
+    assert (causes["decode batch"]["group"], causes["decode batch"]["unit"]) == ("load", "seqs")
     # 12 reach the front-end a cycle in both spans (2 of them rejected later)
     assert (causes["arrivals/s"]["baseline"], causes["arrivals/s"]["now"]) == \
         (pytest.approx(12.0, rel=0.05), pytest.approx(12.0, rel=0.05))
@@ -218,6 +236,10 @@ def test_causes_by_value_and_missing_ones_said_missing(drifted):
                  "skeleton depth", "prefill kernels ms/step",
                  "sync wait", "GPU util", "SM clock", "power", "XID errors/s",
                  "restarts/s"):
+        assert (causes[name]["baseline"], causes[name]["now"]) == (None, None), name
+    # e2 exports no batch sizes (as a vLLM or SGLang): missing, never 0.
+    causes = {c["name"]: c for c in _alerts(drifted)["e2"]["explanation"]["causes"]}
+    for name in ("prefill batch", "decode batch"):
         assert (causes[name]["baseline"], causes[name]["now"]) == (None, None), name
 
 
@@ -602,6 +624,10 @@ def test_vllm_and_sglang_are_explained_with_the_parts_they_export(tmp_path):
                                                                  pytest.approx(5.0))
         assert found["verdict"].split(" (")[0].endswith(
             ": queue time +100 ms is 91 % of the mean's change")
+        # vLLM counts tokens a step, not sequences: its batch is missing, never 0.
+        causes = _by_name(found["causes"])
+        for name in ("prefill batch", "decode batch"):
+            assert (causes[name]["baseline"], causes[name]["now"]) == (None, None), name
 
         found = alerts["sglang-a"]["explanation"]
         assert (found["mean"]["baseline_ms"], found["mean"]["now_ms"]) == (

@@ -206,6 +206,24 @@ def test_every_engine_family_by_value(tmp_path):  # noqa: C901 - one check a fam
             pytest.approx(busy, rel=1e-9)
         for phase, count in ((m.PHASE_PREFILL, prefills[lane]), (m.PHASE_DECODE, decodes[lane])):
             assert _value(final, "ac_engine_steps_total", stream=lane, phase=phase) == count
+    # Sequences in each step, one observation a step. throughput's prefills: A, C, G+H
+    # together, H's recompute; its decodes: A's 7 and C's 3 alone, G+H's 24 together (H
+    # is preempted at its 25th token: its prefill's 1 + 24), then G's last 15 alone and
+    # H's last 14. low_latency: B alone, E+F together (D's failed step is none); B's 3
+    # decodes. Counting per sequence (87 decode observations) or prefill tokens (hundreds)
+    # answers otherwise.
+    batches = {(THROUGHPUT, m.PHASE_PREFILL): [1, 1, 2, 1],
+               (THROUGHPUT, m.PHASE_DECODE): [1] * (7 + 3) + [2] * 24 + [1] * (15 + 14),
+               (LOW, m.PHASE_PREFILL): [1, 2], (LOW, m.PHASE_DECODE): [1] * 3}
+    for (lane, phase), sizes in batches.items():
+        assert _value(final, "ac_engine_batch_sequences_count", stream=lane,
+                      phase=phase) == len(sizes) == (prefills if phase == m.PHASE_PREFILL
+                                                     else decodes)[lane], (lane, phase)
+        assert _value(final, "ac_engine_batch_sequences_sum", stream=lane,
+                      phase=phase) == sum(sizes), (lane, phase)
+        for bound, count in _buckets(m.BATCH_SEQUENCES, sizes).items():
+            assert _value(final, "ac_engine_batch_sequences_bucket", stream=lane, phase=phase,
+                          le=_le(bound)) == count, (lane, phase, bound)
     # Kernel sampling every 5th step of a lane and phase (no budget limit): throughput's
     # 63 decode steps give 12 samples; its 4 prefills and low_latency's 3 prefill attempts
     # (D's failed) and 3 decodes none. Every sampled decode step ran each of these classes.

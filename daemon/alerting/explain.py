@@ -31,7 +31,7 @@ from ac_observe.daemon.alerting.rules import (
     figure,
 )
 from ac_observe.friendly import FRIENDLY, LATENCY_PARTS, TITLES, query_labels
-from ac_observe.metrics import MISS_REASONS, NO_SKELETON
+from ac_observe.metrics import MISS_REASONS, NO_SKELETON, PHASES
 
 # Labels that name an alert's series (its engine and lane): a figure is read for those of
 # them its series carry; a device figure (NVML, eBPF) carries none and is node-wide.
@@ -59,6 +59,10 @@ CAUSES = (
     Cause("load", "prompt tokens/s", "prompt_tokens_per_second", "sum", unit="tok/s"),
     Cause("load", "running", "requests_running", "avg"),
     Cause("load", "waiting", "requests_waiting", "avg"),
+    # Sequences per step (the bundled engine's; vLLM and SGLang export none: missing):
+    # a bigger batch makes each step, so each request's every token, slower.
+    *[Cause("load", f"{phase} batch", "batch_size", "mean", unit="seqs",
+            fixed=(("phase", phase),)) for phase in PHASES],
     Cause("kv", "hit rate", "kv_cache_hit_rate", "avg", unit="%", worse=-1),
     Cause("kv", "token hit rate", "kv_cache_token_hit_rate", "avg", unit="%", worse=-1),
     *[Cause("kv", f"misses {reason}", "kv_cache_miss_reasons", "avg", unit="%",
@@ -67,7 +71,7 @@ CAUSES = (
     Cause("kv", "preemptions/s", "preemptions_per_second", "sum", unit="1/s"),
     Cause("prompts", "skeleton depth", "skeleton_complexity", "mean", unit="levels"),
     *[Cause("kernels", f"{phase} kernels ms/step", "kernel_time_ms", "sum",
-            unit="ms", fixed=(("phase", phase),)) for phase in ("prefill", "decode")],
+            unit="ms", fixed=(("phase", phase),)) for phase in PHASES],
     Cause("device", "sync wait", "sync_wait_ns", "mean", 1e-6, "ms"),
     Cause("device", "GPU util", "gpu_utilization", "avg", unit="%"),
     Cause("device", "SM clock", "gpu_sm_clock_hertz", "avg", 1e-6, "MHz", worse=-1),
