@@ -532,7 +532,8 @@ def test_up_takes_one_of_the_demo_drivers_causes_and_nothing_else():
     assert demo_engine_args("steps", []) == ["--fault-injection"]
 
 
-def _queue_out(arrivals: tuple, inter_token: tuple, waiting: tuple) -> str:
+def _queue_out(arrivals: tuple, inter_token: tuple, waiting: tuple,
+               batch: tuple = (None, None)) -> str:
     """The verdict of an explanation whose queue part rose, with these causes."""
     from ac_observe.daemon.alerting.explain import verdict
 
@@ -547,7 +548,8 @@ def _queue_out(arrivals: tuple, inter_token: tuple, waiting: tuple) -> str:
                    "now_ms": 110.0, "change_ms": 100.0, "share": 1.0}],
         "causes": [cause("engine", "inter-token", inter_token, "inter_token_latency_ms"),
                    cause("load", "waiting", waiting, "requests_waiting"),
-                   cause("load", "arrivals/s", arrivals, "")]})
+                   cause("load", "arrivals/s", arrivals, ""),
+                   cause("load", "decode batch", batch, "batch_size")]})
 
 
 def test_a_queue_that_grew_with_its_arrivals_names_them_first():
@@ -557,6 +559,15 @@ def test_a_queue_that_grew_with_its_arrivals_names_them_first():
         "(arrivals/s 4 -> 6, inter-token 20.0x baseline)")
     assert _queue_out((4.0, 3.0), (20.0, 400.0), (0.1, 2.0)).endswith(
         "(inter-token 20.0x baseline, waiting 20.0x baseline)")
+    # The batch grew with the load (2 -> 4 a step): the arrivals still lead. The steps
+    # 20x slower with the batch no bigger: the engine slowed by itself, and a few more
+    # arrivals (1.5x) do not lead; they would had the steps slowed less than they rose.
+    assert _queue_out((4.0, 6.0), (20.0, 400.0), (0.1, 2.0), (2.0, 4.0)).endswith(
+        "(arrivals/s 4 -> 6, inter-token 20.0x baseline)")
+    assert _queue_out((4.0, 6.0), (20.0, 400.0), (0.1, 2.0), (4.0, 4.0)).endswith(
+        "(inter-token 20.0x baseline, waiting 20.0x baseline)")
+    assert _queue_out((4.0, 6.0), (20.0, 26.0), (0.1, 2.0), (4.0, 4.0)).endswith(
+        "(arrivals/s 4 -> 6, waiting 20.0x baseline)")
 
 
 def test_demo_traffic_says_once_a_status_the_engine_refuses_it_with(caplog):

@@ -429,9 +429,19 @@ def verdict(out: dict) -> str:
 def _more_arrivals(causes: list[dict], rising: bool) -> dict | None:
     """A queue that grew as more requests arrived: the arrivals lead the verdict's causes
     (the steps slow down under a bigger batch too, but the load came first). None when
-    they did not rise notably: a slower engine's closed-loop clients send fewer."""
-    arrivals = next((c for c in causes if c["name"] == "arrivals/s"), None)
-    return arrivals if arrivals and rising and moved(arrivals) >= NOTABLE_RATIO else None
+    they did not rise notably (a slower engine's closed-loop clients send fewer), or when
+    the steps slowed more than the arrivals rose with a decode batch no bigger: the
+    engine slowed by itself, and that leads."""
+    by_name = {c["name"]: c for c in causes}
+    arrivals = by_name.get("arrivals/s")
+    if not (arrivals and rising and moved(arrivals) >= NOTABLE_RATIO):
+        return None
+    step, batch = by_name.get("inter-token"), by_name.get("decode batch")
+    if step is not None and batch is not None and None not in (batch["baseline"],
+                                                                batch["now"]) \
+            and moved(batch) < NOTABLE_RATIO and moved(step) > moved(arrivals):
+        return None
+    return arrivals
 
 
 def _prefill_work(causes: list[dict], prefill: dict) -> dict | None:
