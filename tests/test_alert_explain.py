@@ -653,3 +653,73 @@ def test_vllm_and_sglang_are_explained_with_the_parts_they_export(tmp_path):
         daemon.close()
         vllm.close()
         sglang.close()
+
+
+def test_a_gateways_ttft_is_split_into_its_upstreams_parts(tmp_path):
+    """A gateway has no queue or KV of its own: its TTFT (the client's side) is split into
+    the parts of the upstream engine its `upstream` label names, in its lane, read from
+    both writers' telemetry files by the daemon's engine collector. The residual is the
+    gateway's hop (3 ms here, in both spans); the verdict names whose the part is. An
+    upstream known by its address only has no parts: missing."""
+    import time
+
+    from ac_observe.collectors.engine import EngineCollector
+    from ac_observe.engine.telemetry import TelemetryWriter
+
+    root = tmp_path / "telemetry"
+    started = {"started_at": time.time()}
+    engine = TelemetryWriter(root / "e1", started, engine="e1", model="m")
+    gateways = {upstream: TelemetryWriter(
+        root / name, {**started, "kind": m.KIND_GATEWAY, "upstream": upstream},
+        engine=name, model="m", specs=m.GATEWAY_METRICS)
+        for name, upstream in (("gw1", "e1"), ("gw2", "10.0.0.7:8000"))}
+    path = tmp_path / "alerts.yaml"
+    path.write_text("rules:\n  - {name: GatewayTtft, metric: inference_latency_ns, "
+                    "statistic: p95, window: 10s, baseline: 'trailing:20s', "
+                    "comparison: relative_increase, threshold: 0.5, "
+                    "match: {kind: gateway}}\n")
+    config = DaemonConfig(telemetry_root=root, collectors=(), interval_seconds=1.0,
+                          window_seconds=600, alerting_file=path, state_dir=tmp_path / "state",
+                          alert_interval_seconds=1.0)
+    daemon = Daemon(config, collectors=[EngineCollector(config)])
+    t0 = time.time() - 60
+    try:
+        for t in range(DRIFT_AT + 16):
+            # e1, 10 requests a cycle: front-end 5 ms, queue 10 ms then 8 at 10 ms and 2
+            # at 510 ms (mean 110), prefill phase 40 ms; the gateway adds 3 ms to each.
+            queues = ((0.010, 8), (0.510, 2)) if t >= DRIFT_AT else ((0.010, 10),)
+            for queue, times in queues:
+                for _ in range(times):
+                    ttft = 0.005 + queue + 0.040
+                    engine.observe(m.FRONTEND, 0.005, stream=LANE)
+                    engine.observe(m.QUEUE_TIME, queue, stream=LANE)
+                    engine.observe(m.REQUEST_PREFILL, 0.040, stream=LANE)
+                    engine.observe(m.INFERENCE_LATENCY, ttft, stream=LANE)
+                    for gateway in gateways.values():
+                        gateway.observe(m.INFERENCE_LATENCY, ttft + 0.003, stream=LANE)
+            daemon.run_cycle(now=t0 + t)
+        alerts = {a["labels"]["engine"]: a for a in daemon.alerts.explained()
+                  if a["rule"] == "GatewayTtft"}
+        assert {name: a["state"] for name, a in alerts.items()} == {"gw1": FIRING,
+                                                                    "gw2": FIRING}
+        found = alerts["gw1"]["explanation"]
+        assert found["parts_from"] == "e1"
+        assert (found["mean"]["baseline_ms"], found["mean"]["now_ms"]) == (
+            pytest.approx(58.0), pytest.approx(158.0))
+        parts = _by_name(found["parts"])
+        expected = {"front-end": (5, 5), "queue": (10, 110), "prefill": (40, 40),
+                    "unexplained": (3, 3)}
+        assert list(parts) == list(expected)
+        for name, (baseline, now) in expected.items():
+            assert (parts[name]["baseline_ms"], parts[name]["now_ms"]) == (
+                pytest.approx(baseline, abs=1e-6), pytest.approx(now, abs=1e-6)), name
+        assert found["verdict"].split(" (")[0].endswith(
+            ": e1's queue time +100 ms is 100 % of the mean's change")
+        other = alerts["gw2"]["explanation"]
+        assert "parts_from" not in other
+        assert all(p["now_ms"] is None for p in other["parts"] if p["name"] != "unexplained")
+    finally:
+        engine.close()
+        for gateway in gateways.values():
+            gateway.close()
+        daemon.close()

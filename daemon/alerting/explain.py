@@ -31,7 +31,7 @@ from ac_observe.daemon.alerting.rules import (
     figure,
 )
 from ac_observe.friendly import FRIENDLY, LATENCY_PARTS, TITLES, query_labels
-from ac_observe.metrics import MISS_REASONS, NO_SKELETON, PHASES
+from ac_observe.metrics import KIND_GATEWAY, MISS_REASONS, NO_SKELETON, PHASES, UPSTREAM_LABEL
 
 # Labels that name an alert's series (its engine and lane): a figure is read for those of
 # them its series carry; a device figure (NVML, eBPF) carries none and is node-wide.
@@ -189,6 +189,10 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
     fingerprint, labels, value, baseline, baseline_source, active_since)."""
     window, base, whence = spans(rule, alert, now, series.window_seconds)
     reader = Reader(series, alert["labels"])
+    upstream = _upstream(series, alert["labels"], window)
+    # A gateway's parts and causes are its upstream engine's (it has no queue or KV of its
+    # own): the residual is then its hop, the upstream's HTTP and its other clients.
+    source = upstream or reader
     value, baseline = alert.get("value"), alert.get("baseline")
     if not rule.reads_baseline:  # compared with its threshold: no baseline of its own
         baseline = None
@@ -202,20 +206,22 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
                          "baseline": baseline, "now": value,
                          "change_percent": (100.0 * (value - baseline) / abs(baseline)
                                             if value is not None and baseline else None)}}
+    if upstream is not None:
+        out["parts_from"] = alert["labels"][UPSTREAM_LABEL]
     if rule.metric in LATENCY_PARTS:
-        out.update(_latency_split(rule.metric, reader, window, base))
+        out.update(_latency_split(rule.metric, reader, window, base, source))
     elif rule.metric in HIT_RATE_METRICS:
         out.update(_hit_rate_split(rule.metric, reader, window, base))
     else:
         out.update(split=None, parts=[], note=f"no split of {rule.metric}: causes only")
-    out["causes"] = causes = [_cause(cause, reader, window, base) for cause in CAUSES]
+    out["causes"] = causes = [_cause(cause, source, window, base) for cause in CAUSES]
     by_name = {c["name"]: c for c in causes}
     # Prompt tokens are counted as a request is first scheduled, when its queue time is
     # observed: per request admitted then (requests/s counts those finished, fewer than
     # admitted while a burst fills the queue); per request finished where no queue time is.
     tokens, requests = by_name["prompt tokens/s"], by_name["requests/s"]
-    admitted = {"baseline": reader.arrivals("queue_time_ns", base),
-                "now": reader.arrivals("queue_time_ns", window)}
+    admitted = {"baseline": source.arrivals("queue_time_ns", base),
+                "now": source.arrivals("queue_time_ns", window)}
     per_request = {key: tokens[key] / (admitted[key] or requests[key])
                    if tokens[key] is not None and (admitted[key] or requests[key]) else None
                    for key in ("baseline", "now")}
@@ -225,8 +231,8 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
     # observations) a second; requests/s counts those finished, which an overloaded
     # engine may finish fewer of.
     causes.append({"group": "load", "name": "arrivals/s", "metric": "", "unit": "req/s",
-                   "baseline": reader.arrivals("frontend_ns", base),
-                   "now": reader.arrivals("frontend_ns", window)})
+                   "baseline": source.arrivals("frontend_ns", base),
+                   "now": source.arrivals("frontend_ns", window)})
     hits = by_name["token hit rate"]
     causes.append({"group": "kv", "name": "cached tokens/request", "metric": "", "unit": "tok",
                    "worse": -1, **{key: per_request[key] * hits[key] / 100.0
@@ -236,20 +242,34 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
     return out
 
 
-def _latency_split(metric: str, reader: Reader, window: Span, base: Span) -> dict:
-    """The mean's change (ms) split into the parts' changes and the residual."""
+def _upstream(series: SeriesSource, labels: dict, window: Span) -> Reader | None:
+    """A gateway's upstream engine (its lane), when the daemon reads it: it has requests
+    in the window. None for anything else, or an upstream known by its address only."""
+    name = labels.get(UPSTREAM_LABEL)
+    if labels.get("kind") != KIND_GATEWAY or not name:
+        return None
+    reader = Reader(series, {"engine": name, **{k: labels[k] for k in ("stream",)
+                                                 if k in labels}})
+    return reader if reader.histogram("inference_latency_ns", window)[1] else None
+
+
+def _latency_split(metric: str, reader: Reader, window: Span, base: Span,
+                   parts_reader: Reader | None = None) -> dict:
+    """The mean's change (ms) split into the parts' changes (read by `parts_reader`: a
+    gateway's upstream's) and the residual."""
+    parts_reader = parts_reader or reader
     total_b, _ = reader.histogram(metric, base)
     total_n, count_n = reader.histogram(metric, window)
     parts, missing = [], []
     for part in LATENCY_PARTS[metric]:
-        b, _ = reader.histogram(part.metric, base)
-        n, _ = reader.histogram(part.metric, window)
+        b, _ = parts_reader.histogram(part.metric, base)
+        n, _ = parts_reader.histogram(part.metric, window)
         if b is None or n is None:
             missing.append(part.name)
         parts.append({"name": part.name, "metric": part.metric, "baseline_ms": _ms(b),
                       "now_ms": _ms(n)})
     if metric == "e2e_latency_ms":
-        _decode_detail(parts[-1], reader, window, base)
+        _decode_detail(parts[-1], parts_reader, window, base)
     change = _change(total_b, total_n)
     known = [p for p in parts if p["name"] not in missing]
     residual = {"name": "unexplained", "metric": "",
@@ -403,7 +423,8 @@ def verdict(out: dict) -> str:
         return f"{head}: no split ({why})"
     top = ranked[0]
     if out["split"] == "mean":
-        what = f"{top['name']} time {signed(top['change_ms'], 'ms')} is " \
+        whose = f"{out['parts_from']}'s " if out.get("parts_from") else ""
+        what = f"{whose}{top['name']} time {signed(top['change_ms'], 'ms')} is " \
                f"{100 * top['share']:.0f} % of the mean's change"
     else:
         what = f"{top['name']} misses {signed(top['change'], 'points')} is " \
