@@ -57,13 +57,16 @@ class RequestFigures:
             self.failure = reason
 
     def content_sent(self, events: int, now_ns: int) -> None:
-        """A chunk that completed `events` content events was handed to the socket."""
+        """A chunk that completed `events` content events was handed to the socket: the
+        first of them a gap after the last one sent (none for the first token), the rest 0
+        after it, as the client reads them."""
         if not events:
             return
         if not self.first_content_ns:
             self.first_content_ns = now_ns
         else:
             self.gaps_ns.append(now_ns - self.last_content_ns)
+        self.gaps_ns.extend([0] * (events - 1))
         self.last_content_ns = now_ns
 
     @property

@@ -3,8 +3,9 @@
 - Request: method, path, query, headers (hop-by-hop ones dropped, `Host` the upstream's,
   `traceparent` kept or added) and body (read whole, at most `max_body_bytes`: 413 beyond).
 - Response: status, headers (hop-by-hop dropped; `x-ac-trace-id` ours) and body as the
-  upstream sent them. An event stream goes on chunk by chunk as each arrives; any other
-  answer of at most `max_whole_bytes` is sent whole with `x-ac-gateway-ttft-ns`.
+  upstream sent them. An event stream goes on as it arrives (what arrived together in one
+  write, up to upstream.MAX_MERGED); any other answer of at most `max_whole_bytes` is sent
+  whole with `x-ac-gateway-ttft-ns`.
 - The client's hang-up cancels the relay at once: the upstream connection is closed, which
   is how an OpenAI or Anthropic server learns to abort the request.
 - Failures answer in the API's own error shape: 502 (upstream unreachable, TLS refused,
@@ -149,7 +150,7 @@ class Gateway:
                                 receive, send) -> None:
         """The relay, cancelled the moment the client hangs up (closing the upstream
         connection is what tells the upstream to abort). It runs in the request's own task,
-        which a watcher of the client cancels: one task a request, not two."""
+        which a watcher of the client cancels (two tasks a request where there were three)."""
         task = asyncio.current_task()
         assert task is not None
         relaying = True
@@ -160,7 +161,7 @@ class Gateway:
         gone = asyncio.ensure_future(_disconnected(receive))
         gone.add_done_callback(hung_up)
         try:
-            await self._relay(scope, headers, figures, answer_headers, send)
+            await self._relay(scope, headers, figures, answer_headers, send, gone)
         except asyncio.CancelledError:
             if not gone.done() or gone.cancelled() or gone.exception() is not None:
                 raise  # the server's own shutdown, not the client
@@ -191,7 +192,7 @@ class Gateway:
                 return b"".join(parts)
 
     async def _relay(self, scope, headers, figures: RequestFigures, answer_headers,
-                     send) -> None:
+                     send, gone: asyncio.Future) -> None:
         target = scope["raw_path"].decode("latin-1")
         if scope["query_string"]:
             target += "?" + scope["query_string"].decode("latin-1")
@@ -199,6 +200,7 @@ class Gateway:
         response = await self._send_upstream(scope["method"], target, upstream_headers,
                                              figures.body)
         try:
+            _check(gone)
             figures.status = response.status_code
             if response.status_code >= 500:
                 figures.outcome = UPSTREAM_ERROR
@@ -209,7 +211,7 @@ class Gateway:
             encoded = (response.header(b"content-encoding") or b"identity") != b"identity"
             if content_type.startswith(b"text/event-stream"):
                 await self._stream(response, out_headers, figures, send,
-                                   None if encoded else EventReader())
+                                   None if encoded else EventReader(), gone)
             else:
                 await self._whole(response, out_headers, figures, send)
         finally:
@@ -236,13 +238,15 @@ class Gateway:
                            UPSTREAM_ERROR, exc.reason) from None
 
     async def _stream(self, response: UpstreamResponse, out_headers,
-                      figures: RequestFigures, send, reader: EventReader | None) -> None:
+                      figures: RequestFigures, send, reader: EventReader | None,
+                      gone: asyncio.Future) -> None:
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": out_headers})
         figures.reader = reader
         try:
             async for chunk in response.chunks(self.config.read_timeout):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                _check(gone)
                 sent = now_ns()
                 if reader is not None:
                     figures.content_sent(reader.feed(chunk), sent)
@@ -314,6 +318,14 @@ class Gateway:
 
 class _ClientGone(Exception):
     pass
+
+
+def _check(gone: asyncio.Future) -> None:
+    """_ClientGone once the client's watcher saw it hang up: its cancel of the request's
+    task may have been swallowed (asyncio.wait_for in 3.11 drops a cancel that lands as
+    its inner future completes), and a relay must not run on for nobody."""
+    if gone.done() and not gone.cancelled() and gone.exception() is None:
+        raise _ClientGone
 
 
 async def _disconnected(receive) -> None:

@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 import httptools
 
 MAX_BUFFERED = 1 << 20
+MAX_MERGED = 256 << 10  # one write of what arrived together, at most
+_CUT_OFF = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 MAX_CA_FILE_BYTES = 10 << 20  # a CA bundle is a few hundred KiB
 
 
@@ -186,12 +188,18 @@ class UpstreamResponse:
         loop = asyncio.get_running_loop()
         while True:
             if self._chunks:
-                # What arrived together leaves together: one send, not one a chunk.
-                body = self._chunks.popleft() if len(self._chunks) == 1 else \
-                    b"".join(self._chunks)
-                self._chunks.clear()
-                self._buffered = 0
-                if self._paused:
+                # What arrived together leaves together (up to MAX_MERGED): one send, not
+                # one a chunk.
+                body = self._chunks.popleft()
+                if self._chunks and len(body) + len(self._chunks[0]) <= MAX_MERGED:
+                    parts = [body]
+                    size = len(body)
+                    while self._chunks and size + len(self._chunks[0]) <= MAX_MERGED:
+                        parts.append(self._chunks.popleft())
+                        size += len(parts[-1])
+                    body = b"".join(parts)
+                self._buffered -= len(body)
+                if self._paused and self._buffered <= MAX_BUFFERED // 2:
                     self._paused = False
                     if self.connection.transport is not None:
                         self.connection.transport.resume_reading()
@@ -216,9 +224,9 @@ def _settle(future: asyncio.Future, value) -> None:
         future.set_result(value)
 
 
-async def _woken(future: asyncio.Future, seconds: float) -> bool:
-    """Waits for `future` at most `seconds` without cancelling it: False on timeout (one
-    timer, where asyncio.wait_for with shield adds a task and two futures a request)."""
+async def _done_within(future: asyncio.Future, seconds: float) -> bool:
+    """Whether `future` is done within `seconds`: waits without cancelling it (one timer,
+    where asyncio.wait_for with shield adds a task and two futures a request)."""
     if not future.done():
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
@@ -272,6 +280,7 @@ class UpstreamPool:
                     from None
         else:
             await self._slots.acquire()
+        connection: _Connection | None = None
         try:
             head = self._head(method, target, headers, body)
             for attempt in (0, 1):
@@ -282,10 +291,9 @@ class UpstreamPool:
                 assert connection.transport is not None  # connected
                 connection.transport.write(head)
                 try:
-                    if await _woken(response._head, self.read_timeout):
+                    if await _done_within(response._head, self.read_timeout):
                         response._head.result()  # BadResponse when it failed
                         return response
-                    connection.close()
                     raise ReadTimedOut(f"no answer within {self.read_timeout:g} s")
                 except BadResponse:
                     connection.close()
@@ -294,6 +302,11 @@ class UpstreamPool:
                         raise
             raise AssertionError("unreachable")
         except BaseException:
+            # Cancelled too (the client hung up before the head came): closing the
+            # connection is how the upstream learns to abort the request.
+            if connection is not None:
+                connection.response = None
+                connection.close()
             self._slots.release()
             raise
 
@@ -337,13 +350,11 @@ class UpstreamPool:
         except ssl.SSLError as exc:
             raise ConnectFailed("the TLS handshake failed", "tls",
                                 str(exc.reason or exc)) from None
-        except (ConnectionResetError, ConnectionAbortedError) as exc:
-            if self._ssl is None:  # connected, then cut: a TCP refusal is another error
-                raise ConnectFailed(exc.strerror or "the connection was reset") from None
-            raise ConnectFailed("the TLS handshake failed", "tls",
-                                "the upstream closed the connection during the TLS "
-                                "handshake (is it serving TLS on that port?)") from None
         except OSError as exc:
+            if self._ssl is not None and isinstance(exc, _CUT_OFF):  # mid-handshake
+                raise ConnectFailed("the TLS handshake failed", "tls",
+                                    "the upstream closed the connection during the TLS "
+                                    "handshake (is it serving TLS on that port?)") from None
             raise ConnectFailed(exc.strerror or type(exc).__name__) from None
         return connection
 

@@ -138,6 +138,26 @@ def test_a_hang_up_mid_stream_aborts_the_upstream_request_within_a_second(stack)
                for _, lab, v in families["ac_requests"]["samples"])
 
 
+@pytest.mark.slow
+def test_a_hang_up_before_a_whole_answer_aborts_the_upstream_request(stack):
+    """A non-streamed answer's head leaves only when it is done: a client that hangs up
+    while the gateway waits for it still aborts the engine's request, and the gateway's
+    upstream connection is closed, not kept (nor counted against its pool)."""
+    engine, gateway, root = stack
+    before = _aborted(root)
+    body = json.dumps({**CHAT, "max_tokens": 900, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", gateway.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    wait_for(lambda: _kv_usage(root) > 0, 10, "the request's KV blocks held")
+    sock.close()
+    closed = time.monotonic()
+    wait_for(lambda: _aborted(root) > before, 5, "the engine's aborted count")
+    assert time.monotonic() - closed < 1.5  # 1 s, and the reads' own time
+    wait_for(lambda: _kv_usage(root) == 0.0, 2, "the engine's KV blocks freed")
+
+
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory):
     upstream = BadUpstream()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from ac_observe.metrics import INTER_TOKEN_LATENCY
-from support.bad_upstream import CONTENT_EVENT, PACED_GAPS_S, BadUpstream
+from support.bad_upstream import BURST, CONTENT_EVENT, PACED_GAPS_S, BadUpstream
 from support.certs import TestCA
 from support.servers import GatewayServer, run_cli, wait_for
 from support.telemetry import gateway_failures, read_with_multiprocess_collector
@@ -43,17 +43,17 @@ def _started(upstream: str, directory, *args: str) -> GatewayServer:
     return gateway
 
 
-def _client_gaps(port: int) -> list[float]:
-    """One paced stream read through the gateway on a bare socket: the gaps between the
-    `recv`s that completed successive content events (0 for events completed by the same
-    `recv`: the bytes came together)."""
+def _client_gaps(port: int, fault: bytes = b"paced") -> list[float]:
+    """One stream (the upstream's `fault`) read through the gateway on a bare socket: the
+    gaps between the `recv`s that completed successive content events (0 for events
+    completed by the same `recv`: the bytes came together)."""
     body = json.dumps(CHAT).encode()
     stamps: list[float] = []
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-bad: paced\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-bad: %s\r\n"
                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(body), body))
+                     % (fault, len(body), body))
         received = b""
         while b"[DONE]" not in received:
             chunk = sock.recv(65536)
@@ -108,6 +108,28 @@ def test_the_gateways_inter_token_histogram_matches_the_clients_gaps(tmp_path):
         bound = min(b for b in bounds if b >= between)
         seen = sum(1 for gap in client if gap <= bound)
         assert abs(recorded[bound] - seen) <= 2, (bound, recorded[bound], sorted(client))
+
+
+def test_events_that_arrive_together_count_a_gap_each(tmp_path):
+    """BURST events come in one write and leave the gateway in one: the client reads them
+    0 apart, and the gateway records as many gaps as the client saw (one a content event
+    after the first), the burst's at 0, not one gap for the lot."""
+    upstream = BadUpstream()
+    (tmp_path / "t").mkdir(mode=0o700)
+    gateway = _started(upstream.url, tmp_path / "t" / "g")
+    try:
+        client = _client_gaps(gateway.port, b"burst")
+        wait_for(lambda: _requests(gateway.telemetry_dir) == 1, 10, "the stream written")
+        recorded = _itl(gateway.telemetry_dir)
+    finally:
+        gateway.stop()
+        upstream.stop()
+    assert len(client) == BURST + 1  # the first event has no gap
+    assert recorded["count"] == len(client)
+    smallest = INTER_TOKEN_LATENCY.buckets[0]
+    # the burst's own gaps: 0 on both sides (the client's within one recv, or nearly)
+    assert recorded[smallest] >= BURST - 1
+    assert recorded["sum"] == pytest.approx(sum(client), rel=0.2, abs=0.02)
 
 
 @pytest.fixture(scope="module")

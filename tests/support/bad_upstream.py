@@ -10,6 +10,8 @@ server on a loopback port, in a thread. The request's `x-bad` header picks the f
 - `error_event`: a 200 event stream with one content event, then an error event
 - `paced`: a well-formed 200 event stream, its content events apart by `PACED_GAPS_S` (each
   event a chunk of its own), then [DONE]
+- `burst`: a content event, 50 ms later BURST events (a chunk each) in one write, 50 ms
+  later one more, then [DONE]
 
 With `tls` (a server context), it serves https.
 """
@@ -26,6 +28,7 @@ CONTENT_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
 ERROR_EVENT = b'data: {"error":{"message":"overloaded","type":"server_error"}}\n\n'
 # Distinct gaps between content events (three latency buckets or more apart).
 PACED_GAPS_S = (0.01, 0.06, 0.2) * 4
+BURST = 5
 MALFORMED_STREAM = [b"data: {not json\n\n", b"data: " + b"x" * (2 << 20), b"\n\n",
                     b": a comment\n\ndata: [1, 2]\n\n", CONTENT_EVENT, b"data: [DONE]\n\n"]
 
@@ -93,6 +96,14 @@ class BadUpstream:
                 await writer.drain()
             writer.write(_chunk(ERROR_EVENT if fault == "error_event" else b"data: [DONE]\n\n")
                          + b"0\r\n\r\n")
+        elif fault == "burst":
+            writer.write(stream_head + _chunk(CONTENT_EVENT))
+            await writer.drain()
+            for events in (BURST, 1):
+                await asyncio.sleep(0.05)
+                writer.write(_chunk(CONTENT_EVENT) * events)
+                await writer.drain()
+            writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif fault == "5xx":
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
                          b"application/json\r\ncontent-length: "
