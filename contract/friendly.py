@@ -153,7 +153,7 @@ FRIENDLY = {f.name: f for f in (
              "Device time of a decode step."),
     Friendly("skeleton_complexity", HISTOGRAM_KIND, SKELETON_COMPLEXITY, "levels", 1.0,
              "Prompt skeleton depth."),
-    Friendly("batch_size", HISTOGRAM_KIND, BATCH_SEQUENCES, "seqs", 1.0,
+    Friendly("batch_sequences", HISTOGRAM_KIND, BATCH_SEQUENCES, "seqs", 1.0,
              "Sequences in a model step, per lane and phase (--labels phase=prefill|decode): "
              "the mean is sequences per step (the bundled engine; vLLM and SGLang export "
              "no such figure)."),
@@ -239,7 +239,6 @@ FRIENDLY = {f.name: f for f in (
 )}
 
 
-
 @dataclass(frozen=True, slots=True)
 class Part:
     """One additive part of a latency name's mean: a request's time is the sum of its
@@ -266,6 +265,7 @@ TITLES = {"inference_latency_ns": "TTFT", "time_to_first_text_ns": "time to firs
           "first_token_sent_ns": "TTFT at the socket", "e2e_latency_ms": "e2e latency",
           "inter_token_latency_ms": "inter-token latency",
           "kv_cache_hit_rate": "KV hit rate", "kv_cache_token_hit_rate": "KV token hit rate"}
+
 
 def query_labels(friendly: Friendly) -> tuple[str, ...]:
     """The labels a query of this name may filter on: its series' exposed ones, the pid a

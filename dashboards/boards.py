@@ -119,7 +119,7 @@ def overview() -> Board:
                 (rate_by(m.ENGINE_STEPS, ("engine", "stream", "phase")),
                  "{{engine}} {{stream}} {{phase}}")], "short"),
             Panel("Sequences per step (mean), by phase", [
-                (stat("batch_size", "mean", ("engine", "stream", "phase")),
+                (stat("batch_sequences", "mean", ("engine", "stream", "phase")),
                  "{{engine}} {{stream}} {{phase}}")], "short",
                   description=m.BATCH_SEQUENCES.help + " The bundled engine's: vLLM and "
                               "SGLang export no sequences-per-step figure."),

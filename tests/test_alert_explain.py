@@ -549,7 +549,7 @@ def _queue_out(arrivals: tuple, inter_token: tuple, waiting: tuple,
         "causes": [cause("engine", "inter-token", inter_token, "inter_token_latency_ms"),
                    cause("load", "waiting", waiting, "requests_waiting"),
                    cause("load", "arrivals/s", arrivals, ""),
-                   cause("load", "decode batch", batch, "batch_size")]})
+                   cause("load", "decode batch", batch, "batch_sequences")]})
 
 
 def test_a_queue_that_grew_with_its_arrivals_names_them_first():
@@ -659,8 +659,9 @@ def test_a_gateways_ttft_is_split_into_its_upstreams_parts(tmp_path):
     """A gateway has no queue or KV of its own: its TTFT (the client's side) is split into
     the parts of the upstream engine its `upstream` label names, in its lane, read from
     both writers' telemetry files by the daemon's engine collector. The residual is the
-    gateway's hop (3 ms here, in both spans); the verdict names whose the part is. An
-    upstream known by its address only has no parts: missing."""
+    gateway's hop (3 ms here, in both spans); the verdict names whose the part is, and a
+    gateway that slowed itself is not said to be its upstream. An upstream known by its
+    address only has no parts: missing."""
     import time
 
     from ac_observe.collectors.engine import EngineCollector
@@ -669,10 +670,10 @@ def test_a_gateways_ttft_is_split_into_its_upstreams_parts(tmp_path):
     root = tmp_path / "telemetry"
     started = {"started_at": time.time()}
     engine = TelemetryWriter(root / "e1", started, engine="e1", model="m")
-    gateways = {upstream: TelemetryWriter(
+    gateways = {name: TelemetryWriter(
         root / name, {**started, "kind": m.KIND_GATEWAY, "upstream": upstream},
         engine=name, model="m", specs=m.GATEWAY_METRICS)
-        for name, upstream in (("gw1", "e1"), ("gw2", "10.0.0.7:8000"))}
+        for name, upstream in (("gw1", "e1"), ("gw2", "10.0.0.7:8000"), ("gw3", "e1"))}
     path = tmp_path / "alerts.yaml"
     path.write_text("rules:\n  - {name: GatewayTtft, metric: inference_latency_ns, "
                     "statistic: p95, window: 10s, baseline: 'trailing:20s', "
@@ -695,13 +696,15 @@ def test_a_gateways_ttft_is_split_into_its_upstreams_parts(tmp_path):
                     engine.observe(m.QUEUE_TIME, queue, stream=LANE)
                     engine.observe(m.REQUEST_PREFILL, 0.040, stream=LANE)
                     engine.observe(m.INFERENCE_LATENCY, ttft, stream=LANE)
-                    for gateway in gateways.values():
-                        gateway.observe(m.INFERENCE_LATENCY, ttft + 0.003, stream=LANE)
+                    for name, gateway in gateways.items():
+                        # gw3 itself slows by 200 ms as e1's queue grows
+                        hop = 0.203 if name == "gw3" and t >= DRIFT_AT else 0.003
+                        gateway.observe(m.INFERENCE_LATENCY, ttft + hop, stream=LANE)
             daemon.run_cycle(now=t0 + t)
         alerts = {a["labels"]["engine"]: a for a in daemon.alerts.explained()
                   if a["rule"] == "GatewayTtft"}
-        assert {name: a["state"] for name, a in alerts.items()} == {"gw1": FIRING,
-                                                                    "gw2": FIRING}
+        assert {name: a["state"] for name, a in alerts.items()} == {
+            "gw1": FIRING, "gw2": FIRING, "gw3": FIRING}
         found = alerts["gw1"]["explanation"]
         assert found["parts_from"] == "e1"
         assert (found["mean"]["baseline_ms"], found["mean"]["now_ms"]) == (
@@ -715,6 +718,9 @@ def test_a_gateways_ttft_is_split_into_its_upstreams_parts(tmp_path):
                 pytest.approx(baseline, abs=1e-6), pytest.approx(now, abs=1e-6)), name
         assert found["verdict"].split(" (")[0].endswith(
             ": e1's queue time +100 ms is 100 % of the mean's change")
+        # gw3's own 200 ms is its residual's, never said to be e1's.
+        assert alerts["gw3"]["explanation"]["verdict"].split(" (")[0].endswith(
+            ": the gateway's own time and the rest +200 ms is 67 % of the mean's change")
         other = alerts["gw2"]["explanation"]
         assert "parts_from" not in other
         assert all(p["now_ms"] is None for p in other["parts"] if p["name"] != "unexplained")

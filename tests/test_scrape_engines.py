@@ -98,7 +98,7 @@ def test_a_vllm_v1_replay_answers_ttft_hit_rate_and_running_exactly(tmp_path, re
         assert header.split()[-2:] == ["basis", "trend"] and " tokens " in table, table
         assert "not_exported" not in daemon.query("kv_cache_hit_rate", 3600, {})
         for name in ("cuda_stream_utilization", "skeleton_complexity", "kv_cache_miss_reasons",
-                     "batch_size"):
+                     "batch_sequences"):
             answer = daemon.query(name, 3600, {})
             assert answer["series"] == [] and answer["not_exported"] == [
                 {"engine": "vllm-a", "kind": "vllm", "reason": "not exported by vLLM"}], name

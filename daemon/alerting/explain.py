@@ -61,7 +61,7 @@ CAUSES = (
     Cause("load", "waiting", "requests_waiting", "avg"),
     # Sequences per step (the bundled engine's; vLLM and SGLang export none: missing):
     # a bigger batch makes each step, so each request's every token, slower.
-    *[Cause("load", f"{phase} batch", "batch_size", "mean", unit="seqs",
+    *[Cause("load", f"{phase} batch", "batch_sequences", "mean", unit="seqs",
             fixed=(("phase", phase),)) for phase in PHASES],
     Cause("kv", "hit rate", "kv_cache_hit_rate", "avg", unit="%", worse=-1),
     Cause("kv", "token hit rate", "kv_cache_token_hit_rate", "avg", unit="%", worse=-1),
@@ -191,7 +191,7 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
     reader = Reader(series, alert["labels"])
     upstream = _upstream(series, alert["labels"], window)
     # A gateway's parts and causes are its upstream engine's (it has no queue or KV of its
-    # own): the residual is then its hop, the upstream's HTTP and its other clients.
+    # own), means over all that engine's clients: the residual is its hop and the rest.
     source = upstream or reader
     value, baseline = alert.get("value"), alert.get("baseline")
     if not rule.reads_baseline:  # compared with its threshold: no baseline of its own
@@ -216,9 +216,10 @@ def explain(rule: Rule, alert: dict, series: SeriesSource, now: float) -> dict:
         out.update(split=None, parts=[], note=f"no split of {rule.metric}: causes only")
     out["causes"] = causes = [_cause(cause, source, window, base) for cause in CAUSES]
     by_name = {c["name"]: c for c in causes}
-    # Prompt tokens are counted as a request is first scheduled, when its queue time is
-    # observed: per request admitted then (requests/s counts those finished, fewer than
-    # admitted while a burst fills the queue); per request finished where no queue time is.
+    # The bundled engine counts prompt tokens as a request is first scheduled, when its
+    # queue time is observed: per request admitted then (requests/s counts those finished,
+    # fewer than admitted while a burst fills the queue); vLLM observes the queue time at
+    # the finish; per request finished where no queue time is.
     tokens, requests = by_name["prompt tokens/s"], by_name["requests/s"]
     admitted = {"baseline": source.arrivals("queue_time_ns", base),
                 "now": source.arrivals("queue_time_ns", window)}
@@ -248,8 +249,8 @@ def _upstream(series: SeriesSource, labels: dict, window: Span) -> Reader | None
     name = labels.get(UPSTREAM_LABEL)
     if labels.get("kind") != KIND_GATEWAY or not name:
         return None
-    reader = Reader(series, {"engine": name, **{k: labels[k] for k in ("stream",)
-                                                 if k in labels}})
+    lane = {"stream": labels["stream"]} if "stream" in labels else {}
+    reader = Reader(series, {"engine": name, **lane})
     return reader if reader.histogram("inference_latency_ns", window)[1] else None
 
 
@@ -423,8 +424,11 @@ def verdict(out: dict) -> str:
         return f"{head}: no split ({why})"
     top = ranked[0]
     if out["split"] == "mean":
-        whose = f"{out['parts_from']}'s " if out.get("parts_from") else ""
-        what = f"{whose}{top['name']} time {signed(top['change_ms'], 'ms')} is " \
+        upstream = out.get("parts_from")
+        name = f"{top['name']} time" if not upstream else \
+            "the gateway's own time and the rest" if top["name"] == "unexplained" else \
+            f"{upstream}'s {top['name']} time"
+        what = f"{name} {signed(top['change_ms'], 'ms')} is " \
                f"{100 * top['share']:.0f} % of the mean's change"
     else:
         what = f"{top['name']} misses {signed(top['change'], 'points')} is " \
