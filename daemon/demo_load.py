@@ -116,9 +116,11 @@ def _whole_trace(headers: httpx.Headers) -> dict | None:
 
 def run_demo_load(base_url: str, stop: threading.Event, concurrency: int = 3,
                   seed: int = 0, pause_seconds: float = 0.05,
-                  shape: LoadShape | None = None, on_trace: TraceCallback | None = None) -> None:
+                  shape: LoadShape | None = None, on_trace: TraceCallback | None = None,
+                  in_flight: dict[int, float] | None = None) -> None:
     """Send requests until `stop` is set; survives an engine that restarts or goes away.
-    `shape` (default: `concurrency` clients) may change while it runs."""
+    `shape` (default: `concurrency` clients) may change while it runs; `in_flight`, when
+    given, holds each client's request under way: its index -> when it was sent."""
     shape = shape or LoadShape(clients=concurrency)
 
     def worker(index: int) -> None:
@@ -130,11 +132,16 @@ def run_demo_load(base_url: str, stop: threading.Event, concurrency: int = 3,
                     stop.wait(0.2)
                     continue
                 n += 1
+                if in_flight is not None:
+                    in_flight[index] = time.time()
                 try:
                     _one_request(client, rng, n, max(1, shape.prompt_repeat), on_trace)
                 except httpx.HTTPError as exc:
                     log.debug("demo request failed: %s", exc)
                     stop.wait(1.0)
+                finally:
+                    if in_flight is not None:
+                        in_flight.pop(index, None)
                 stop.wait(pause_seconds * rng.random())
 
     threads: list[threading.Thread] = []
