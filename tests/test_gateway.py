@@ -113,15 +113,21 @@ def _kv_usage(root) -> float:
                if name == "ac_kv_cache_usage_ratio" and ("engine", "e1") in labels)
 
 
+def _post_raw(port: int, body: bytes) -> socket.socket:
+    """A chat request sent on a bare socket, left open: the test hangs up when it likes."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    return sock
+
+
 @pytest.mark.slow  # the engine and gateway it needs take ~10 s to start
 def test_a_hang_up_mid_stream_aborts_the_upstream_request_within_a_second(stack):
     engine, gateway, root = stack
     before = _aborted(root)
     body = json.dumps({**CHAT, "max_tokens": 900, "ignore_eos": True, "stream": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", gateway.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                 + b"\r\n\r\n" + body)
+    sock = _post_raw(gateway.port, body)
     received = b""
     while received.count(b'"content"') < 3:  # the stream is under way
         received += sock.recv(65536)
@@ -146,10 +152,7 @@ def test_a_hang_up_before_a_whole_answer_aborts_the_upstream_request(stack):
     engine, gateway, root = stack
     before = _aborted(root)
     body = json.dumps({**CHAT, "max_tokens": 900, "ignore_eos": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", gateway.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                 + b"\r\n\r\n" + body)
+    sock = _post_raw(gateway.port, body)
     wait_for(lambda: _kv_usage(root) > 0, 10, "the request's KV blocks held")
     sock.close()
     closed = time.monotonic()

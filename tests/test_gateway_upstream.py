@@ -179,15 +179,10 @@ def test_an_untrusted_upstream_certificate_is_a_clear_502_counted_as_tls(https_u
             assert gateway.proc.poll() is None  # still up
             said = gateway.log_path.read_text()
             assert said.count("--upstream-ca-file names the CAs") == 1, said[-2000:]
-            wait_for(partial(_tls_failures, gateway.telemetry_dir, 3), 10,
+            wait_for(partial(_failures, gateway.telemetry_dir, "tls", 3), 10,
                      "three TLS failures")  # the two above and the readiness probe's
-            assert sum(gateway_failures(gateway.telemetry_dir).values()) == 3
         finally:
             gateway.stop()
-
-
-def _tls_failures(directory, count: int) -> bool:
-    return gateway_failures(directory)["tls"] == count
 
 
 def _answers(gateway: GatewayServer) -> bool:
@@ -254,9 +249,8 @@ def test_a_connect_that_hangs_is_a_502_counted_as_connect_timeout(hanging_port, 
         assert answer.status_code == 502, answer.text
         assert answer.json()["error"]["message"] == "upstream unreachable: connect timed out"
         assert 0.45 <= took < 5, took  # the option's 0.5 s, not the default 5 s
-        wait_for(lambda: gateway_failures(gateway.telemetry_dir)["connect_timeout"] == 2,
-                 10, "two connect timeouts")  # this one and the readiness probe's
-        assert sum(gateway_failures(gateway.telemetry_dir).values()) == 2
+        wait_for(partial(_failures, gateway.telemetry_dir, "connect_timeout", 2), 10,
+                 "two connect timeouts")  # this one and the readiness probe's
         assert gateway.proc.poll() is None
     finally:
         gateway.stop()
@@ -312,5 +306,6 @@ def test_a_handshake_cut_off_by_the_upstream_is_counted_as_tls(tmp_path):
 
 
 def _failures(directory, reason: str, count: int) -> bool:
+    """`count` failures for `reason`, and none for any other."""
     found = gateway_failures(directory)
     return found[reason] == count and sum(found.values()) == count
