@@ -5,9 +5,10 @@ under its own engine name (kind `gateway`).
 
 - `sse`: the events of a relayed stream, read without changing a byte.
 - `measure`: one request's figures, and the writer they go to.
-- `proxy`: the ASGI application (relay, limits, errors, trace context).
+- `http_server`: the HTTP/1.1 server clients talk to (asyncio protocols, httptools).
+- `proxy`: the request handler (relay, limits, errors, trace context).
 - `upstream`: the pooled keep-alive connections to the upstream (httptools' parser).
-- `serve`: the process (uvicorn, the telemetry directory, signals).
+- `serve`: the process (the event loop, the telemetry directory, signals).
 
 NOTE: never imports torch (tests/test_packaging.py checks it): `pip install ac-observe`
 runs it.

@@ -1,7 +1,7 @@
 """One relayed request's figures, and the telemetry they are written to.
 
-A request's clock starts at its arrival (the ASGI call, after the gateway's HTTP parser
-read its head) and every stamp is `time.perf_counter_ns()` taken right after the bytes
+A request's clock starts at its arrival (the handler's call, once the gateway's HTTP
+parser has read its head) and every stamp is `time.perf_counter_ns()` taken right after the bytes
 concerned were handed to the client's socket. Nothing here runs between the upstream's
 bytes and the client's: figures are kept in the request's own lists and, when it finishes,
 handed to the writer's thread, which computes the prompt's skeleton and writes them.

@@ -1,4 +1,4 @@
-"""The gateway's ASGI application: every request relayed to one upstream as it is.
+"""The gateway's request handler: every request relayed to one upstream as it is.
 
 - Request: method, path, query, headers (hop-by-hop ones dropped, `Host` the upstream's,
   `traceparent` kept or added) and body (read whole, at most `max_body_bytes`: 413 beyond).
@@ -24,6 +24,7 @@ import secrets
 from dataclasses import dataclass
 
 from ac_observe.engine.api_wire import error_body, traceparent_trace_id
+from ac_observe.gateway.http_server import BodyTooLarge, ClientGone, Exchange
 from ac_observe.gateway.measure import (
     CLIENT_GONE,
     OK,
@@ -109,98 +110,69 @@ class Gateway:
     async def aclose(self) -> None:
         self.pool.close()
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-        elif scope["type"] == "http":
-            await self._http(scope, receive, send)
-
-    async def _lifespan(self, receive, send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.aclose()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    async def _http(self, scope, receive, send) -> None:
+    async def __call__(self, exchange: Exchange) -> None:
         arrival = now_ns()
-        path = scope["path"]
-        headers = _drop_hop_by_hop(scope["headers"])
+        headers = _drop_hop_by_hop(exchange.headers)
         lane = next((v.decode("latin-1") for n, v in headers if n == LANE_HEADER.encode()),
                     DEFAULT_LANE)
-        figures = RequestFigures(path, lane if lane in LANES else DEFAULT_LANE, arrival)
+        figures = RequestFigures(exchange.path, lane if lane in LANES else DEFAULT_LANE,
+                                 arrival)
         headers, trace_id = _trace(headers)
         answer_headers = [(TRACE_ID_HEADER, trace_id.encode())]
         try:
-            figures.body = await self._body(headers, receive)
-            await self._relay_until_gone(scope, headers, figures, answer_headers, receive, send)
+            figures.body = await self._body(exchange, headers)
+            await self._relay_until_gone(exchange, headers, figures, answer_headers)
         except _Refused as refused:
             figures.outcome, figures.status = refused.outcome, refused.status
             figures.fail(refused.failure)
-            await self._error(send, path, refused.status, refused.message, answer_headers)
-        except _ClientGone:
+            self._error(exchange, refused.status, refused.message, answer_headers)
+        except ClientGone:
             figures.outcome = CLIENT_GONE
         finally:
             self.stats.finish(figures, now_ns())
 
-    async def _relay_until_gone(self, scope, headers, figures: RequestFigures, answer_headers,
-                                receive, send) -> None:
+    async def _relay_until_gone(self, exchange: Exchange, headers, figures: RequestFigures,
+                                answer_headers) -> None:
         """The relay, cancelled the moment the client hangs up (closing the upstream
-        connection is what tells the upstream to abort). It runs in the request's own task,
-        which a watcher of the client cancels (two tasks a request where there were three)."""
+        connection is what tells the upstream to abort): the server calls `on_gone`."""
         task = asyncio.current_task()
         assert task is not None
-        relaying = True
 
-        def hung_up(watcher: asyncio.Future) -> None:
-            if relaying and not watcher.cancelled() and watcher.exception() is None:
-                task.cancel()
-        gone = asyncio.ensure_future(_disconnected(receive))
-        gone.add_done_callback(hung_up)
+        def hung_up() -> None:
+            task.cancel()
+        exchange.on_gone = hung_up
         try:
-            await self._relay(scope, headers, figures, answer_headers, send, gone)
+            await self._relay(exchange, headers, figures, answer_headers)
         except asyncio.CancelledError:
-            if not gone.done() or gone.cancelled() or gone.exception() is not None:
+            if not exchange.gone:
                 raise  # the server's own shutdown, not the client
             uncancel = getattr(task, "uncancel", None)  # 3.11+: what asyncio.timeout counts
             if uncancel is not None:
                 uncancel()
             figures.outcome = CLIENT_GONE
         finally:
-            relaying = False
-            gone.cancel()
+            exchange.on_gone = None
 
-    async def _body(self, headers, receive) -> bytes:
+    async def _body(self, exchange: Exchange, headers) -> bytes:
         limit = self.config.max_body_bytes
         declared = next((v for n, v in headers if n == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _Refused(413, f"request body over {limit} bytes", OK)
-        parts, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise _Refused(413, f"request body over {limit} bytes", OK)
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts)
+        try:
+            return await exchange.body()
+        except BodyTooLarge:
+            raise _Refused(413, f"request body over {limit} bytes", OK) from None
 
-    async def _relay(self, scope, headers, figures: RequestFigures, answer_headers,
-                     send, gone: asyncio.Future) -> None:
-        target = scope["raw_path"].decode("latin-1")
-        if scope["query_string"]:
-            target += "?" + scope["query_string"].decode("latin-1")
+    async def _relay(self, exchange: Exchange, headers, figures: RequestFigures,
+                     answer_headers) -> None:
+        target = exchange.raw_path.decode("latin-1")
+        if exchange.query:
+            target += "?" + exchange.query.decode("latin-1")
         upstream_headers = [(n, v) for n, v in headers if n not in _REQUEST_OWN]
-        response = await self._send_upstream(scope["method"], target, upstream_headers,
+        response = await self._send_upstream(exchange.method, target, upstream_headers,
                                              figures.body)
         try:
-            _check(gone)
+            _check(exchange)
             figures.status = response.status_code
             if response.status_code >= 500:
                 figures.outcome = UPSTREAM_ERROR
@@ -210,10 +182,10 @@ class Gateway:
             content_type = response.header(b"content-type") or b""
             encoded = (response.header(b"content-encoding") or b"identity") != b"identity"
             if content_type.startswith(b"text/event-stream"):
-                await self._stream(response, out_headers, figures, send,
-                                   None if encoded else EventReader(), gone)
+                await self._stream(response, out_headers, figures, exchange,
+                                   None if encoded else EventReader())
             else:
-                await self._whole(response, out_headers, figures, send)
+                await self._whole(response, out_headers, figures, exchange)
         finally:
             self.pool.release(response)
 
@@ -238,18 +210,23 @@ class Gateway:
                            UPSTREAM_ERROR, exc.reason) from None
 
     async def _stream(self, response: UpstreamResponse, out_headers,
-                      figures: RequestFigures, send, reader: EventReader | None,
-                      gone: asyncio.Future) -> None:
-        await send({"type": "http.response.start", "status": response.status_code,
-                    "headers": out_headers})
+                      figures: RequestFigures, exchange: Exchange,
+                      reader: EventReader | None) -> None:
+        # The first event already here leaves with the head: one send, not two.
+        exchange.start(response.status_code, out_headers, response.body_at_hand)
         figures.reader = reader
         try:
             async for chunk in response.chunks(self.config.read_timeout):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                _check(gone)
+                if response.complete and not response.body_at_hand:
+                    exchange.end(chunk)  # the last part and the end in one send
+                else:
+                    exchange.write(chunk)
+                _check(exchange)
                 sent = now_ns()
                 if reader is not None:
                     figures.content_sent(reader.feed(chunk), sent)
+                if exchange.write_paused:
+                    await exchange.drain()
         except ReadTimedOut as exc:
             figures.outcome = TIMEOUT
             figures.fail(exc.reason)
@@ -263,10 +240,10 @@ class Gateway:
                 figures.fail("error_event")
             if reader.malformed:  # relayed as it came; the outcome stays the stream's
                 figures.fail("malformed_sse")
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        exchange.end()
 
     async def _whole(self, response: UpstreamResponse, out_headers,
-                     figures: RequestFigures, send) -> None:
+                     figures: RequestFigures, exchange: Exchange) -> None:
         parts, size = [], 0
         chunks = response.chunks(self.config.read_timeout)
         try:
@@ -279,9 +256,9 @@ class Gateway:
                 body = b"".join(parts)
                 ready = now_ns()
                 ttft = ready - figures.arrival_ns
-                await send({"type": "http.response.start", "status": response.status_code,
-                            "headers": out_headers + [(TTFT_HEADER, str(ttft).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                exchange.start(response.status_code,
+                               out_headers + [(TTFT_HEADER, str(ttft).encode())], True)
+                exchange.end(body)  # head and body in one send
                 if response.status_code < 400:
                     figures.content_sent(1, ready)
                     self.stats.whole_usage(figures, body)
@@ -292,43 +269,38 @@ class Gateway:
         except UpstreamError as exc:
             raise _Refused(502, f"upstream's answer broke off: {exc}", UPSTREAM_ERROR,
                            exc.reason) from None
-        await self._stream_rest(response.status_code, out_headers, parts, chunks, figures, send)
+        await self._stream_rest(response.status_code, out_headers, parts, chunks, figures,
+                                exchange)
 
     async def _stream_rest(self, status, out_headers, parts, chunks, figures: RequestFigures,
-                           send) -> None:
+                           exchange: Exchange) -> None:
         """An answer too large to hold: what was read, then the rest as it comes."""
-        await send({"type": "http.response.start", "status": status, "headers": out_headers})
+        exchange.start(status, out_headers)
         for part in parts:
-            await send({"type": "http.response.body", "body": part, "more_body": True})
+            exchange.write(part)
         try:
             async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                exchange.write(chunk)
+                _check(exchange)
+                if exchange.write_paused:
+                    await exchange.drain()
         except UpstreamError as exc:
             figures.fail(exc.reason)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        exchange.end()
 
-    async def _error(self, send, path: str, status: int, message: str, answer_headers) -> None:
-        body = json.dumps(error_body(path, status, message)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
+    def _error(self, exchange: Exchange, status: int, message: str, answer_headers) -> None:
+        if exchange.started or exchange.gone:
+            return
+        body = json.dumps(error_body(exchange.path, status, message)).encode()
+        exchange.start(status, [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
-                                *answer_headers]})
-        await send({"type": "http.response.body", "body": body})
+                                *answer_headers], True)
+        exchange.end(body)
 
 
-class _ClientGone(Exception):
-    pass
-
-
-def _check(gone: asyncio.Future) -> None:
-    """_ClientGone once the client's watcher saw it hang up: its cancel of the request's
-    task may have been swallowed (asyncio.wait_for in 3.11 drops a cancel that lands as
-    its inner future completes), and a relay must not run on for nobody."""
-    if gone.done() and not gone.cancelled() and gone.exception() is None:
-        raise _ClientGone
-
-
-async def _disconnected(receive) -> None:
-    """Returns when the client hangs up (the request's body was read before)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+def _check(exchange: Exchange) -> None:
+    """ClientGone once the client hung up: the cancel `on_gone` sent may have been
+    swallowed (asyncio.wait_for in 3.11 drops a cancel that lands as its inner future
+    completes), and a relay must not run on for nobody."""
+    if exchange.gone:
+        raise ClientGone

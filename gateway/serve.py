@@ -1,14 +1,18 @@
 """The gateway process: its telemetry writer (kind `gateway`), the upstream's label and
-uvicorn serving `proxy.Gateway`."""
+the HTTP server (http_server) answering with `proxy.Gateway`."""
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import os
+import signal
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from ac_observe.engine.telemetry import SkeletonLabeler, TelemetryWriter
+from ac_observe.gateway.http_server import Server
 from ac_observe.gateway.measure import GatewayStats
 from ac_observe.gateway.proxy import Gateway, GatewayConfig
 from ac_observe.gateway.upstream import tls_context
@@ -21,6 +25,7 @@ from ac_observe.telemetry_format import (
 )
 
 log = logging.getLogger("ac_observe.gateway")
+GRACE_S = 5  # uvicorn's timeout_graceful_shutdown, which the gateway served on before
 
 
 def check_upstream(url: str) -> str:
@@ -88,19 +93,40 @@ def build(config: GatewayConfig, name: str, model: str, telemetry_dir: str | Non
 
 
 def serve(gateway: Gateway, host: str, port: int, log_level: str) -> None:
-    import uvicorn
-
-    # The upstream's own Date and Server headers pass through; uvicorn adds none.
-    server = uvicorn.Server(uvicorn.Config(
-        gateway, host=host, port=port, log_level=log_level, lifespan="on",
-        http="httptools" if _has("httptools") else "h11", loop="auto",
-        server_header=False, date_header=False, timeout_graceful_shutdown=5))
+    """Serves until SIGINT or SIGTERM, then shuts down gracefully (GRACE_S for the answers
+    in flight). On uvloop where it is installed."""
+    loop: asyncio.AbstractEventLoop
     try:
-        server.run()
+        import uvloop
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    # What start-up built lives as long as the process: out of the collector's scans,
+    # whose full pass over it stalled every stream (docs/benchmarks.md).
+    gc.collect()
+    gc.freeze()
+    try:
+        loop.run_until_complete(_serve(gateway, host, port))
     finally:
         gateway.stats.close()
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
-def _has(module: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(module) is not None
+async def _serve(gateway: Gateway, host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    # A client that takes nothing for as long as an upstream may stay silent is gone.
+    server = Server(gateway, gateway.config.max_body_bytes,
+                    write_timeout_s=gateway.config.read_timeout)
+    await server.start(host, port)
+    log.info("gateway listening on http://%s:%d", host, server.port)
+    try:
+        await stop.wait()
+    finally:
+        log.info("gateway shutting down: %d s for the answers in flight", GRACE_S)
+        await server.shutdown(GRACE_S)
+        await gateway.aclose()

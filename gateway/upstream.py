@@ -154,6 +154,11 @@ class UpstreamResponse:
     def header(self, name: bytes) -> bytes | None:
         return next((v for n, v in self.headers if n.lower() == name), None)
 
+    @property
+    def body_at_hand(self) -> bool:
+        """Whether body bytes have arrived that `chunks` has not yet given."""
+        return bool(self._chunks)
+
     # from the protocol
     def _headers_ready(self) -> None:
         if not self._head.done():

@@ -1,0 +1,376 @@
+"""The gateway's HTTP/1.1 server (gateway/http_server.py) against what clients send:
+keep-alive, pipelining, `Expect: 100-continue`, chunked bodies, HTTP/1.0, HEAD, a slow
+reader, hostile heads, a failing handler, a hang-up and a graceful shutdown. Answers are
+read back with httptools' response parser (llhttp), not this server's own code."""
+from __future__ import annotations
+
+import asyncio
+
+import httptools
+import pytest
+
+from ac_observe.gateway.http_server import (
+    MAX_HEAD_BYTES,
+    BodyTooLarge,
+    ClientGone,
+    Exchange,
+    Server,
+)
+
+
+class _Answers:
+    """Every answer in the bytes a connection received, parsed by llhttp."""
+
+    def __init__(self):
+        self.parser = httptools.HttpResponseParser(self)
+        self.done: list[dict] = []
+        self._current: dict = {}
+
+    def on_message_begin(self):
+        self._current = {"headers": {}, "body": b""}
+
+    def on_header(self, name, value):
+        self._current["headers"][name.decode().lower()] = value.decode()
+
+    def on_headers_complete(self):
+        self._current["status"] = self.parser.get_status_code()
+
+    def on_body(self, body):
+        self._current["body"] += body
+
+    def on_message_complete(self):
+        self.done.append(self._current)
+
+
+async def _read(reader: asyncio.StreamReader, count: int, timeout: float = 5) -> tuple:
+    """(the first `count` answers, whether the server closed the connection after them)."""
+    answers = _Answers()
+    while len(answers.done) < count:
+        data = await asyncio.wait_for(reader.read(65536), timeout)
+        if not data:
+            return answers.done, True
+        answers.parser.feed_data(data)
+    try:
+        closed = await asyncio.wait_for(reader.read(1), 0.3) == b""
+    except asyncio.TimeoutError:
+        closed = False
+    return answers.done, closed
+
+
+async def _echo(exchange: Exchange) -> None:
+    """Answers the method, path, query and body; `?sleep=S` first sleeps."""
+    if exchange.query.startswith(b"sleep="):
+        await asyncio.sleep(float(exchange.query[6:]))
+    body = await exchange.body()
+    answer = b"%s %s %s %s" % (exchange.method.encode(), exchange.path.encode(),
+                               exchange.query, body)
+    exchange.start(200, [(b"content-length", str(len(answer)).encode())])
+    exchange.write(answer)
+    exchange.end()
+
+
+def _serve(handler, client, max_body: int = 1 << 20, keep_alive_s: float = 5.0,
+           write_timeout_s: float = 600.0):
+    async def main():
+        server = Server(handler, max_body, keep_alive_s, write_timeout_s)
+        await server.start("127.0.0.1", 0)
+        try:
+            return await asyncio.wait_for(client(server), 20)
+        finally:
+            await server.shutdown(1.0)
+    return asyncio.run(main())
+
+
+async def _connect(server: Server):
+    return await asyncio.open_connection("127.0.0.1", server.port)
+
+
+def test_keep_alive_and_pipelined_requests_are_answered_in_order():
+    async def client(server):
+        reader, writer = await _connect(server)
+        # the first is slowest: an answer out of order would show
+        writer.write(b"GET /a?sleep=0.2 HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"POST /b%20c HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nxyz"
+                     b"GET /c?sleep=0.05 HTTP/1.1\r\nHost: x\r\n\r\n")
+        answers, closed = await _read(reader, 3)
+        writer.write(b"GET /d HTTP/1.1\r\nHost: x\r\n\r\n")  # the same connection, later
+        later, _ = await _read(reader, 1)
+        writer.close()
+        return answers + later, closed
+    answers, closed = _serve(_echo, client)
+    assert [a["body"] for a in answers] == [b"GET /a sleep=0.2 ", b"POST /b c  xyz",
+                                            b"GET /c sleep=0.05 ", b"GET /d  "]
+    assert not closed and all("connection" not in a["headers"] for a in answers)
+
+
+def test_a_chunked_request_body_and_expect_100_continue():
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.write(b"4\r\nabcd\r\n3\r\nefg\r\n0\r\n\r\n")
+        answers, _ = await _read(reader, 1)
+        writer.close()
+        return interim, answers
+    interim, answers = _serve(_echo, client)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert answers[0]["body"] == b"POST /v1/x  abcdefg"
+
+
+def test_a_refusal_before_the_body_sends_no_100_and_closes():
+    async def refuse(exchange: Exchange) -> None:
+        body = b"too large"
+        exchange.start(413, [(b"content-length", b"9")])
+        exchange.write(body)
+        exchange.end()
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: 100000000\r\n\r\n")
+        return await _read(reader, 1)
+    answers, closed = _serve(refuse, client)
+    assert answers[0]["status"] == 413 and answers[0]["headers"]["connection"] == "close"
+    assert closed  # the unread body would be taken for the next request otherwise
+
+
+def test_a_body_past_the_limit_is_never_held():
+    seen: list = []
+
+    async def handler(exchange: Exchange) -> None:
+        try:
+            await exchange.body()
+        except BodyTooLarge:
+            seen.append(sum(map(len, exchange._parts)))
+        exchange.start(413, [(b"content-length", b"0")])
+        exchange.end()
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(8):
+            writer.write(b"400\r\n" + b"x" * 1024 + b"\r\n")
+        return await _read(reader, 1)
+    answers, closed = _serve(handler, client, max_body=4096)
+    assert answers[0]["status"] == 413 and closed
+    assert seen == [0]
+
+
+def test_http_1_0_gets_no_chunked_framing_and_a_close():
+    async def stream(exchange: Exchange) -> None:
+        exchange.start(200, [(b"content-type", b"text/event-stream")])
+        for part in (b"data: 1\n\n", b"data: 2\n\n"):
+            exchange.write(part)
+        exchange.end()
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        return await asyncio.wait_for(reader.read(), 5)  # to the connection's end
+    raw = _serve(stream, client)
+    head, body = raw.split(b"\r\n\r\n", 1)
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head
+    assert body == b"data: 1\n\ndata: 2\n\n"
+
+
+def test_head_and_204_answers_carry_no_body():
+    async def handler(exchange: Exchange) -> None:
+        status = 204 if exchange.path == "/none" else 200
+        exchange.start(status, [(b"content-length", b"5")] if status == 200 else [])
+        exchange.write(b"hello")
+        exchange.end()
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\nGET /none HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw = b""
+        while raw.count(b"HTTP/1.1") < 3 or not raw.endswith(b"hello"):
+            raw += await asyncio.wait_for(reader.read(65536), 5)
+        return raw
+    raw = _serve(handler, client)
+    assert raw == (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
+                   b"HTTP/1.1 204 No Content\r\n\r\n"
+                   b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello")
+
+
+@pytest.mark.parametrize("request_bytes,status", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n", 431),
+    (b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n",
+     431),
+    (b"NOT HTTP AT ALL\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n", 400),
+])
+def test_hostile_heads_are_refused_and_the_server_goes_on(request_bytes, status):
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(request_bytes)
+        refused = await _read(reader, 1)
+        reader, writer = await _connect(server)
+        writer.write(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+        after, _ = await _read(reader, 1)
+        return refused, after
+    (answers, closed), after = _serve(_echo, client)
+    assert answers[0]["status"] == status and closed
+    assert after[0]["body"] == b"GET /next  "
+
+
+def test_an_upgrade_request_is_answered_as_plain_http_then_closed():
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: websocket\r\n\r\n\x81\x85frame")
+        return await _read(reader, 1)
+    answers, closed = _serve(_echo, client)
+    assert answers[0]["body"] == b"GET /ws  " and closed  # the frame never read as a request
+
+
+def test_a_failing_handler_is_a_500_and_harms_no_other_request():
+    async def handler(exchange: Exchange) -> None:
+        if exchange.path == "/boom":
+            raise RuntimeError("a bug")
+        await _echo(exchange)
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        failed = await _read(reader, 1)
+        reader, writer = await _connect(server)
+        writer.write(b"GET /fine HTTP/1.1\r\nHost: x\r\n\r\n")
+        return failed, await _read(reader, 1)
+    (failed, closed), (fine, _) = _serve(handler, client)
+    assert failed[0]["status"] == 500 and closed
+    assert fine[0]["body"] == b"GET /fine  "
+
+
+def test_a_slow_reader_pauses_the_writer_and_loses_nothing():
+    paused: list = []
+    total = 16 << 20
+
+    async def handler(exchange: Exchange) -> None:
+        exchange.start(200, [(b"content-length", str(total).encode())])
+        block = bytes(range(256)) * 4096  # 1 MiB
+        for _ in range(total // len(block)):
+            exchange.write(block)
+            if exchange.write_paused:
+                paused.append(True)
+                await exchange.drain()
+        exchange.end()
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.5)  # the handler fills the socket and waits
+        waited = len(paused)
+        head = await reader.readuntil(b"\r\n\r\n")
+        body = await reader.readexactly(total)
+        return waited, head, body
+    waited, head, body = _serve(handler, client)
+    assert waited >= 1 and len(paused) < total >> 20
+    assert body == (bytes(range(256)) * 4096) * (total >> 20)
+
+
+def test_a_client_that_stops_reading_is_cut_off_after_the_write_timeout():
+    ended: list = []
+
+    async def handler(exchange: Exchange) -> None:
+        exchange.start(200, [])
+        started = asyncio.get_running_loop().time()
+        try:
+            while True:
+                exchange.write(b"x" * (1 << 20))
+                if exchange.write_paused:
+                    await exchange.drain()
+        except ClientGone:
+            ended.append(asyncio.get_running_loop().time() - started)
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        while not ended:  # never reads
+            await asyncio.sleep(0.05)
+    _serve(handler, client, write_timeout_s=0.5)
+    assert 0.5 <= ended[0] < 3.0
+
+
+def test_a_hang_up_reaches_the_handler_at_once():
+    events: list = []
+
+    async def handler(exchange: Exchange) -> None:
+        task = asyncio.current_task()
+        exchange.on_gone = task.cancel
+        exchange.start(200, [])
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            events.append(("cancelled", exchange.gone))
+            raise
+
+    async def reader_gone(exchange: Exchange) -> None:
+        try:
+            await exchange.body()
+        except ClientGone:
+            events.append(("body", exchange.gone))
+
+    async def client(server):
+        for path in (b"/stream", b"/body"):
+            reader, writer = await _connect(server)
+            if path == b"/stream":
+                writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+                await reader.readuntil(b"\r\n\r\n")
+            else:
+                writer.write(b"POST /body HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab")
+                await asyncio.sleep(0.1)
+            started = asyncio.get_running_loop().time()
+            writer.close()
+            while len(events) < (1 if path == b"/stream" else 2):
+                await asyncio.sleep(0.01)
+            assert asyncio.get_running_loop().time() - started < 0.5
+
+    def route(exchange: Exchange):
+        return handler(exchange) if exchange.path == "/stream" else reader_gone(exchange)
+    _serve(route, client)
+    assert events == [("cancelled", True), ("body", True)]
+
+
+def test_idle_connections_are_closed_after_the_keep_alive_time():
+    async def client(server):
+        reader, writer = await _connect(server)
+        started = asyncio.get_running_loop().time()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await asyncio.wait_for(reader.read(), 5) != b""  # the answer, then nothing
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        idle_closed = asyncio.get_running_loop().time() - started
+        reader, writer = await _connect(server)  # a head that never ends (slowloris)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        started = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        return idle_closed, asyncio.get_running_loop().time() - started
+    idle, half = _serve(_echo, client, keep_alive_s=0.4)
+    assert 0.4 < idle < 2.0 and 0.4 < half < 2.0
+
+
+def test_shutdown_lets_answers_in_flight_end_and_closes_the_rest():
+    async def client(server):
+        busy_reader, busy_writer = await _connect(server)
+        busy_writer.write(b"GET /slow?sleep=0.5 HTTP/1.1\r\nHost: x\r\n\r\n")
+        idle_reader, idle_writer = await _connect(server)
+        idle_writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await _read(idle_reader, 1)
+        await asyncio.sleep(0.1)
+        stopping = asyncio.ensure_future(server.shutdown(5.0))
+        idle_closed = await asyncio.wait_for(idle_reader.read(), 1) == b""
+        answers, closed = await _read(busy_reader, 1)
+        await stopping
+        try:
+            await asyncio.open_connection("127.0.0.1", server.port)
+            refused = False
+        except OSError:
+            refused = True
+        return idle_closed, answers, closed, refused
+    idle_closed, answers, closed, refused = _serve(_echo, client)
+    assert idle_closed and refused
+    assert answers[0]["body"] == b"GET /slow sleep=0.5 " and closed
+    assert answers[0]["headers"]["connection"] == "close"
