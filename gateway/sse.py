@@ -7,9 +7,10 @@ malformed), data that is not JSON is counted and skipped.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
+
+import orjson
 
 MAX_EVENT_BYTES = 1 << 20
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
@@ -38,6 +39,16 @@ class EventReader:
 
     def feed(self, chunk: bytes) -> int:
         pending = self._pending
+        if not pending and b"\r" not in chunk:
+            # The common chunk: whole events, LF line ends; split in C, nothing copied twice.
+            *events, rest = chunk.split(b"\n\n")
+            content = 0
+            for raw in events:
+                content += self._event(raw)
+            if rest:
+                pending += rest
+                self._bound()
+            return content
         pending += chunk
         content = 0
         start = 0
@@ -46,23 +57,29 @@ class EventReader:
             start = match.end()
         if start:
             del pending[:start]
-        if len(pending) > MAX_EVENT_BYTES:
-            self.malformed += 1
-            pending.clear()
+        self._bound()
         return content
 
+    def _bound(self) -> None:
+        if len(self._pending) > MAX_EVENT_BYTES:
+            self.malformed += 1
+            self._pending.clear()
+
     def _event(self, raw: bytes) -> int:
-        data = [line[5:].removeprefix(b" ") for line in _LINE_END.split(raw)
-                if line.startswith(b"data:")]
-        if not data:
-            return 0  # a comment, a keep-alive, an event with no data
+        if raw.startswith(b"data:") and b"\n" not in raw and b"\r" not in raw:
+            text = raw[5:].removeprefix(b" ")  # one data line: most events
+        else:
+            data = [line[5:].removeprefix(b" ") for line in _LINE_END.split(raw)
+                    if line.startswith(b"data:")]
+            if not data:
+                return 0  # a comment, a keep-alive, an event with no data
+            text = b"\n".join(data)
         self.events += 1
-        text = b"\n".join(data)
         if text == b"[DONE]":
             return 0
         try:
-            event = json.loads(text)
-        except (ValueError, RecursionError):
+            event = orjson.loads(text)
+        except orjson.JSONDecodeError:  # not JSON, not UTF-8, nested past 1024
             self.malformed += 1
             return 0
         if not isinstance(event, dict):
@@ -127,8 +144,8 @@ def usage_of_body(body: bytes) -> Usage:
     """A whole JSON answer's usage (either API's names); nothing when it is not JSON."""
     reader = EventReader()
     try:
-        answer = json.loads(body)
-    except (ValueError, RecursionError, UnicodeDecodeError):
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
         return reader.usage
     if isinstance(answer, dict):
         reader._usage(answer.get("usage"))
