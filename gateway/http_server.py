@@ -138,6 +138,10 @@ class Exchange:
         self._held = b""
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._conn.loop
+
+    @property
     def write_paused(self) -> bool:
         return self._conn.write_paused
 

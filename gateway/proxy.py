@@ -135,7 +135,7 @@ class Gateway:
                                 answer_headers) -> None:
         """The relay, cancelled the moment the client hangs up (closing the upstream
         connection is what tells the upstream to abort): the server calls `on_gone`."""
-        task = asyncio.current_task()
+        task = asyncio.current_task(exchange.loop)
         assert task is not None
 
         def hung_up() -> None:

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -26,6 +27,9 @@ from ac_observe.telemetry_format import (
 
 log = logging.getLogger("ac_observe.gateway")
 GRACE_S = 5  # uvicorn's timeout_graceful_shutdown, which the gateway served on before
+# The telemetry writer's thread (skeletons, files) would hold the GIL for up to the switch
+# interval, 5 ms by default, while the loop waits to relay an event (as in the engine).
+GIL_SWITCH_SECONDS = 0.001
 
 
 def check_upstream(url: str) -> str:
@@ -106,6 +110,7 @@ def serve(gateway: Gateway, host: str, port: int, log_level: str) -> None:
     # whose full pass over it stalled every stream (docs/benchmarks.md).
     gc.collect()
     gc.freeze()
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     try:
         loop.run_until_complete(_serve(gateway, host, port))
     finally:

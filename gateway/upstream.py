@@ -62,6 +62,8 @@ class BadResponse(UpstreamError):
 
 class _Connection(asyncio.Protocol):
     def __init__(self):
+        # Kept: asyncio.get_running_loop() is a getpid() system call a use in 3.11.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.response: UpstreamResponse | None = None
@@ -147,7 +149,7 @@ class UpstreamResponse:
         self._buffered = 0
         self._paused = False
         self._wake: asyncio.Future | None = None
-        self._head: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._head: asyncio.Future = connection.loop.create_future()
         # A failure after the request gave up waiting is no one's to retrieve: mark it read.
         self._head.add_done_callback(_retrieve)
 
@@ -190,7 +192,7 @@ class UpstreamResponse:
     # for the relay
     async def chunks(self, read_timeout: float):
         """The body as it arrives; ReadTimedOut after `read_timeout` s of silence."""
-        loop = asyncio.get_running_loop()
+        loop = self.connection.loop
         while True:
             if self._chunks:
                 # What arrived together leaves together (up to MAX_MERGED): one send, not
@@ -233,7 +235,7 @@ async def _done_within(future: asyncio.Future, seconds: float) -> bool:
     """Whether `future` is done within `seconds`: waits without cancelling it (one timer,
     where asyncio.wait_for with shield adds a task and two futures a request)."""
     if not future.done():
-        loop = asyncio.get_running_loop()
+        loop = future.get_loop()
         waiter = loop.create_future()
 
         def wake(_=None) -> None:
