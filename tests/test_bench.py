@@ -1,8 +1,9 @@
 """The benchmarks do not rot: `bench/run.py --quick` runs rows 1 (instrumentation
 overhead, alternating engine processes, the profile), 5 (prefix caching), 6 (latency
 isolation over HTTP) and 7 (what TTFT leaves out of a client's wait) end to end and prints
-the table with each aim's status. (Their figures are for docs/benchmarks.md, from a full
-run; a test never times anything.)"""
+the table with each aim's status; the gateway's and the daemon's own benchmarks run
+shrunk. (Their figures are for docs/benchmarks.md, from a full run; a test holds at most a
+loose bound, ten times an aim, against a regression.)"""
 from __future__ import annotations
 
 import subprocess
@@ -54,3 +55,22 @@ def test_daemon_soak_prints_an_rss_curve_and_a_slope():
     assert result["slope_mb_per_hour_after_two_windows"] == \
         result["slope_mb_per_hour_after_two_windows"]  # a number, not NaN
     assert result["above_idle_mb"] > 0
+
+
+def test_gateway_overhead_runs_both_sides_and_loses_nothing():
+    """bench/gateway_overhead.py, shrunk (2 rounds, 640 requests for memory): both sides
+    answered at each level, every stream whole and in order, and one stream's added TTFT
+    under 5 ms (ten times the aim: a relay that held events back would pass it by far)."""
+    import json
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "gateway_overhead.py"),
+                          "--levels", "1,16", "--rounds", "2", "--memory-requests", "640",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    one, sixteen = result["levels"]
+    for row in (one, sixteen):
+        assert row["requests_per_side"] >= 300
+        assert row["direct_lost_or_reordered"] == row["gateway_lost_or_reordered"] == 0
+        assert row["gateway_req_per_s"] > 0 and row["direct_req_per_s"] > 0
+    assert one["added_ttft_p50_ms"] < 5.0, one
+    assert result["memory"]["requests"] >= 640 and result["memory"]["lost_or_reordered"] == 0
