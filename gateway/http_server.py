@@ -1,186 +1,67 @@
 """The gateway's HTTP/1.1 server: asyncio protocols and httptools (llhttp), no ASGI layer.
 
-A handler gets one `Exchange` a request: the request's head, its body when asked for, and
-writes that go straight to the socket. What it keeps of a mature server: keep-alive
-(connections idle past `keep_alive_s` are closed; a client that takes nothing of its
-answer for `write_timeout_s` is cut off), pipelining (requests answered in order,
-reading paused while one is answered), `Expect: 100-continue` (answered when the handler
-asks for the body, never when it refuses first), chunked request bodies, flow control both
-ways, HTTP/1.0 clients (no chunked framing; closed after the answer), HEAD, 204 and 304
-without bodies, and a graceful shutdown (`Server.shutdown`). Hostile clients: a head over
-MAX_HEAD_BYTES is a 431, a request llhttp refuses a 400, a body over the handler's limit
-is never buffered past it; each closes the connection. A handler's own failure is a 500
-(or the connection closed, once its answer began) and harms no other request.
+A handler gets one `Exchange` (gateway/exchange.py) a request. What the server keeps of a
+mature one: keep-alive (connections idle past `keep_alive_s` are closed), pipelining
+(requests answered in order, one at a time; the next starts only once the client has
+taken what it could of the one before), `Expect: 100-continue` (answered when the handler
+asks for the body, never when it refuses first; ignored from HTTP/1.0 clients), chunked
+request bodies, flow control both ways, HTTP/1.0 clients (kept alive on request when the
+answer's length is known), HEAD, 204 and 304 without bodies, an access log line a request
+(`ac_observe.gateway.access`, at INFO: method, path without query, status, time) and a
+graceful shutdown (`Server.shutdown`).
+
+Hostile clients: a head over MAX_HEAD_BYTES or MAX_HEADERS is a 431; a request llhttp
+refuses, an upgrade with a body, or a transfer coding other than chunked is a 400; a head
+not whole within `head_timeout_s` (bytes trickling in), a connection idle past
+`keep_alive_s` and a client that takes nothing of its answer for `write_timeout_s` are cut
+off; a body over the limit is never held past it. A handler's own failure is a 500 (or
+the connection closed, once its answer began) and harms no other request.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
+import time
 from collections import deque
-from collections.abc import Callable
-from http import HTTPStatus
+from collections.abc import Awaitable, Callable
 from urllib.parse import unquote
 
 import httptools
 
+from ac_observe.gateway.exchange import Exchange, answer_plain, plain_answer
+
 log = logging.getLogger("ac_observe.gateway")
+access_log = logging.getLogger("ac_observe.gateway.access")
 
 MAX_HEAD_BYTES = 64 << 10   # request line and headers; nginx's default is 8 KiB a line
 MAX_HEADERS = 256
-_STATUS_LINES = {int(s): b"HTTP/1.1 %d %s\r\n" % (s, s.phrase.encode()) for s in HTTPStatus}
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_UNSAFE_VALUE = re.compile(rb"[\x00\r\n]")
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# After an answer that left a request's body unread (a 413): the body still arriving is
+# read and dropped this long before the close, or the client's kernel, getting a reset
+# for unread data, may drop the answer before its reader sees it (nginx's lingering_close).
+LINGER_S = 2.0
+Handler = Callable[[Exchange], Awaitable[None]]
 
 
-class ClientGone(Exception):
-    """The client's connection ended before its answer did."""
+class _Refusal(Exception):
+    """A request refused from inside a parser callback (llhttp wraps it)."""
 
-
-class BodyTooLarge(Exception):
-    """The request's body passed the server's `max_body_bytes`."""
-
-
-class Exchange:
-    """One request and its answer. The handler reads `method`, `path` (percent-decoded),
-    `raw_path`, `query` and `headers` (names lower-cased, in order), awaits `body()`, then
-    calls `start`, `write` (awaiting `drain()` while `write_paused`) and `end`. `gone`
-    turns true when the client hangs up, and `on_gone` (if set) is called then."""
-
-    __slots__ = ("method", "path", "raw_path", "query", "headers", "keep_alive", "gone",
-                 "on_gone", "started", "ended", "_conn", "_parts", "_size", "_limit",
-                 "_complete", "_body_waiter", "_expect_continue", "_chunked", "_no_body",
-                 "_declared", "_sent", "_http_10", "_held")
-
-    def __init__(self, conn: _ClientConnection, limit: int):
-        self._conn = conn
-        self._limit = limit
-        self.method = ""
-        self.path = ""
-        self.raw_path = self.query = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.keep_alive = True
-        self.gone = False
-        self.on_gone: Callable[[], None] | None = None
-        self.started = self.ended = False
-        self._parts: list[bytes] = []
-        self._size = 0
-        self._complete = False
-        self._body_waiter: asyncio.Future | None = None
-        self._expect_continue = False
-        self._chunked = self._no_body = self._http_10 = False
-        self._declared: int | None = None
-        self._sent = 0
-        self._held = b""  # a head that leaves with the first write
-
-    # The request
-    async def body(self) -> bytes:
-        """The whole body (chunked framing removed). BodyTooLarge past the limit, ClientGone
-        if the client leaves first."""
-        if not self._complete and self._size <= self._limit and not self.gone:
-            if self._expect_continue and not self.started:
-                self._expect_continue = False
-                self._conn.write(_CONTINUE)
-            self._conn.resume_reading()
-            self._body_waiter = self._conn.loop.create_future()
-            try:
-                await self._body_waiter
-            finally:
-                self._body_waiter = None
-        if self._size > self._limit:
-            raise BodyTooLarge
-        if self.gone:
-            raise ClientGone
-        return b"".join(self._parts) if len(self._parts) != 1 else self._parts[0]
-
-    def _wake_reader(self) -> None:
-        if self._body_waiter is not None and not self._body_waiter.done():
-            self._body_waiter.set_result(None)
-
-    # The answer
-    def start(self, status: int, headers: list[tuple[bytes, bytes]],
-              with_first_write: bool = False) -> None:
-        """The status line and headers (ValueError for a name or value that could split
-        the head), sent now or, `with_first_write` (a body part is at hand), in the same
-        send as the first part. With no content-length the body is chunked (HTTP/1.1) or
-        ends with the connection (HTTP/1.0)."""
-        if self.started:
-            raise RuntimeError("the answer has started")
-        head, self._declared = _head_lines(status, headers)
-        self._no_body = self.method == "HEAD" or status in (204, 304) or status < 200
-        if not self._no_body and self._declared is None:
-            if self._http_10:
-                self.keep_alive = False
-            else:
-                self._chunked = True
-                head.append(b"transfer-encoding: chunked\r\n")
-        if not self._complete or self._conn.closing_after_answer:
-            self.keep_alive = False  # an unread body, an upgrade or a shutdown
-        if not self.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
-        self.started = True
-        self._expect_continue = False
-        if with_first_write and not self._no_body:
-            self._held = b"".join(head)
-        else:
-            self._conn.write(b"".join(head))
-
-    def write(self, data: bytes) -> None:
-        if not data or self._no_body or self.gone:
-            return
-        self._sent += len(data)
-        if self._chunked:
-            self._conn.write(b"%b%x\r\n%b\r\n" % (self._held, len(data), data))
-        else:
-            self._conn.write(self._held + data if self._held else data)
-        self._held = b""
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._conn.loop
-
-    @property
-    def write_paused(self) -> bool:
-        return self._conn.write_paused
-
-    async def drain(self) -> None:
-        """Returns once the client takes more; ClientGone if it left."""
-        await self._conn.drain()
-        if self.gone:
-            raise ClientGone
-
-    def end(self, last: bytes = b"") -> None:
-        """The answer is whole; `last`, its last part, leaves in the same send."""
-        if self.ended:
-            return
-        self.ended = True
-        if last and not self._no_body and not self.gone:
-            self._sent += len(last)
-            if self._chunked:
-                self._conn.write(b"%b%x\r\n%b\r\n0\r\n\r\n" % (self._held, len(last), last))
-            else:
-                self._conn.write(self._held + last)
-        elif self._chunked and not self.gone:
-            self._conn.write(self._held + b"0\r\n\r\n")
-        elif self._held:
-            self._conn.write(self._held)
-        if self._declared is not None and self._sent != self._declared and not self._no_body:
-            self.keep_alive = False  # the client cannot tell where this answer ended
-        self._conn.answered(self)
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 class _ServerState:
-    def __init__(self, handler, max_body_bytes: int, keep_alive_s: float,
-                 write_timeout_s: float):
+    def __init__(self, handler: Handler, max_body_bytes: int, keep_alive_s: float,
+                 write_timeout_s: float, head_timeout_s: float):
+        if min(keep_alive_s, write_timeout_s, head_timeout_s) <= 0 or max_body_bytes < 0:
+            raise ValueError("timeouts must be positive, the body limit not negative")
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
         self.write_timeout_s = write_timeout_s
+        self.head_timeout_s = head_timeout_s
         self.connections: set[_ClientConnection] = set()
         self.tasks: set[asyncio.Task] = set()
-        self.shutting_down = False
 
 
 class _ClientConnection(asyncio.Protocol):
@@ -195,12 +76,13 @@ class _ClientConnection(asyncio.Protocol):
         self.write_paused = False
         self.paused_since = 0.0
         self.read_paused = False
-        self.closing_after_answer = False
+        self.closing_after_answer = False  # an upgrade, a refusal or a shutdown
+        self.next_deferred = False  # the next request waits for the client to take more
         self.last_active = self.loop.time()
-        self._drain_waiter: asyncio.Future | None = None
+        self.head_since: float | None = None  # a head being read began then
+        self._writable: asyncio.Future | None = None  # shared by whoever awaits drain()
         self._url = b""
         self._head_bytes = 0
-        self._head_too_large = False
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -211,12 +93,10 @@ class _ClientConnection(asyncio.Protocol):
         self.state.connections.discard(self)
         self.waiting.clear()
         for exchange in (self.answering, self.parsing):
-            if exchange is not None and not exchange.gone:
-                exchange.gone = True
-                exchange._wake_reader()
-                if exchange.on_gone is not None:
-                    exchange.on_gone()
-        self.resume_writing()
+            if exchange is not None:
+                exchange.client_gone()
+        self.write_paused = False
+        self._release_writers()
 
     def eof_received(self) -> bool:
         return False  # a half-close ends the connection (and any answer in flight)
@@ -233,8 +113,9 @@ class _ClientConnection(asyncio.Protocol):
             self.parser = None
             self.pause_reading()
         except httptools.HttpParserError as exc:
-            if self._head_too_large:
-                self._refuse(431, "request head too large")
+            refusal = exc.__context__
+            if isinstance(refusal, _Refusal):
+                self._refuse(refusal.status, refusal.message)
             else:
                 self._refuse(400, f"invalid HTTP request: {exc}")
 
@@ -244,12 +125,20 @@ class _ClientConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_result(None)
+        self._release_writers()
+        if self.next_deferred:
+            self.next_deferred = False
+            self._next()
+
+    def _release_writers(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
 
     # httptools callbacks
     def on_message_begin(self) -> None:
         self.parsing = Exchange(self, self.state.max_body_bytes)
+        self.head_since = self.loop.time()
         self._url = b""
         self._head_bytes = 0
 
@@ -262,34 +151,36 @@ class _ClientConnection(asyncio.Protocol):
         exchange = self.parsing
         assert exchange is not None
         if len(exchange.headers) >= MAX_HEADERS:
-            self._head_too_large = True
-            raise ValueError("too many headers")
+            raise _Refusal(431, f"over {MAX_HEADERS} request headers")
         name = name.lower()
         value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace (RFC 9110 5.5)
         if name == b"expect" and value.lower() == b"100-continue":
-            exchange._expect_continue = True
+            exchange.expect_continue = True
         exchange.headers.append((name, value))
 
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_too_large = True
-            raise ValueError("head too large")
+            raise _Refusal(431, "request head too large")
 
     def on_headers_complete(self) -> None:
         exchange = self.parsing
         parser = self.parser
         assert exchange is not None and parser is not None
+        self.head_since = None
+        _check_framing(exchange.headers, parser.should_upgrade())
         exchange.method = parser.get_method().decode("ascii")
-        exchange._http_10 = parser.get_http_version() == "1.0"
-        exchange.keep_alive = parser.should_keep_alive() and not exchange._http_10
+        exchange.http_10 = parser.get_http_version() == "1.0"
+        exchange.keep_alive = parser.should_keep_alive()
+        if exchange.http_10:
+            exchange.expect_continue = False  # RFC 9110 10.1.1
         url = httptools.parse_url(self._url)  # HttpParserInvalidURLError: a 400
         raw_path = url.path or b"/"
         exchange.raw_path = raw_path
         exchange.query = url.query or b""
         path = raw_path.decode("latin-1")
         exchange.path = unquote(path) if "%" in path else path
-        if self.answering is None:
+        if self.answering is None and not self.next_deferred:
             self._answer(exchange)
         else:
             self.waiting.append(exchange)
@@ -298,20 +189,13 @@ class _ClientConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         exchange = self.parsing
         assert exchange is not None
-        exchange._size += len(body)
-        if exchange._size > exchange._limit:
-            exchange._parts.clear()  # never held past the limit; the answer closes
-            self.pause_reading()
-            exchange._wake_reader()
-            return
-        exchange._parts.append(body)
+        if not exchange.add_body(body):
+            self.pause_reading()  # the answer (a 413) closes the connection
 
     def on_message_complete(self) -> None:
         exchange = self.parsing
         assert exchange is not None
-        if exchange._size <= exchange._limit:
-            exchange._complete = True
-        exchange._wake_reader()
+        exchange.body_complete()
         self.parsing = None
 
     # Answers
@@ -322,6 +206,7 @@ class _ClientConnection(asyncio.Protocol):
         task.add_done_callback(self.state.tasks.discard)
 
     async def _run(self, exchange: Exchange) -> None:
+        began = time.perf_counter()
         try:
             await self.state.handler(exchange)
         except asyncio.CancelledError:
@@ -333,24 +218,58 @@ class _ClientConnection(asyncio.Protocol):
                           exchange.path)
             if not exchange.started and not exchange.gone:
                 exchange.keep_alive = False
-                _plain(exchange, 500, "internal error")
+                answer_plain(exchange, 500, "internal error")
             else:
                 self._close()
         if not exchange.ended:
             self._close()
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info('"%s %s" %s %.1f ms', exchange.method, exchange.path,
+                            exchange.status if exchange.started else "-",
+                            (time.perf_counter() - began) * 1e3)
+
+    def closes_after_this_answer(self) -> bool:
+        return self.closing_after_answer and not self.waiting
 
     def answered(self, exchange: Exchange) -> None:
-        """The answer is whole: the next pipelined request, or idle (or closed)."""
+        """The answer is whole: the next pipelined request (once the client takes more of
+        what was written, so a client that reads nothing cannot queue answers without
+        end), or idle, or closed."""
         self.answering = None
-        if not exchange.keep_alive or self.closing_after_answer or self.transport is None \
-                or self.transport.is_closing():
+        if not exchange.complete and not exchange.gone:
+            self._linger()
+            return
+        if not exchange.keep_alive or self.transport is None or self.transport.is_closing():
             self._close()
             return
         self.last_active = self.loop.time()
+        if self.write_paused:
+            self.next_deferred = True
+            return
+        self._next()
+
+    def _next(self) -> None:
         if self.waiting:
             self._answer(self.waiting.popleft())
-        if not self.waiting:
+        elif self.closing_after_answer:
+            self._close()
+        else:
             self.resume_reading()
+
+    def _linger(self) -> None:
+        """Half-closed: the answer sent and our end closed for writing, what the client
+        still sends is read and dropped, the connection aborted after LINGER_S."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self.parser = None  # data_received drops everything from now on
+        self.waiting.clear()
+        self.closing_after_answer = True
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.read_paused = False
+        transport.resume_reading()
+        self.loop.call_later(LINGER_S, self.abort)
 
     def shutdown(self) -> None:
         """Closed now when idle, else after the answer in flight."""
@@ -359,28 +278,30 @@ class _ClientConnection(asyncio.Protocol):
         if self.answering is None:
             self._close()
 
-    def stale(self, now: float, idle_s: float, write_s: float) -> bool:
-        """Nothing in flight (or a body awaited) and nothing received for `idle_s`, or a
-        client that has taken nothing of its answer for `write_s`."""
-        if self.write_paused and now - self.paused_since > write_s:
+    def stale(self, now: float) -> bool:
+        """A head trickling in past head_timeout_s, nothing in flight (or a body awaited)
+        and nothing received for keep_alive_s, or a client that has taken nothing of its
+        answer for write_timeout_s."""
+        state = self.state
+        if self.write_paused and now - self.paused_since > state.write_timeout_s:
+            return True
+        if self.head_since is not None and now - self.head_since > state.head_timeout_s:
             return True
         answering = self.answering
-        busy = answering is not None and (answering._complete or answering.started)
-        return not busy and now - self.last_active > idle_s
+        busy = answering is not None and (answering.complete or answering.started)
+        return not busy and now - self.last_active > state.keep_alive_s
 
     def _refuse(self, status: int, message: str) -> None:
         """A request this server refuses before any handler sees it: answered and closed,
-        or, behind an answer in flight, closed once that answer ends."""
+        or, behind answers owed to requests before it, closed once they are sent."""
         self.parser = None
+        self.parsing = None
         self.closing_after_answer = True
-        self.waiting.clear()
         self.pause_reading()
-        if self.answering is not None:
-            return
         log.info("client request refused: %d %s", status, message)
-        body = message.encode()
-        self.write(_STATUS_LINES[status] + b"content-type: text/plain; charset=utf-8\r\n"
-                   b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(body), body))
+        if self.answering is not None or self.waiting:
+            return
+        self.write(plain_answer(status, message))
         self._close()
 
     # The socket
@@ -391,11 +312,9 @@ class _ClientConnection(asyncio.Protocol):
 
     async def drain(self) -> None:
         if self.write_paused and self.transport is not None and not self.transport.is_closing():
-            self._drain_waiter = self.loop.create_future()
-            try:
-                await self._drain_waiter
-            finally:
-                self._drain_waiter = None
+            if self._writable is None:
+                self._writable = self.loop.create_future()
+            await asyncio.shield(self._writable)  # one waiter's cancel is not the others'
 
     def pause_reading(self) -> None:
         if not self.read_paused and self.transport is not None:
@@ -417,39 +336,26 @@ class _ClientConnection(asyncio.Protocol):
             self.transport.abort()
 
 
-def _head_lines(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[list[bytes], int | None]:
-    """The status line and header lines (framing headers left to the connection), and the
-    content-length the headers declare."""
-    line = _STATUS_LINES.get(status)
-    if line is None:
-        if not 100 <= status <= 999:
-            raise ValueError(f"status {status}")
-        line = b"HTTP/1.1 %d \r\n" % status
-    head, declared = [line], None
+def _check_framing(headers: list[tuple[bytes, bytes]], upgrade: bool) -> None:
+    """_Refusal for a request whose body's end a relay could mistake: a transfer coding
+    that is not chunked last (RFC 9112 6.3: the length cannot be known), or an upgrade
+    carrying a body (llhttp hands it over as the new protocol's bytes)."""
     for name, value in headers:
-        if _TOKEN.fullmatch(name) is None or _UNSAFE_VALUE.search(value) is not None:
-            raise ValueError(f"header {name!r}: not a token, or a value with CR, LF or NUL")
-        if name == b"content-length":
-            declared = int(value)
-        elif name in (b"transfer-encoding", b"connection"):
-            continue  # the connection's framing is this server's
-        head += (name, b": ", value, b"\r\n")
-    return head, declared
-
-
-def _plain(exchange: Exchange, status: int, message: str) -> None:
-    body = message.encode()
-    exchange.start(status, [(b"content-type", b"text/plain; charset=utf-8"),
-                            (b"content-length", str(len(body)).encode())], True)
-    exchange.end(body)
+        if name == b"transfer-encoding" and \
+                value.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
+            raise _Refusal(400, "a transfer coding other than chunked")
+        if upgrade and ((name == b"content-length" and value.strip() != b"0")
+                        or name == b"transfer-encoding"):
+            raise _Refusal(400, "an upgrade request with a body is not relayed")
 
 
 class Server:
     """`handler(exchange)` for every request on host:port until `shutdown`."""
 
-    def __init__(self, handler, max_body_bytes: int, keep_alive_s: float = 5.0,
-                 write_timeout_s: float = 600.0):
-        self._state = _ServerState(handler, max_body_bytes, keep_alive_s, write_timeout_s)
+    def __init__(self, handler: Handler, max_body_bytes: int, keep_alive_s: float = 5.0,
+                 write_timeout_s: float = 600.0, head_timeout_s: float = 30.0):
+        self._state = _ServerState(handler, max_body_bytes, keep_alive_s, write_timeout_s,
+                                   head_timeout_s)
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
         self.port = 0
@@ -462,33 +368,43 @@ class Server:
         self._sweeper = loop.create_task(self._sweep())
 
     async def _sweep(self) -> None:
-        """Ends connections idle past keep_alive_s and clients that stopped reading for
-        write_timeout_s (one timer for all, where a timer each would cost one a request)."""
+        """Cuts off the connections `_ClientConnection.stale` names (one timer for all,
+        where a timer each would cost one a request)."""
         state = self._state
         loop = asyncio.get_running_loop()
+        period = min(1.0, state.keep_alive_s, state.write_timeout_s, state.head_timeout_s) / 2
         while True:
-            await asyncio.sleep(min(1.0, state.keep_alive_s / 2, state.write_timeout_s / 2))
+            await asyncio.sleep(period)
             now = loop.time()
-            for conn in [c for c in state.connections
-                         if c.stale(now, state.keep_alive_s, state.write_timeout_s)]:
+            for conn in [c for c in state.connections if c.stale(now)]:
                 conn.abort()
 
-    async def shutdown(self, grace_s: float) -> None:
+    async def shutdown(self, grace_s: float, cut_short: asyncio.Event | None = None) -> None:
         """Stops listening, closes idle connections, gives the answers in flight `grace_s`
-        to end, then cancels them (which closes their upstream requests)."""
+        (or until `cut_short` is set) to end, then cancels them (which closes their
+        upstream requests)."""
         state = self._state
-        state.shutting_down = True
         if self._server is not None:
             self._server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
         for conn in list(state.connections):
             conn.shutdown()
-        if state.tasks:
-            await asyncio.wait(list(state.tasks), timeout=grace_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        stopper = asyncio.ensure_future(cut_short.wait()) if cut_short is not None else None
+        try:
+            while (pending := [t for t in state.tasks if not t.done()]) and \
+                    loop.time() < deadline and not (stopper and stopper.done()):
+                await asyncio.wait(pending + ([stopper] if stopper else []),
+                                   timeout=deadline - loop.time(),
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stopper is not None:
+                stopper.cancel()
         for task in list(state.tasks):
             task.cancel()
         if state.tasks:
             await asyncio.wait(list(state.tasks), timeout=1.0)
         for conn in list(state.connections):
-            conn._close()
+            conn.abort()

@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass
 
 from ac_observe.engine.api_wire import error_body, traceparent_trace_id
-from ac_observe.gateway.http_server import BodyTooLarge, ClientGone, Exchange
+from ac_observe.gateway.exchange import BodyTooLarge, ClientGone, Exchange
 from ac_observe.gateway.measure import (
     CLIENT_GONE,
     OK,

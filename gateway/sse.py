@@ -7,6 +7,7 @@ malformed), data that is not JSON is counted and skipped.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -79,9 +80,11 @@ class EventReader:
             return 0
         try:
             event = orjson.loads(text)
-        except orjson.JSONDecodeError:  # not JSON, not UTF-8, nested past 1024
-            self.malformed += 1
-            return 0
+        except orjson.JSONDecodeError:
+            event = _lenient(text)  # what json takes and orjson does not: NaN, lone surrogates
+            if event is None:
+                self.malformed += 1
+                return 0
         if not isinstance(event, dict):
             self.malformed += 1
             return 0
@@ -119,6 +122,15 @@ class EventReader:
             self.usage.output_tokens = output
 
 
+def _lenient(text: bytes):
+    """Python's json reading of what orjson refused (NaN and Infinity as Python writes
+    them, a lone surrogate escape, a BOM), None when that refuses it too."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+
+
 def _get(event: dict, *path):
     found: object = event
     for key in path:
@@ -146,7 +158,7 @@ def usage_of_body(body: bytes) -> Usage:
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return reader.usage
+        answer = _lenient(body)
     if isinstance(answer, dict):
         reader._usage(answer.get("usage"))
     return reader.usage

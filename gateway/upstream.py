@@ -111,7 +111,12 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         response = self._current()
-        response.status_code = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (103 Early Hints...): the real one follows
+            response.headers.clear()
+            response._interim = True
+            return
+        response.status_code = status
         response.keep_alive = self.parser.should_keep_alive()
         names = {n.lower() for n, _ in response.headers}
         response._until_close = b"content-length" not in names and \
@@ -126,7 +131,11 @@ class _Connection(asyncio.Protocol):
         self._current()._push(body)
 
     def on_message_complete(self) -> None:
-        self._current()._finish()
+        response = self._current()
+        if response._interim:
+            response._interim = False
+            return
+        response._finish()
 
     def close(self) -> None:
         self.closed = True
@@ -144,6 +153,7 @@ class UpstreamResponse:
         self.complete = False
         self.received = False
         self._until_close = False
+        self._interim = False  # a 1xx answer is being read
         self._error: UpstreamError | None = None
         self._chunks: deque[bytes] = deque()
         self._buffered = 0

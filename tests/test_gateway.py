@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from support.bad_upstream import ERROR_500, MALFORMED_STREAM, BadUpstream
+from support.bad_upstream import CONTENT_EVENT, ERROR_500, MALFORMED_STREAM, BadUpstream
 from support.servers import EngineServer, GatewayServer, free_port, run_cli, wait_for
 from support.sse_streams import run_streams
 from support.telemetry import gateway_failures, read_as_daemon, read_with_multiprocess_collector
@@ -227,6 +227,15 @@ def test_upstream_faults_answer_in_the_apis_shape_and_are_counted(bad):
     # The gateway's TTFT of the malformed stream: its one valid content event.
     families = read_with_multiprocess_collector(gateway.telemetry_dir)
     assert families["ac_first_token_sent_seconds"]["samples"]
+
+
+def test_an_interim_103_is_not_taken_for_the_answer(bad):
+    upstream, gateway = bad
+    answer = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT,
+                        headers={"x-bad": "early_hints"}, timeout=10)
+    assert answer.status_code == 200 and "link" not in answer.headers
+    assert answer.headers["content-type"] == "text/event-stream"
+    assert answer.content == CONTENT_EVENT + b"data: [DONE]\n\n"
 
 
 def test_an_unreachable_upstream_is_a_502_in_each_apis_shape(tmp_path):

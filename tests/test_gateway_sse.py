@@ -63,3 +63,32 @@ def test_usage_of_a_whole_answer():
     assert usage_of_body(b'{"usage":{"prompt_tokens":5,"completion_tokens":6}}') \
         .prompt_tokens == 5
     assert usage_of_body(b"not json").prompt_tokens is None
+
+
+def test_what_pythons_json_writes_is_read_as_it_would_be():
+    """NaN and Infinity (json.dumps writes a -inf logprob so), a lone surrogate escape and
+    a BOM: not RFC 8259, yet a server in Python sends them; read, not called malformed."""
+    reader = EventReader()
+    stream = (b'data: {"choices":[{"delta":{"content":"a"},"logprob":-Infinity}]}\n\n'
+              b'data: {"choices":[{"delta":{"content":"\\ud800"}}],"x":NaN}\n\n'
+              b'data: \xef\xbb\xbf{"choices":[{"delta":{"content":"c"}}]}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":NaN}}\n\n')
+    assert reader.feed(stream) == 3
+    assert reader.malformed == 0 and reader.usage.prompt_tokens == 3
+    assert reader.usage.output_tokens is None
+    assert usage_of_body(b'{"usage":{"input_tokens":2,"output_tokens":5},"p":NaN}') \
+        .output_tokens == 5
+
+
+def test_the_fast_path_reads_as_the_general_one_for_any_split():
+    """A stream of whole LF events takes bytes.split; split anywhere, the same stream goes
+    through the regex path: counts, usage and malformed must not differ."""
+    stream = OPENAI.replace(b"\r\n\r\n", b"\n\n") + b": keep-alive\n\ndata: {oops\n\n"
+    whole = EventReader()
+    total = whole.feed(stream)
+    for cut in range(1, len(stream)):
+        reader = EventReader()
+        assert reader.feed(stream[:cut]) + reader.feed(stream[cut:]) == total, cut
+        assert (reader.usage, reader.malformed, reader.events) == \
+            (whole.usage, whole.malformed, whole.events), cut
+    assert total == 2 and whole.malformed == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import ssl
 import struct
@@ -309,3 +310,40 @@ def _failures(directory, reason: str, count: int) -> bool:
     """`count` failures for `reason`, and none for any other."""
     found = gateway_failures(directory)
     return found[reason] == count and sum(found.values()) == count
+
+
+def test_a_sigterm_lets_a_stream_end_and_a_second_one_ends_it_now(tmp_path):
+    """The first SIGTERM: no new connections, the stream in flight relayed whole, the
+    process gone with status 0. A second one cuts a slow answer short at once."""
+    upstream = BadUpstream()
+    try:
+        for fault in ("paced", "slow"):
+            gateway = _started(upstream.url, tmp_path / fault)
+            got: dict = {}
+
+            def ask(url: str = gateway.url, fault: str = fault, got: dict = got) -> None:
+                try:
+                    with httpx.stream("POST", url + "/v1/chat/completions", json=CHAT,
+                                      headers={"x-bad": fault}, timeout=30) as answer:
+                        got["body"] = b"".join(answer.iter_bytes())
+                except httpx.HTTPError as exc:
+                    got["error"] = exc
+            client = threading.Thread(target=ask)
+            seen = len(upstream.faults)
+            client.start()
+            wait_for(lambda seen=seen: len(upstream.faults) > seen, 10, "the request upstream")
+            gateway.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            if fault == "slow":
+                time.sleep(0.2)
+                gateway.proc.send_signal(signal.SIGTERM)
+            assert gateway.proc.wait(10) == 0
+            client.join(10)
+            took = time.monotonic() - signalled
+            if fault == "paced":  # 1.1 s of events after the signal, every one relayed
+                assert got["body"].count(EVENT_END) == len(PACED_GAPS_S) + 1
+                assert got["body"].endswith(b"data: [DONE]\n\n")
+            else:  # the upstream's 3 s silence and the 5 s grace, both cut short
+                assert "error" in got and took < 2.5, (got, took)
+    finally:
+        upstream.stop()

@@ -66,4 +66,4 @@ def gateway(
         raise typer.Exit(EXIT_USAGE) from None
     typer.echo(f"ac-observe gateway {label}: http://{host}:{port} -> {config.upstream}  "
                f"telemetry={telemetry}", err=True)
-    serve(app_, host, port, log_level)
+    serve(app_, host, port)

@@ -40,6 +40,7 @@ def _chunk(data: bytes) -> bytes:
 class BadUpstream:
     def __init__(self, tls: ssl.SSLContext | None = None):
         self.tls = tls
+        self.faults: list[str] = []  # each request's, as it arrived
         self.loop = asyncio.new_event_loop()
         self.server = None
         ready = threading.Event()
@@ -64,6 +65,7 @@ class BadUpstream:
                 headers = {k.lower(): v.strip() for k, _, v in
                            (line.partition(":") for line in lines[1:] if line)}
                 await reader.readexactly(int(headers.get("content-length", "0")))
+                self.faults.append(headers.get("x-bad", ""))
                 if not await self._answer(headers.get("x-bad", ""), writer):
                     break
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
@@ -104,6 +106,11 @@ class BadUpstream:
                 writer.write(_chunk(CONTENT_EVENT) * events)
                 await writer.drain()
             writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        elif fault == "early_hints":  # a 103 first: its headers are not the answer's
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a.css>; rel=preload\r\n\r\n")
+            await writer.drain()
+            writer.write(stream_head + _chunk(CONTENT_EVENT) + _chunk(b"data: [DONE]\n\n")
+                         + b"0\r\n\r\n")
         elif fault == "5xx":
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
                          b"application/json\r\ncontent-length: "
@@ -116,8 +123,12 @@ class BadUpstream:
         return True
 
     def stop(self) -> None:
-        def close():
+        async def close():  # answers still under way (a slow one) end here, not in the GC
             self.server.close()
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
             self.loop.stop()
-        self.loop.call_soon_threadsafe(close)
+        asyncio.run_coroutine_threadsafe(close(), self.loop)
         self.thread.join(5)
