@@ -68,6 +68,13 @@ async def _read(reader: asyncio.StreamReader, count: int) -> tuple:
     return answers, await _closed(reader)
 
 
+async def _ask(server: Server, request: bytes) -> tuple:
+    """One request on a new connection: (its answers, whether the server then closed)."""
+    reader, writer = await _connect(server)
+    writer.write(request)
+    return await _read(reader, 1)
+
+
 async def _until(condition, timeout: float = 5) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
@@ -85,6 +92,14 @@ async def _echo(exchange: Exchange) -> None:
     exchange.start(200, [(b"content-length", str(len(answer)).encode())])
     exchange.write(answer)
     exchange.end()
+
+
+def _echo_noting(paths: list):
+    """_echo that first notes each request's path in `paths` (as its handler begins)."""
+    async def handler(exchange: Exchange) -> None:
+        paths.append(exchange.path)
+        await _echo(exchange)
+    return handler
 
 
 def _serve(handler, client, max_body: int = 1 << 20, keep_alive_s: float = 5.0,
@@ -144,10 +159,8 @@ def test_a_refusal_before_the_body_sends_no_100_and_closes():
         exchange.end()
 
     async def client(server):
-        reader, writer = await _connect(server)
-        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
-                     b"Content-Length: 100000000\r\n\r\n")
-        return await _read(reader, 1)
+        return await _ask(server, b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                                  b"Content-Length: 100000000\r\n\r\n")
     answers, closed = _serve(refuse, client)
     assert answers[0]["status"] == 413 and answers[0]["headers"]["connection"] == "close"
     assert closed  # the unread body would be taken for the next request otherwise
@@ -230,9 +243,7 @@ def test_head_and_204_answers_carry_no_body():
 ])
 def test_hostile_heads_are_refused_and_the_server_goes_on(request_bytes, status):
     async def client(server):
-        reader, writer = await _connect(server)
-        writer.write(request_bytes)
-        refused = await _read(reader, 1)
+        refused = await _ask(server, request_bytes)
         reader, writer = await _connect(server)
         writer.write(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
         after = await _answers(reader, 1)
@@ -244,10 +255,8 @@ def test_hostile_heads_are_refused_and_the_server_goes_on(request_bytes, status)
 
 def test_an_upgrade_request_is_answered_as_plain_http_then_closed():
     async def client(server):
-        reader, writer = await _connect(server)
-        writer.write(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
-                     b"Upgrade: websocket\r\n\r\n\x81\x85frame")
-        return await _read(reader, 1)
+        return await _ask(server, b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                                  b"Upgrade: websocket\r\n\r\n\x81\x85frame")
     answers, closed = _serve(_echo, client)
     assert answers[0]["body"] == b"GET /ws  " and closed  # the frame never read as a request
 
@@ -259,9 +268,7 @@ def test_a_failing_handler_is_a_500_and_harms_no_other_request():
         await _echo(exchange)
 
     async def client(server):
-        reader, writer = await _connect(server)
-        writer.write(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
-        failed = await _read(reader, 1)
+        failed = await _ask(server, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
         reader, writer = await _connect(server)
         writer.write(b"GET /fine HTTP/1.1\r\nHost: x\r\n\r\n")
         return failed, await _answers(reader, 1)
@@ -381,10 +388,6 @@ def test_idle_connections_are_closed_after_the_keep_alive_time():
 def test_shutdown_lets_answers_in_flight_end_and_closes_the_rest():
     started: list = []
 
-    async def handler(exchange: Exchange) -> None:
-        started.append(exchange.path)
-        await _echo(exchange)
-
     async def client(server):
         busy_reader, busy_writer = await _connect(server)
         busy_writer.write(b"GET /slow?sleep=0.5 HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -402,7 +405,7 @@ def test_shutdown_lets_answers_in_flight_end_and_closes_the_rest():
         except OSError:
             refused = True
         return idle_closed, answers, closed, refused
-    idle_closed, answers, closed, refused = _serve(handler, client)
+    idle_closed, answers, closed, refused = _serve(_echo_noting(started), client)
     assert idle_closed and refused
     assert answers[0]["body"] == b"GET /slow sleep=0.5 " and closed
     assert answers[0]["headers"]["connection"] == "close"
@@ -464,10 +467,6 @@ def test_a_pipelining_client_that_reads_nothing_gets_no_more_answers_begun():
 def test_http_1_0_clients_get_no_100_and_keep_alive_only_when_asked():
     reading: list = []
 
-    async def handler(exchange: Exchange) -> None:
-        reading.append(exchange.path)
-        await _echo(exchange)
-
     async def client(server):
         reader, writer = await _connect(server)
         writer.write(b"POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
@@ -484,7 +483,7 @@ def test_http_1_0_clients_get_no_100_and_keep_alive_only_when_asked():
         writer.write(b"GET /b HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
         again = await _answers(reader, 1)
         return interim, answered, closed, kept, again
-    interim, answered, closed, kept, again = _serve(handler, client)
+    interim, answered, closed, kept, again = _serve(_echo_noting(reading), client)
     assert interim == b"" and answered[0]["body"] == b"POST /  hi" and closed
     assert kept[0]["headers"]["connection"] == "keep-alive"
     assert again[0]["body"] == b"GET /b  "
