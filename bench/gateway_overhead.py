@@ -13,7 +13,7 @@ memory flat over 10,000 requests.
 
 Usage: python bench/gateway_overhead.py [--levels 1,16,64] [--rounds 6] [--requests 10]
                                         [--memory-requests 10000] [--gap-ms 1]
-                                        [--pin] [--json]
+                                        [--pin] [--staggered] [--json]
 """
 from __future__ import annotations
 
@@ -91,9 +91,10 @@ async def _one(reader, writer) -> tuple[float, float, bool]:
     return first, end, numbers == list(range(EVENTS))
 
 
-async def _worker(port: int, requests: int, out: list) -> None:
+async def _worker(port: int, requests: int, out: list, offset: float) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    await asyncio.sleep(offset)
     try:
         for _ in range(requests):
             out.append(await _one(reader, writer))
@@ -101,11 +102,14 @@ async def _worker(port: int, requests: int, out: list) -> None:
         writer.close()
 
 
-def _round(port: int, streams: int, requests: int) -> tuple[list, float]:
+def _round(port: int, streams: int, requests: int, spread: float = 0.0) -> tuple[list, float]:
+    """`streams` clients of `requests` requests each; the n-th starts n/streams of `spread`
+    seconds late (0: together, so alike streams arrive in lockstep)."""
     out: list = []
 
     async def main():
-        await asyncio.gather(*(_worker(port, requests, out) for _ in range(streams)))
+        await asyncio.gather(*(_worker(port, requests, out, spread * n / streams)
+                               for n in range(streams)))
     started = time.perf_counter()
     asyncio.run(main())
     return out, time.perf_counter() - started
@@ -123,13 +127,13 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-def _level(ports: dict, streams: int, rounds: int, requests: int) -> dict:
+def _level(ports: dict, streams: int, rounds: int, requests: int, spread: float) -> dict:
     requests = max(requests, MIN_PER_SIDE // (rounds * streams))  # a p99 is not one max
     results = {"direct": [], "gateway": []}
     seconds = {"direct": 0.0, "gateway": 0.0}
     for r in range(rounds):
         for side in (("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")):
-            out, took = _round(ports[side], streams, requests)
+            out, took = _round(ports[side], streams, requests, spread)
             results[side] += out
             seconds[side] += took
     row = {"streams": streams, "requests_per_side": len(results["direct"])}
@@ -160,6 +164,11 @@ def main() -> int:
                         help="the gateway on a core of its own, the client and the upstream "
                              "sharing another (both sides alike): its overhead when it does "
                              "not wait for a core")
+    parser.add_argument("--staggered", action="store_true",
+                        help="spread each level's clients over one request's length, as "
+                             "independent clients arrive, rather than all at once (the "
+                             "default: alike streams then arrive in lockstep, the n-th "
+                             "waiting on the n-1 before it)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
@@ -184,7 +193,8 @@ def main() -> int:
                 os.sched_setaffinity(int(thread), {cores[-1]})
         ports = {"direct": upstream_port, "gateway": gateway.port}
         _round(ports["gateway"], 4, 10)  # warm: pool, imports, first allocations
-        rows = [_level(ports, int(s), args.rounds, args.requests)
+        spread = EVENTS * args.gap_ms / 1e3 if args.staggered else 0.0
+        rows = [_level(ports, int(s), args.rounds, args.requests, spread)
                 for s in args.levels.split(",")]
         memory = _memory(gateway, args.memory_requests)
     finally:
