@@ -28,6 +28,10 @@ class BodyTooLarge(Exception):
     """The request's body passed the server's `max_body_bytes`."""
 
 
+class BodyBroken(Exception):
+    """The request's body broke its framing (a bad chunk, trailers too large): a 400."""
+
+
 class Connection(Protocol):
     """What an exchange needs of its client connection."""
     loop: asyncio.AbstractEventLoop
@@ -43,7 +47,7 @@ class Connection(Protocol):
 class Exchange:
     __slots__ = ("method", "path", "raw_path", "query", "headers", "keep_alive", "gone",
                  "on_gone", "started", "ended", "status", "http_10", "expect_continue", "complete",
-                 "received", "_conn", "_parts", "_limit", "_body_waiter", "_chunked",
+                 "received", "broken", "_conn", "_parts", "_limit", "_body_waiter", "_chunked",
                  "_no_body", "_declared", "_sent", "_held")
 
     def __init__(self, conn: Connection, limit: int):
@@ -62,6 +66,7 @@ class Exchange:
         self.status = 0  # the answer's, once started
         self.complete = False   # the whole body has arrived (within the limit)
         self.received = 0       # body bytes the parser gave, the limit's past ones too
+        self.broken = ""        # why the body's framing broke, if it did
         self._parts: list[bytes] = []
         self._body_waiter: asyncio.Future | None = None
         self._chunked = self._no_body = False
@@ -88,6 +93,10 @@ class Exchange:
         self.complete = self.received <= self._limit
         self._wake_reader()
 
+    def body_broken(self, why: str) -> None:
+        self.broken = why
+        self._wake_reader()
+
     def client_gone(self) -> None:
         if not self.gone:
             self.gone = True
@@ -103,7 +112,8 @@ class Exchange:
     async def body(self) -> bytes:
         """The whole body (chunked framing removed). BodyTooLarge past the limit, ClientGone
         if the client leaves first."""
-        if not self.complete and self.received <= self._limit and not self.gone:
+        if not self.complete and self.received <= self._limit and not self.gone \
+                and not self.broken:
             if self.expect_continue and not self.started:
                 self.expect_continue = False
                 self._conn.write(_CONTINUE)
@@ -115,6 +125,8 @@ class Exchange:
                 self._body_waiter = None
         if self.received > self._limit:
             raise BodyTooLarge
+        if self.broken:
+            raise BodyBroken(self.broken)
         if self.gone:
             raise ClientGone
         return b"".join(self._parts) if len(self._parts) != 1 else self._parts[0]
@@ -154,6 +166,7 @@ class Exchange:
     def write(self, data: bytes) -> None:
         if not data or self._no_body or self.gone or self.ended:
             return
+        self._past_declared(len(data))
         self._sent += len(data)
         if self._chunked:
             self._conn.write(b"%b%x\r\n%b\r\n" % (self._held, len(data), data))
@@ -178,6 +191,8 @@ class Exchange:
         """The answer is whole; `last`, its last part, leaves in the same send."""
         if self.ended:
             return
+        if last and not self._no_body:
+            self._past_declared(len(last))
         self.ended = True
         if last and not self._no_body and not self.gone:
             self._sent += len(last)
@@ -192,6 +207,10 @@ class Exchange:
         if self._declared is not None and self._sent != self._declared and not self._no_body:
             self.keep_alive = False  # the client cannot tell where this answer ended
         self._conn.answered(self)
+
+    def _past_declared(self, size: int) -> None:
+        if self._declared is not None and self._sent + size > self._declared:
+            raise ValueError(f"the answer runs past its content-length {self._declared}")
 
 
 def _head_lines(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[list[bytes], int | None]:

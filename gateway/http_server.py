@@ -11,11 +11,13 @@ answer's length is known), HEAD, 204 and 304 without bodies, an access log line 
 graceful shutdown (`Server.shutdown`).
 
 Hostile clients: a head over MAX_HEAD_BYTES or MAX_HEADERS is a 431; a request llhttp
-refuses, an upgrade with a body, or a transfer coding other than chunked is a 400; a head
-not whole within `head_timeout_s` (bytes trickling in), a connection idle past
-`keep_alive_s` and a client that takes nothing of its answer for `write_timeout_s` are cut
-off; a body over the limit is never held past it. A handler's own failure is a 500 (or
-the connection closed, once its answer began) and harms no other request.
+refuses, an upgrade with a body, or a transfer coding other than chunked is a 400 (one
+whose body breaks its framing fails the handler reading it: BodyBroken); a head not whole
+within `head_timeout_s` of reading (bytes trickling in), a connection idle past
+`keep_alive_s` with nothing left to send, and a client that takes nothing of what waits
+to be sent for `write_timeout_s` are cut off; a body over the limit is never held past
+it. A handler's own failure is a 500 (or the connection closed, if its answer began and
+had not ended) and harms no other request.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class _ServerState:
         self.head_timeout_s = head_timeout_s
         self.connections: set[_ClientConnection] = set()
         self.tasks: set[asyncio.Task] = set()
+        self.shutting_down = False
 
 
 class _ClientConnection(asyncio.Protocol):
@@ -74,7 +77,8 @@ class _ClientConnection(asyncio.Protocol):
         self.answering: Exchange | None = None  # the request being answered
         self.waiting: deque[Exchange] = deque()  # pipelined, in order
         self.write_paused = False
-        self.paused_since = 0.0
+        self.unsent = 0          # bytes the transport held at the sweeper's last look
+        self.unsent_since = 0.0  # and since when it held them without sending any
         self.read_paused = False
         self.closing_after_answer = False  # an upgrade, a refusal or a shutdown
         self.next_deferred = False  # the next request waits for the client to take more
@@ -121,7 +125,6 @@ class _ClientConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
-        self.paused_since = self.loop.time()
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -150,6 +153,8 @@ class _ClientConnection(asyncio.Protocol):
         self._count_head(len(name) + len(value))
         exchange = self.parsing
         assert exchange is not None
+        if self.head_since is None:
+            return  # a chunked body's trailer: counted, not taken for a header
         if len(exchange.headers) >= MAX_HEADERS:
             raise _Refusal(431, f"over {MAX_HEADERS} request headers")
         name = name.lower()
@@ -180,7 +185,9 @@ class _ClientConnection(asyncio.Protocol):
         exchange.query = url.query or b""
         path = raw_path.decode("latin-1")
         exchange.path = unquote(path) if "%" in path else path
-        if self.answering is None and not self.next_deferred:
+        if self.state.shutting_down:
+            self.pause_reading()  # a request after the shutdown began: not taken
+        elif self.answering is None and not self.next_deferred:
             self._answer(exchange)
         else:
             self.waiting.append(exchange)
@@ -219,12 +226,13 @@ class _ClientConnection(asyncio.Protocol):
             if not exchange.started and not exchange.gone:
                 exchange.keep_alive = False
                 answer_plain(exchange, 500, "internal error")
-            else:
+            elif not exchange.ended:  # once ended, the connection is the next request's
                 self._close()
         if not exchange.ended:
             self._close()
         if access_log.isEnabledFor(logging.INFO):
-            access_log.info('"%s %s" %s %.1f ms', exchange.method, exchange.path,
+            access_log.info('"%s %s" %s %.1f ms', exchange.method,
+                            exchange.raw_path.decode("latin-1"),
                             exchange.status if exchange.started else "-",
                             (time.perf_counter() - began) * 1e3)
 
@@ -279,21 +287,33 @@ class _ClientConnection(asyncio.Protocol):
             self._close()
 
     def stale(self, now: float) -> bool:
-        """A head trickling in past head_timeout_s, nothing in flight (or a body awaited)
-        and nothing received for keep_alive_s, or a client that has taken nothing of its
-        answer for write_timeout_s."""
+        """A client that has taken nothing of what waits to be sent for write_timeout_s, a
+        head trickling in (while reading) past head_timeout_s, or nothing in flight, nothing
+        waiting to be sent (or a body awaited) and nothing received for keep_alive_s."""
         state = self.state
-        if self.write_paused and now - self.paused_since > state.write_timeout_s:
+        unsent = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        if unsent == 0 or self.unsent == 0 or unsent < self.unsent:
+            self.unsent_since = now  # nothing held last time, or sent some since
+        self.unsent = unsent
+        if unsent and now - self.unsent_since > state.write_timeout_s:
             return True
-        if self.head_since is not None and now - self.head_since > state.head_timeout_s:
+        if self.head_since is not None and not self.read_paused and \
+                now - self.head_since > state.head_timeout_s:
             return True
         answering = self.answering
-        busy = answering is not None and (answering.complete or answering.started)
+        busy = unsent > 0 or (answering is not None and (answering.complete or answering.started))
         return not busy and now - self.last_active > state.keep_alive_s
+
+    def flushed(self) -> bool:
+        return self.transport is None or self.transport.get_write_buffer_size() == 0
 
     def _refuse(self, status: int, message: str) -> None:
         """A request this server refuses before any handler sees it: answered and closed,
-        or, behind answers owed to requests before it, closed once they are sent."""
+        or, behind answers owed to requests before it, closed once they are sent. One
+        whose handler already has its head (the error is in its body) is failed to it."""
+        parsing = self.parsing
+        if parsing is not None and (parsing is self.answering or parsing in self.waiting):
+            parsing.body_broken(f"{status} {message}")
         self.parser = None
         self.parsing = None
         self.closing_after_answer = True
@@ -322,9 +342,13 @@ class _ClientConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.read_paused and self.transport is not None and not self.closing_after_answer:
+        """Reading again, unless nothing more is to be parsed (after an upgrade or a
+        refusal); a head cut off by the pause gets its whole time again."""
+        if self.read_paused and self.transport is not None and self.parser is not None:
             self.read_paused = False
             self.transport.resume_reading()
+            if self.head_since is not None:
+                self.head_since = self.loop.time()
 
     def _close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -384,6 +408,7 @@ class Server:
         (or until `cut_short` is set) to end, then cancels them (which closes their
         upstream requests)."""
         state = self._state
+        state.shutting_down = True
         if self._server is not None:
             self._server.close()
         if self._sweeper is not None:
@@ -399,6 +424,10 @@ class Server:
                 await asyncio.wait(pending + ([stopper] if stopper else []),
                                    timeout=deadline - loop.time(),
                                    return_when=asyncio.FIRST_COMPLETED)
+            # answers ended but not yet taken by their clients: sent, within the grace
+            while any(not c.flushed() for c in state.connections) and \
+                    loop.time() < deadline and not (stopper and stopper.done()):
+                await asyncio.sleep(0.05)
         finally:
             if stopper is not None:
                 stopper.cancel()
@@ -407,4 +436,4 @@ class Server:
         if state.tasks:
             await asyncio.wait(list(state.tasks), timeout=1.0)
         for conn in list(state.connections):
-            conn.abort()
+            conn.abort()  # what is left after the grace

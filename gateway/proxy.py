@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass
 
 from ac_observe.engine.api_wire import error_body, traceparent_trace_id
-from ac_observe.gateway.exchange import BodyTooLarge, ClientGone, Exchange
+from ac_observe.gateway.exchange import BodyBroken, BodyTooLarge, ClientGone, Exchange
 from ac_observe.gateway.measure import (
     CLIENT_GONE,
     OK,
@@ -162,6 +162,8 @@ class Gateway:
             return await exchange.body()
         except BodyTooLarge:
             raise _Refused(413, f"request body over {limit} bytes", OK) from None
+        except BodyBroken as exc:
+            raise _Refused(400, f"invalid request body: {exc}", OK) from None
 
     async def _relay(self, exchange: Exchange, headers, figures: RequestFigures,
                      answer_headers) -> None:

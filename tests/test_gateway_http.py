@@ -11,7 +11,7 @@ import logging
 import httptools
 import pytest
 
-from ac_observe.gateway.exchange import BodyTooLarge, ClientGone, Exchange
+from ac_observe.gateway.exchange import BodyBroken, BodyTooLarge, ClientGone, Exchange
 from ac_observe.gateway.http_server import MAX_HEAD_BYTES, Server
 
 
@@ -526,3 +526,101 @@ def test_every_answer_is_an_access_log_line_without_its_query(caplog):
     _serve(_echo, client)
     line = caplog.records[0].getMessage()
     assert line.startswith('"GET /v1/models" 200 ') and "secret" not in line
+
+
+def test_an_answer_still_being_taken_is_not_cut_off_as_idle_or_stalled():
+    """16 MiB ended in one call, read steadily but slower than the keep-alive and write
+    timeouts: every byte arrives, kept-alive or closing; a shutdown meanwhile waits for it."""
+    size = 16 << 20
+
+    async def whole(exchange: Exchange) -> None:
+        exchange.start(200, [(b"content-length", str(size).encode())], True)
+        exchange.end(b"y" * size)
+
+    async def client(server):
+        got = []
+        for close in (b"", b"Connection: close\r\n"):
+            reader, writer = await _connect(server)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n%b\r\n" % close)
+            got += await _answers(reader, 1, timeout=20, pause=0.004)  # ~1.3 s for it
+        reader, writer = await _connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await reader.readuntil(b"\r\n\r\n")  # the answer has begun (and ended: one call)
+        stopping = asyncio.ensure_future(server.shutdown(10.0))
+        body = b""
+        while len(body) < size and (part := await asyncio.wait_for(reader.read(65536), 20)):
+            body += part
+            await asyncio.sleep(0.004)
+        await stopping
+        return got + [{"body": body}]
+    got = _serve(whole, client, keep_alive_s=0.5, write_timeout_s=0.5)
+    assert [len(a["body"]) for a in got] == [size] * 3
+
+
+def test_a_head_cut_off_by_reading_paused_is_not_timed_out():
+    """A pipelined head split by the server's own pause (an answer ahead of it took
+    longer than the head timeout) gets its whole time again once reading resumes."""
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"GET /a?sleep=1 HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET /b HTTP/1.1\r\nHost: x\r\n\r\nGET /c HTTP/1.1\r\n")
+        first = await _answers(reader, 2, timeout=10)
+        writer.write(b"Host: x\r\n\r\n")
+        return first + await _answers(reader, 1)
+    answers = _serve(_echo, client, head_timeout_s=0.3)
+    assert [a["body"] for a in answers] == [b"GET /a sleep=1 ", b"GET /b  ", b"GET /c  "]
+
+
+def test_a_broken_body_fails_the_handler_reading_it_and_trailers_are_not_headers():
+    async def handler(exchange: Exchange) -> None:
+        try:
+            body = await exchange.body()
+        except BodyBroken as exc:
+            body = b"broken: %s" % str(exc).encode()
+        names = b",".join(n for n, _ in exchange.headers)
+        exchange.start(200, [(b"content-length", str(len(body) + len(names) + 1).encode())])
+        exchange.end(body + b" " + names)
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"2\r\nab\r\n0\r\nX-Trailer: 1\r\n\r\n")
+        trailer = await _answers(reader, 1)
+        reader, writer = await _connect(server)
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await asyncio.sleep(0.05)  # the handler is waiting for the body
+        started = asyncio.get_running_loop().time()
+        writer.write(b"zz\r\nnot a chunk\r\n")
+        broken = await _answers(reader, 1)
+        return trailer, broken, asyncio.get_running_loop().time() - started
+    trailer, broken, took = _serve(handler, client)
+    assert trailer[0]["body"] == b"ab host,transfer-encoding"
+    assert broken[0]["body"].startswith(b"broken: 400 ") and took < 1.0
+
+
+def test_a_handler_failing_after_its_answer_leaves_the_next_one_alone():
+    async def handler(exchange: Exchange) -> None:
+        await _echo(exchange)
+        if exchange.path == "/a":
+            raise RuntimeError("after the answer (as the telemetry's finish could)")
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET /b?sleep=0.1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        return await _answers(reader, 2)
+    answers = _serve(handler, client)
+    assert [a["body"] for a in answers] == [b"GET /a  ", b"GET /b sleep=0.1 "]
+
+
+def test_an_answer_past_its_content_length_is_refused_not_sent():
+    async def handler(exchange: Exchange) -> None:
+        exchange.start(200, [(b"content-length", b"5")])
+        exchange.write(b"0123456789")
+
+    async def client(server):
+        reader, writer = await _connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        return await asyncio.wait_for(reader.read(), 5)  # to the close
+    raw = _serve(handler, client)
+    assert raw.endswith(b"content-length: 5\r\n\r\n")  # the head, then the close

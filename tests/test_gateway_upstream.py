@@ -314,10 +314,11 @@ def _failures(directory, reason: str, count: int) -> bool:
 
 def test_a_sigterm_lets_a_stream_end_and_a_second_one_ends_it_now(tmp_path):
     """The first SIGTERM: no new connections, the stream in flight relayed whole, the
-    process gone with status 0. A second one cuts a slow answer short at once."""
+    process gone with status 0. A second one cuts a silent upstream's wait short at once
+    (not after the 5 s grace)."""
     upstream = BadUpstream()
     try:
-        for fault in ("paced", "slow"):
+        for fault in ("paced", "silent"):
             gateway = _started(upstream.url, tmp_path / fault)
             got: dict = {}
 
@@ -334,7 +335,7 @@ def test_a_sigterm_lets_a_stream_end_and_a_second_one_ends_it_now(tmp_path):
             wait_for(lambda seen=seen: len(upstream.faults) > seen, 10, "the request upstream")
             gateway.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            if fault == "slow":
+            if fault == "silent":
                 time.sleep(0.2)
                 gateway.proc.send_signal(signal.SIGTERM)
             assert gateway.proc.wait(10) == 0
@@ -343,7 +344,7 @@ def test_a_sigterm_lets_a_stream_end_and_a_second_one_ends_it_now(tmp_path):
             if fault == "paced":  # 1.1 s of events after the signal, every one relayed
                 assert got["body"].count(EVENT_END) == len(PACED_GAPS_S) + 1
                 assert got["body"].endswith(b"data: [DONE]\n\n")
-            else:  # the upstream's 3 s silence and the 5 s grace, both cut short
-                assert "error" in got and took < 2.5, (got, took)
+            else:  # the 5 s grace cut short
+                assert "error" in got and took < 4.0, (got, took)
     finally:
         upstream.stop()

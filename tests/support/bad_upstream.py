@@ -83,6 +83,9 @@ class BadUpstream:
                 await writer.drain()
                 await asyncio.sleep(0.01)
             writer.write(b"0\r\n\r\n")
+        elif fault == "silent":  # no answer for longer than any test waits
+            await asyncio.sleep(60)
+            return False
         elif fault in ("slow", "stall"):
             if fault == "stall":
                 writer.write(stream_head + _chunk(CONTENT_EVENT))
