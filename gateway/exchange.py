@@ -233,16 +233,21 @@ def _head_lines(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[list[b
     return head, declared
 
 
-def plain_answer(status: int, message: str) -> bytes:
-    """A whole text answer that closes the connection, for what no handler saw."""
+def _text(message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
     body = message.encode()
-    return (_STATUS_LINES[status] + b"content-type: text/plain; charset=utf-8\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(body), body))
+    return [(b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", b"%d" % len(body))], body
+
+
+def refusal_bytes(status: int, message: str) -> bytes:
+    """A whole text answer that closes the connection, for a request no handler saw."""
+    headers, body = _text(message)
+    head, _ = _head_lines(status, headers)
+    return b"".join(head) + b"connection: close\r\n\r\n" + body
 
 
 def answer_plain(exchange: Exchange, status: int, message: str) -> None:
-    """A whole text answer to a request a handler failed."""
-    body = message.encode()
-    exchange.start(status, [(b"content-type", b"text/plain; charset=utf-8"),
-                            (b"content-length", str(len(body)).encode())], True)
+    """A whole text answer to a request its handler failed."""
+    headers, body = _text(message)
+    exchange.start(status, headers, True)
     exchange.end(body)

@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from ac_observe.gateway.exchange import Exchange, answer_plain, plain_answer
+from ac_observe.gateway.exchange import Exchange, answer_plain, refusal_bytes
 
 log = logging.getLogger("ac_observe.gateway")
 access_log = logging.getLogger("ac_observe.gateway.access")
@@ -213,7 +213,8 @@ class _ClientConnection(asyncio.Protocol):
         task.add_done_callback(self.state.tasks.discard)
 
     async def _run(self, exchange: Exchange) -> None:
-        began = time.perf_counter()
+        logged = access_log.isEnabledFor(logging.INFO)
+        began = time.perf_counter() if logged else 0.0
         try:
             await self.state.handler(exchange)
         except asyncio.CancelledError:
@@ -230,7 +231,7 @@ class _ClientConnection(asyncio.Protocol):
                 self._close()
         if not exchange.ended:
             self._close()
-        if access_log.isEnabledFor(logging.INFO):
+        if logged:
             access_log.info('"%s %s" %s %.1f ms', exchange.method,
                             exchange.raw_path.decode("latin-1"),
                             exchange.status if exchange.started else "-",
@@ -321,7 +322,7 @@ class _ClientConnection(asyncio.Protocol):
         log.info("client request refused: %d %s", status, message)
         if self.answering is not None or self.waiting:
             return
-        self.write(plain_answer(status, message))
+        self.write(refusal_bytes(status, message))
         self._close()
 
     # The socket
